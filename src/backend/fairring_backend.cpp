@@ -1,0 +1,270 @@
+#include "backend/fairring_backend.h"
+
+#include <c10/util/Exception.h>
+
+#include "backend/future_work.h"
+#include "ops/reduce_kind.h"
+
+namespace fairring {
+
+namespace {
+
+// Everything the CPU pipeline cannot take, refused before anything is sent.
+void checkCpuTensor(const at::Tensor& t, const std::string& name) {
+  TORCH_CHECK(t.defined(), "fairring: ", name, " is undefined");
+  TORCH_CHECK(
+      t.layout() == at::kStrided, "fairring: ", name, " has layout ", t.layout(),
+      "; allreduce supports dense (strided) tensors only");
+  TORCH_CHECK(
+      t.device().is_cpu(), "fairring: ", name, " is on device ", t.device(),
+      "; expected a CPU or CUDA tensor");
+}
+
+} // namespace
+
+FairringBackend::FairringBackend(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size,
+    BackendOptions options,
+    c10::intrusive_ptr<c10d::Backend> cpuDelegate,
+    c10::intrusive_ptr<c10d::Backend> cudaDelegate)
+    : c10d::Backend(rank, size), cpu_(std::move(cpuDelegate)), cuda_(std::move(cudaDelegate)) {
+  TORCH_CHECK(cpu_, "fairring: a CPU delegate backend is required");
+  TORCH_CHECK(
+      static_cast<int>(options.machineOf.size()) == size, "fairring: machine_of has ", options.machineOf.size(),
+      " entries for a world of ", size);
+  RankLayout layout(rank, options.machineOf, options.hostnames);
+  EngineOptions engineOptions{
+      options.sliceSize, options.totalMemory, options.timeout, options.listenAddress, options.jobToken};
+  engine_ = std::make_unique<AllreduceEngine>(std::move(layout), std::move(engineOptions));
+  engine_->start(*store);
+}
+
+FairringBackend::~FairringBackend() {
+  if (engine_) {
+    engine_->shutdown();
+  }
+}
+
+c10d::Backend& FairringBackend::delegateFor(const at::Tensor& tensor) {
+  if (tensor.defined() && tensor.device().is_cuda()) {
+    TORCH_CHECK(
+        cuda_, "fairring: CUDA tensors need NCCL, which this build of torch does not provide (or CUDA is not "
+        "available in this process)");
+    return *cuda_;
+  }
+  return *cpu_;
+}
+
+c10d::Backend& FairringBackend::delegateFor(const std::vector<at::Tensor>& tensors) {
+  return delegateFor(tensors.empty() ? at::Tensor() : tensors.front());
+}
+
+c10d::Backend& FairringBackend::delegateFor(const std::vector<std::vector<at::Tensor>>& tensors) {
+  for (const auto& list : tensors) {
+    if (!list.empty()) {
+      return delegateFor(list.front());
+    }
+  }
+  return *cpu_;
+}
+
+c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce(
+    std::vector<at::Tensor>& tensors,
+    const c10d::AllreduceOptions& opts) {
+  TORCH_CHECK(
+      tensors.size() == 1, "fairring: allreduce takes exactly one tensor per process, got ", tensors.size());
+  at::Tensor& tensor = tensors[0];
+  if (tensor.defined() && tensor.device().is_cuda()) {
+    return delegateFor(tensor).allreduce(tensors, opts);
+  }
+  checkCpuTensor(tensor, "the allreduce tensor");
+  at::Tensor work = tensor.is_contiguous() ? tensor : tensor.contiguous();
+  std::function<void()> finish;
+  if (!work.is_same(tensor)) {
+    // Reduce a dense copy, then write the result back into the caller's view.
+    finish = [tensor, work]() mutable { tensor.copy_(work); };
+  }
+  auto future = engine_->enqueue(work, opts.reduceOp.op_, {tensor}, std::move(finish));
+  return c10::make_intrusive<FutureWork>(rank_, c10d::OpType::ALLREDUCE, "fairring:all_reduce", tensors, future);
+}
+
+c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors,
+    const c10d::AllreduceCoalescedOptions& opts) {
+  TORCH_CHECK(!tensors.empty(), "fairring: allreduce_coalesced needs at least one tensor");
+  if (tensors[0].defined() && tensors[0].device().is_cuda()) {
+    return delegateFor(tensors).allreduce_coalesced(tensors, opts);
+  }
+  std::vector<at::Tensor> flat;
+  flat.reserve(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const std::string name = "tensor " + std::to_string(i) + " of allreduce_coalesced";
+    checkCpuTensor(tensors[i], name);
+    TORCH_CHECK(
+        tensors[i].scalar_type() == tensors[0].scalar_type(), "fairring: ", name, " has dtype ",
+        tensors[i].scalar_type(), " but tensor 0 has ", tensors[0].scalar_type(),
+        "; coalesced tensors must share a dtype");
+    flat.push_back(tensors[i].reshape({-1}));
+  }
+  // Tensor Fusion: one buffer, cut into slices like any other allreduce.
+  at::Tensor fused = at::cat(flat);
+  std::function<void()> finish = [tensors, fused]() mutable {
+    int64_t offset = 0;
+    for (auto& t : tensors) {
+      t.copy_(fused.slice(0, offset, offset + t.numel()).view(t.sizes()));
+      offset += t.numel();
+    }
+  };
+  auto future = engine_->enqueue(fused, opts.reduceOp.op_, tensors, std::move(finish));
+  return c10::make_intrusive<FutureWork>(
+      rank_, c10d::OpType::ALLREDUCE_COALESCED, "fairring:all_reduce_coalesced", tensors, future);
+}
+
+c10::intrusive_ptr<c10d::Work> FairringBackend::broadcast(
+    std::vector<at::Tensor>& tensors,
+    const c10d::BroadcastOptions& opts) {
+  return delegateFor(tensors).broadcast(tensors, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce_sparse(
+    std::vector<at::Tensor>& tensors,
+    const c10d::AllreduceOptions& opts) {
+  return delegateFor(tensors).allreduce_sparse(tensors, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> FairringBackend::reduce(
+    std::vector<at::Tensor>& tensors,
+    const c10d::ReduceOptions& opts) {
+  return delegateFor(tensors).reduce(tensors, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> FairringBackend::allgather(
+    std::vector<std::vector<at::Tensor>>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  return delegateFor(inputs).allgather(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> FairringBackend::_allgather_base(
+    at::Tensor& output,
+    at::Tensor& input,
+    const c10d::AllgatherOptions& opts) {
+  return delegateFor(input)._allgather_base(output, input, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> FairringBackend::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  return delegateFor(inputs).allgather_coalesced(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> FairringBackend::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  return delegateFor(inputs).allgather_into_tensor_coalesced(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> FairringBackend::gather(
+    std::vector<std::vector<at::Tensor>>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::GatherOptions& opts) {
+  return delegateFor(inputs).gather(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> FairringBackend::scatter(
+    std::vector<at::Tensor>& outputs,
+    std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ScatterOptions& opts) {
+  return delegateFor(outputs).scatter(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> FairringBackend::reduce_scatter(
+    std::vector<at::Tensor>& outputs,
+    std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  return delegateFor(outputs).reduce_scatter(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> FairringBackend::_reduce_scatter_base(
+    at::Tensor& output,
+    at::Tensor& input,
+    const c10d::ReduceScatterOptions& opts) {
+  return delegateFor(input)._reduce_scatter_base(output, input, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> FairringBackend::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  return delegateFor(inputs).reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> FairringBackend::alltoall_base(
+    at::Tensor& output,
+    at::Tensor& input,
+    std::vector<int64_t>& outputSplitSizes,
+    std::vector<int64_t>& inputSplitSizes,
+    const c10d::AllToAllOptions& opts) {
+  return delegateFor(input).alltoall_base(output, input, outputSplitSizes, inputSplitSizes, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> FairringBackend::alltoall(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllToAllOptions& opts) {
+  return delegateFor(inputs).alltoall(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> FairringBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
+  return delegateFor(tensors).send(tensors, dstRank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> FairringBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
+  return delegateFor(tensors).recv(tensors, srcRank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> FairringBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  return delegateFor(tensors).recvAnysource(tensors, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> FairringBackend::barrier(const c10d::BarrierOptions& opts) {
+  return cpu_->barrier(opts);
+}
+
+void FairringBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
+  cpu_->monitoredBarrier(opts, waitAllRanks);
+}
+
+void FairringBackend::setSequenceNumberForGroup() {
+  cpu_->setSequenceNumberForGroup();
+}
+
+uint64_t FairringBackend::getSequenceNumberForGroup() {
+  return cpu_->getSequenceNumberForGroup();
+}
+
+void FairringBackend::shutdown() {
+  if (engine_) {
+    engine_->shutdown();
+  }
+  cpu_->shutdown();
+  if (cuda_) {
+    cuda_->shutdown();
+  }
+}
+
+void FairringBackend::abort() {
+  if (engine_) {
+    engine_->shutdown();
+  }
+  cpu_->abort();
+  if (cuda_) {
+    cuda_->abort();
+  }
+}
+
+} // namespace fairring

@@ -1,0 +1,129 @@
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "pipeline/allreduce_engine.h"
+
+namespace fairring {
+
+// What the Python layer decided before creating the backend (it validates the
+// environment and discovers the topology; see fairring_pg/backend.py).
+struct BackendOptions {
+  size_t sliceSize{25 << 20};
+  size_t totalMemory{50 << 20};
+  std::vector<int> machineOf;
+  std::vector<std::string> hostnames;
+  std::string listenAddress{"127.0.0.1"};
+  std::string jobToken;
+  std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+};
+
+// The c10d backend: allreduce on CPU tensors runs the reduction-server
+// pipeline; every other collective, and anything on CUDA for now, goes to the
+// delegate backend for the tensors' device (Gloo for CPU, NCCL for CUDA).
+class FairringBackend : public c10d::Backend {
+ public:
+  FairringBackend(
+      const c10::intrusive_ptr<c10d::Store>& store,
+      int rank,
+      int size,
+      BackendOptions options,
+      c10::intrusive_ptr<c10d::Backend> cpuDelegate,
+      c10::intrusive_ptr<c10d::Backend> cudaDelegate);
+  ~FairringBackend() override;
+
+  const std::string getBackendName() const override {
+    return "fairring";
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceOptions& opts = c10d::AllreduceOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceCoalescedOptions& opts = c10d::AllreduceCoalescedOptions()) override;
+
+  // Delegated.
+  c10::intrusive_ptr<c10d::Work> broadcast(
+      std::vector<at::Tensor>& tensors,
+      const c10d::BroadcastOptions& opts = c10d::BroadcastOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceOptions& opts = c10d::AllreduceOptions()) override;
+  c10::intrusive_ptr<c10d::Work> reduce(
+      std::vector<at::Tensor>& tensors,
+      const c10d::ReduceOptions& opts = c10d::ReduceOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allgather(
+      std::vector<std::vector<at::Tensor>>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(
+      at::Tensor& output,
+      at::Tensor& input,
+      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> gather(
+      std::vector<std::vector<at::Tensor>>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::GatherOptions& opts = c10d::GatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> scatter(
+      std::vector<at::Tensor>& outputs,
+      std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ScatterOptions& opts = c10d::ScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(
+      std::vector<at::Tensor>& outputs,
+      std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output,
+      at::Tensor& input,
+      const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(
+      at::Tensor& output,
+      at::Tensor& input,
+      std::vector<int64_t>& outputSplitSizes,
+      std::vector<int64_t>& inputSplitSizes,
+      const c10d::AllToAllOptions& opts = c10d::AllToAllOptions()) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllToAllOptions& opts = c10d::AllToAllOptions()) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks = false) override;
+
+  void setSequenceNumberForGroup() override;
+  uint64_t getSequenceNumberForGroup() override;
+  void shutdown() override;
+  void abort() override;
+
+ private:
+  c10d::Backend& delegateFor(const at::Tensor& tensor);
+  c10d::Backend& delegateFor(const std::vector<at::Tensor>& tensors);
+  c10d::Backend& delegateFor(const std::vector<std::vector<at::Tensor>>& tensors);
+
+  c10::intrusive_ptr<c10d::Backend> cpu_;
+  c10::intrusive_ptr<c10d::Backend> cuda_;
+  std::unique_ptr<AllreduceEngine> engine_;
+};
+
+} // namespace fairring

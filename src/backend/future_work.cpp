@@ -1,0 +1,64 @@
+#include "backend/future_work.h"
+
+#include <c10/util/Exception.h>
+
+#include <string>
+
+namespace fairring {
+
+FutureWork::FutureWork(
+    int rank,
+    c10d::OpType opType,
+    const char* profilingTitle,
+    const std::vector<at::Tensor>& inputs,
+    c10::intrusive_ptr<c10::ivalue::Future> future)
+    : c10d::Work(rank, opType, profilingTitle, inputs),
+      future_(std::move(future)),
+      signal_(std::make_shared<Signal>()) {
+  // The future has no timed wait; a callback turns completion into a signal.
+  future_->addCallback([signal = signal_](c10::ivalue::Future&) {
+    {
+      std::lock_guard<std::mutex> lock(signal->mu);
+      signal->done = true;
+    }
+    signal->cv.notify_all();
+  });
+}
+
+bool FutureWork::isCompleted() {
+  return future_->completed();
+}
+
+bool FutureWork::isSuccess() const {
+  return future_->completed() && !future_->hasError();
+}
+
+std::exception_ptr FutureWork::exception() const {
+  return future_->completed() && future_->hasError() ? future_->exception_ptr() : nullptr;
+}
+
+std::vector<at::Tensor> FutureWork::result() {
+  return future_->value().toTensorVector();
+}
+
+bool FutureWork::wait(std::chrono::milliseconds timeout) {
+  {
+    std::unique_lock<std::mutex> lock(signal_->mu);
+    if (timeout == kNoTimeout) {
+      signal_->cv.wait(lock, [&] { return signal_->done; });
+    } else if (!signal_->cv.wait_for(lock, timeout, [&] { return signal_->done; })) {
+      throw c10::DistBackendError(
+          "fairring: Work.wait() timed out after " + std::to_string(timeout.count()) + " ms");
+    }
+  }
+  if (future_->hasError()) {
+    std::rethrow_exception(future_->exception_ptr());
+  }
+  return true;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> FutureWork::getFuture() {
+  return future_;
+}
+
+} // namespace fairring

@@ -1,0 +1,46 @@
+// The Python face of the C++ core: fairring_pg._build loads this module and
+// fairring_pg.backend builds FairringBackend from the validated environment.
+#include <pybind11/chrono.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/extension.h>
+
+#include "backend/fairring_backend.h"
+#include "staging/staging_pool.h"
+
+namespace py = pybind11;
+using fairring::BackendOptions;
+using fairring::FairringBackend;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fairring_pg C++ core: reduction-server allreduce over TensorPipe";
+
+  py::class_<BackendOptions>(m, "Options")
+      .def(py::init<>())
+      .def_readwrite("slice_size", &BackendOptions::sliceSize)
+      .def_readwrite("total_memory", &BackendOptions::totalMemory)
+      .def_readwrite("machine_of", &BackendOptions::machineOf)
+      .def_readwrite("hostnames", &BackendOptions::hostnames)
+      .def_readwrite("listen_address", &BackendOptions::listenAddress)
+      .def_readwrite("job_token", &BackendOptions::jobToken)
+      .def_readwrite("timeout", &BackendOptions::timeout);
+
+  py::class_<FairringBackend, c10d::Backend, c10::intrusive_ptr<FairringBackend>>(m, "FairringBackend")
+      .def(
+          py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, BackendOptions options,
+                      const c10::intrusive_ptr<c10d::Backend>& cpuDelegate, py::object cudaDelegate) {
+            c10::intrusive_ptr<c10d::Backend> cuda;
+            if (!cudaDelegate.is_none()) {
+              cuda = cudaDelegate.cast<c10::intrusive_ptr<c10d::Backend>>();
+            }
+            // Connecting to peers blocks on the store and the network.
+            py::gil_scoped_release release;
+            return c10::make_intrusive<FairringBackend>(store, rank, size, std::move(options), cpuDelegate, cuda);
+          }),
+          py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("options"), py::arg("cpu_delegate"),
+          py::arg("cuda_delegate") = py::none());
+
+  m.def(
+      "staging_slot_bytes", &fairring::stagingSlotBytes, py::arg("slice_size"), py::arg("local_size"),
+      py::arg("num_machines"), "Bytes of one staging slot (must equal fairring_pg.config's formula).");
+}

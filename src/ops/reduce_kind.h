@@ -1,0 +1,23 @@
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <string>
+
+#include "common/status.h"
+
+namespace fairring {
+
+// Checks that allreduce supports `op` on `dtype`; the message names both.
+Status checkReducible(c10d::ReduceOp::RedOpType op, at::ScalarType dtype);
+
+// dst = dst (op) src, element-wise, in place. Both are 1-D, same dtype, same size.
+void reduceInto(const at::Tensor& dst, const at::Tensor& src, c10d::ReduceOp::RedOpType op);
+
+// The last step of AVG: divide the fully reduced values by the world size.
+void finishReduction(const at::Tensor& values, c10d::ReduceOp::RedOpType op, int worldSize);
+
+std::string opName(c10d::ReduceOp::RedOpType op);
+
+} // namespace fairring

@@ -1,0 +1,632 @@
+#include "pipeline/allreduce_engine.h"
+
+#include <c10/util/Exception.h>
+
+#include "ops/reduce_kind.h"
+
+namespace fairring {
+
+using Clock = std::chrono::steady_clock;
+using RedOp = c10d::ReduceOp::RedOpType;
+
+namespace {
+constexpr int kNumPhases = 4;
+
+std::exception_ptr makeError(const std::string& message) {
+  return std::make_exception_ptr(c10::DistBackendError(message));
+}
+} // namespace
+
+struct AllreduceEngine::Slice {
+  int64_t index{0};
+  bool active{false};
+  int slot{-1};
+  uint8_t* staging{nullptr};
+  // Which peers' pieces have been announced, per phase, indexed by the
+  // sender's local rank (intra-node phases) or machine (rail phases).
+  std::vector<char> announced[kNumPhases];
+  int received[kNumPhases] = {0, 0, 0, 0};
+  int pendingReads{0};
+  int sendsInFlight{0};
+  bool reducing{false};
+  bool rsReduced{false};
+  bool collectSent{false};
+  bool shardReduced{false};
+  bool diffuseSent{false};
+  bool chunkFinal{false};
+  bool agSent{false};
+  bool done{false};
+};
+
+struct AllreduceEngine::Op {
+  uint64_t seq{0};
+  at::Tensor work;
+  RedOp op{RedOp::SUM};
+  SlicePlan plan{0, 1, 1, 1};
+  size_t elemSize{1};
+  int64_t slicesLeft{0};
+  Clock::time_point deadline;
+  c10::intrusive_ptr<Future> future;
+  std::vector<at::Tensor> outputs;
+  std::function<void()> finish;
+  std::vector<Slice> slices;
+
+  DataHeader header(int64_t s, Phase phase) const {
+    DataHeader h;
+    h.opSeq = seq;
+    h.slice = s;
+    h.phase = phase;
+    h.numel = plan.numel();
+    h.dtype = static_cast<int8_t>(work.scalar_type());
+    h.op = static_cast<uint8_t>(op);
+    return h;
+  }
+
+  uint8_t* at(Range r) const {
+    return static_cast<uint8_t*>(work.data_ptr()) + r.begin * static_cast<int64_t>(elemSize);
+  }
+};
+
+AllreduceEngine::AllreduceEngine(RankLayout layout, EngineOptions options)
+    : layout_(std::move(layout)),
+      options_(std::move(options)),
+      staging_(
+          options_.totalMemory,
+          stagingSlotBytes(options_.sliceBytes, layout_.localSize(), layout_.numMachines())) {
+  mesh_ = std::make_unique<PeerMesh>(
+      layout_,
+      PeerMesh::Options{options_.listenAddress, options_.token, options_.timeout},
+      [this](int peer, Lane lane, Status status, std::string header, size_t bytes) {
+        onMessage(peer, lane, std::move(status), std::move(header), bytes);
+      });
+}
+
+AllreduceEngine::~AllreduceEngine() {
+  shutdown();
+}
+
+void AllreduceEngine::start(c10d::Store& store) {
+  const Status status = mesh_->start(store);
+  if (!status.ok()) {
+    mesh_->close();
+    throw c10::DistBackendError(status.message());
+  }
+  watchdog_ = std::thread([this] { watchdog(); });
+}
+
+c10::intrusive_ptr<AllreduceEngine::Future> AllreduceEngine::enqueue(
+    at::Tensor work,
+    RedOp op,
+    std::vector<at::Tensor> outputs,
+    std::function<void()> finish) {
+  const Status reducible = checkReducible(op, work.scalar_type());
+  if (!reducible.ok()) {
+    throw c10::DistBackendError(reducible.message());
+  }
+  auto future = c10::make_intrusive<Future>(c10::ListType::create(c10::TensorType::get()));
+  Actions actions;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failure_.empty()) {
+      throw c10::DistBackendError(failure_ + " (this process group failed earlier and cannot be used)");
+    }
+    auto o = std::make_unique<Op>();
+    o->seq = nextSeq_++;
+    o->work = work.view({-1});
+    o->op = op;
+    o->elemSize = work.element_size();
+    o->plan = SlicePlan(
+        work.numel(), static_cast<int64_t>(options_.sliceBytes / o->elemSize), layout_.localSize(),
+        layout_.numMachines());
+    o->deadline = Clock::now() + options_.timeout;
+    o->future = future;
+    o->outputs = std::move(outputs);
+    o->finish = std::move(finish);
+    o->slicesLeft = o->plan.numSlices();
+    if (o->slicesLeft == 0) {
+      // Nothing to exchange, but the sequence number is spent on every rank alike.
+      actions.push_back([future, outs = o->outputs]() { future->markCompleted(c10::IValue(outs)); });
+    } else {
+      o->slices.resize(o->slicesLeft);
+      for (int64_t s = 0; s < o->slicesLeft; ++s) {
+        Slice& slice = o->slices[s];
+        slice.index = s;
+        slice.announced[static_cast<int>(Phase::kReduceScatter)].assign(layout_.localSize(), 0);
+        slice.announced[static_cast<int>(Phase::kAllGather)].assign(layout_.localSize(), 0);
+        slice.announced[static_cast<int>(Phase::kCollect)].assign(layout_.numMachines(), 0);
+        slice.announced[static_cast<int>(Phase::kDiffuse)].assign(layout_.numMachines(), 0);
+        waitingForSlot_.emplace_back(o->seq, s);
+      }
+      ops_[o->seq] = std::move(o);
+      pump(actions);
+    }
+  }
+  run(actions);
+  return future;
+}
+
+void AllreduceEngine::run(Actions& actions) {
+  for (auto& a : actions) {
+    a();
+  }
+  actions.clear();
+}
+
+at::Tensor AllreduceEngine::view(const Op& op, Range range) const {
+  return op.work.slice(0, range.begin, range.end);
+}
+
+void AllreduceEngine::pump(Actions& actions) {
+  while (!waitingForSlot_.empty()) {
+    auto [seq, s] = waitingForSlot_.front();
+    auto it = ops_.find(seq);
+    if (it == ops_.end()) {
+      waitingForSlot_.pop_front();
+      continue;
+    }
+    const int slot = staging_.tryAcquire();
+    if (slot < 0) {
+      return;
+    }
+    waitingForSlot_.pop_front();
+    Slice& slice = it->second->slices[s];
+    slice.slot = slot;
+    slice.staging = staging_.data(slot);
+    activate(*it->second, slice, actions);
+  }
+}
+
+void AllreduceEngine::activate(Op& op, Slice& slice, Actions& actions) {
+  slice.active = true;
+  const int m = layout_.machine();
+  for (int j = 0; j < layout_.localSize(); ++j) {
+    if (j != layout_.localRank()) {
+      sendPiece(op, slice, layout_.rankOf(m, j), Phase::kReduceScatter, op.plan.chunk(slice.index, j), actions);
+    }
+  }
+  auto parked = parked_.find({op.seq, slice.index});
+  if (parked != parked_.end()) {
+    std::vector<Parked> waiting = std::move(parked->second);
+    parked_.erase(parked);
+    for (const Parked& p : waiting) {
+      deliver(op, slice, p.peer, p.header, p.bytes, actions);
+      if (!failure_.empty()) {
+        return;
+      }
+    }
+  }
+  advance(op, slice, actions);
+}
+
+void AllreduceEngine::sendPiece(Op& op, Slice& slice, int peer, Phase phase, Range range, Actions& actions) {
+  ++slice.sendsInFlight;
+  std::string header = encode(op.header(slice.index, phase));
+  uint8_t* data = op.at(range);
+  const size_t bytes = static_cast<size_t>(range.size()) * op.elemSize;
+  const uint64_t seq = op.seq;
+  const int64_t s = slice.index;
+  actions.push_back([this, peer, phase, header = std::move(header), data, bytes, seq, s]() mutable {
+    mesh_->send(peer, laneOf(phase), std::move(header), data, bytes, [this, seq, s](Status status) {
+      onSent(seq, s, std::move(status));
+    });
+  });
+}
+
+void AllreduceEngine::advance(Op& op, Slice& slice, Actions& actions) {
+  if (!slice.active || slice.done || slice.reducing) {
+    return;
+  }
+  const int L = layout_.localSize();
+  const int M = layout_.numMachines();
+  const int l = layout_.localRank();
+  const int m = layout_.machine();
+  const int64_t s = slice.index;
+  const uint64_t seq = op.seq;
+  const int64_t maxChunkBytes = op.plan.maxChunkElems() * static_cast<int64_t>(op.elemSize);
+  const int64_t maxShardBytes = op.plan.maxShardElems() * static_cast<int64_t>(op.elemSize);
+
+  if (!slice.rsReduced) {
+    if (slice.received[static_cast<int>(Phase::kReduceScatter)] < L - 1) {
+      return;
+    }
+    if (L == 1) {
+      slice.rsReduced = true;
+    } else {
+      // Sum the other local ranks' copies of my chunk into my own.
+      const Range mine = op.plan.chunk(s, l);
+      at::Tensor dst = view(op, mine);
+      std::vector<at::Tensor> pieces;
+      for (int j = 0, p = 0; j < L; ++j) {
+        if (j == l) {
+          continue;
+        }
+        pieces.push_back(at::from_blob(slice.staging + p * maxChunkBytes, {mine.size()}, op.work.options()));
+        ++p;
+      }
+      slice.reducing = true;
+      const RedOp redop = op.op;
+      tasks_.post([this, seq, s, dst, pieces, redop] {
+        for (const auto& piece : pieces) {
+          reduceInto(dst, piece, redop);
+        }
+        Actions actions;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          auto it = ops_.find(seq);
+          if (it != ops_.end()) {
+            Slice& slice = it->second->slices[s];
+            slice.reducing = false;
+            slice.rsReduced = true;
+            advance(*it->second, slice, actions);
+          }
+        }
+        run(actions);
+      });
+      return;
+    }
+  }
+
+  if (M > 1 && !slice.collectSent) {
+    slice.collectSent = true;
+    for (int k = 0; k < M; ++k) {
+      if (k != m) {
+        sendPiece(op, slice, layout_.rankOf(k, l), Phase::kCollect, op.plan.shard(s, l, k), actions);
+      }
+    }
+  }
+
+  if (!slice.shardReduced) {
+    if (slice.received[static_cast<int>(Phase::kCollect)] < M - 1) {
+      return;
+    }
+    const Range mine = op.plan.shard(s, l, m);
+    at::Tensor dst = view(op, mine);
+    std::vector<at::Tensor> pieces;
+    for (int k = 0, p = 0; k < M; ++k) {
+      if (k == m) {
+        continue;
+      }
+      uint8_t* base = slice.staging + (L - 1) * maxChunkBytes + p * maxShardBytes;
+      pieces.push_back(at::from_blob(base, {mine.size()}, op.work.options()));
+      ++p;
+    }
+    slice.reducing = true;
+    const RedOp redop = op.op;
+    const int worldSize = layout_.worldSize();
+    tasks_.post([this, seq, s, dst, pieces, redop, worldSize] {
+      for (const auto& piece : pieces) {
+        reduceInto(dst, piece, redop);
+      }
+      finishReduction(dst, redop, worldSize);
+      Actions actions;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = ops_.find(seq);
+        if (it != ops_.end()) {
+          Slice& slice = it->second->slices[s];
+          slice.reducing = false;
+          slice.shardReduced = true;
+          // Everything this slice receives from now on lands in place.
+          staging_.release(slice.slot);
+          slice.slot = -1;
+          slice.staging = nullptr;
+          advance(*it->second, slice, actions);
+          pump(actions);
+        }
+      }
+      run(actions);
+    });
+    return;
+  }
+
+  if (M > 1 && !slice.diffuseSent) {
+    slice.diffuseSent = true;
+    for (int k = 0; k < M; ++k) {
+      if (k != m) {
+        sendPiece(op, slice, layout_.rankOf(k, l), Phase::kDiffuse, op.plan.shard(s, l, m), actions);
+      }
+    }
+  }
+
+  if (!slice.chunkFinal) {
+    if (slice.received[static_cast<int>(Phase::kDiffuse)] < M - 1) {
+      return;
+    }
+    slice.chunkFinal = true;
+  }
+
+  if (L > 1 && !slice.agSent) {
+    slice.agSent = true;
+    for (int j = 0; j < L; ++j) {
+      if (j != l) {
+        sendPiece(op, slice, layout_.rankOf(m, j), Phase::kAllGather, op.plan.chunk(s, l), actions);
+      }
+    }
+  }
+
+  if (slice.received[static_cast<int>(Phase::kAllGather)] < L - 1 || slice.sendsInFlight > 0 ||
+      slice.pendingReads > 0) {
+    return;
+  }
+  finishSlice(op, slice, actions);
+}
+
+void AllreduceEngine::finishSlice(Op& op, Slice& slice, Actions& actions) {
+  slice.done = true;
+  if (--op.slicesLeft > 0) {
+    return;
+  }
+  auto it = ops_.find(op.seq);
+  std::shared_ptr<Op> finished(std::move(it->second));
+  ops_.erase(it);
+  actions.push_back([this, finished] {
+    tasks_.post([finished] {
+      try {
+        if (finished->finish) {
+          finished->finish();
+        }
+        finished->future->markCompleted(c10::IValue(finished->outputs));
+      } catch (const std::exception& e) {
+        if (!finished->future->completed()) {
+          finished->future->setError(makeError(std::string("fairring: completing allreduce failed: ") + e.what()));
+        }
+      }
+    });
+  });
+}
+
+std::string AllreduceEngine::describeOp(const DataHeader& h) const {
+  return std::to_string(h.numel) + " elements of " +
+      std::string(c10::toString(static_cast<at::ScalarType>(h.dtype))) + " with ReduceOp." +
+      opName(static_cast<RedOp>(h.op));
+}
+
+bool AllreduceEngine::sameOp(const Op& op, const DataHeader& h) const {
+  const DataHeader mine = op.header(0, h.phase);
+  return h.numel == mine.numel && h.dtype == mine.dtype && h.op == mine.op && h.slice >= 0 &&
+      h.slice < static_cast<int64_t>(op.slices.size());
+}
+
+std::string AllreduceEngine::describeMismatch(const Op& op, int peer, const DataHeader& h) const {
+  return "fairring: allreduce #" + std::to_string(op.seq) + " differs between ranks: " +
+      layout_.describe(layout_.rank()) + " has " + describeOp(op.header(0, h.phase)) + ", " +
+      layout_.describe(peer) + " has " + describeOp(h);
+}
+
+void AllreduceEngine::onMessage(int peer, Lane lane, Status status, std::string header, size_t bytes) {
+  Actions actions;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failure_.empty() || stopping_) {
+      return;
+    }
+    if (!status.ok()) {
+      failLocked(status.message(), actions);
+    } else if (auto h = decodeData(header); !h || laneOf(h->phase) != lane) {
+      failLocked("fairring: malformed message from " + layout_.describe(peer), actions);
+    } else {
+      auto it = ops_.find(h->opSeq);
+      if (it != ops_.end()) {
+        Op& op = *it->second;
+        if (!sameOp(op, *h)) {
+          failLocked(describeMismatch(op, peer, *h), actions);
+        } else if (!op.slices[h->slice].active) {
+          parked_[{h->opSeq, h->slice}].push_back(Parked{peer, *h, bytes});
+        } else {
+          deliver(op, op.slices[h->slice], peer, *h, bytes, actions);
+        }
+      } else if (h->opSeq < nextSeq_) {
+        failLocked(
+            "fairring: allreduce #" + std::to_string(h->opSeq) + " differs between ranks: " +
+                layout_.describe(peer) + " sent " + describeOp(*h) + " but it has already finished on " +
+                layout_.describe(layout_.rank()) + " (with fewer elements)",
+            actions);
+      } else {
+        // The peer is ahead of us; the pipe waits until we post this operation.
+        parked_[{h->opSeq, h->slice}].push_back(Parked{peer, *h, bytes});
+      }
+    }
+  }
+  run(actions);
+}
+
+void AllreduceEngine::deliver(Op& op, Slice& slice, int peer, const DataHeader& h, size_t bytes, Actions& actions) {
+  if (!sameOp(op, h)) {
+    failLocked(describeMismatch(op, peer, h), actions);
+    return;
+  }
+  const int L = layout_.localSize();
+  const int l = layout_.localRank();
+  const int m = layout_.machine();
+  const int64_t s = h.slice;
+  const bool intraNode = h.phase == Phase::kReduceScatter || h.phase == Phase::kAllGather;
+  const bool samePlace = intraNode ? layout_.machineOf(peer) == m : layout_.localRankOf(peer) == l;
+  const int from = intraNode ? layout_.localRankOf(peer) : layout_.machineOf(peer);
+  const int phase = static_cast<int>(h.phase);
+  if (!samePlace || peer == layout_.rank() || slice.announced[phase][from]) {
+    failLocked(
+        "fairring: unexpected " + std::string(phaseName(h.phase)) + " message from " + layout_.describe(peer) +
+            " for allreduce #" + std::to_string(op.seq),
+        actions);
+    return;
+  }
+  const int64_t maxChunkBytes = op.plan.maxChunkElems() * static_cast<int64_t>(op.elemSize);
+  const int64_t maxShardBytes = op.plan.maxShardElems() * static_cast<int64_t>(op.elemSize);
+  Range range;
+  uint8_t* dst = nullptr;
+  switch (h.phase) {
+    case Phase::kReduceScatter:
+      range = op.plan.chunk(s, l);
+      dst = slice.staging + (from < l ? from : from - 1) * maxChunkBytes;
+      break;
+    case Phase::kCollect:
+      range = op.plan.shard(s, l, m);
+      dst = slice.staging + (L - 1) * maxChunkBytes + (from < m ? from : from - 1) * maxShardBytes;
+      break;
+    case Phase::kDiffuse:
+      range = op.plan.shard(s, l, from);
+      dst = op.at(range);
+      break;
+    case Phase::kAllGather:
+      range = op.plan.chunk(s, from);
+      dst = op.at(range);
+      break;
+  }
+  const size_t expected = static_cast<size_t>(range.size()) * op.elemSize;
+  if (bytes != expected) {
+    failLocked(
+        "fairring: " + layout_.describe(peer) + " sent " + std::to_string(bytes) + " bytes for the " +
+            phaseName(h.phase) + " of allreduce #" + std::to_string(op.seq) + " where " +
+            std::to_string(expected) + " were expected",
+        actions);
+    return;
+  }
+  slice.announced[phase][from] = 1;
+  ++slice.pendingReads;
+  const uint64_t seq = op.seq;
+  const Phase p = h.phase;
+  actions.push_back([this, peer, p, dst, bytes, seq, s] {
+    mesh_->receive(peer, laneOf(p), dst, bytes, [this, seq, s, p](Status status) {
+      onReceived(seq, s, p, 0, std::move(status));
+    });
+  });
+}
+
+void AllreduceEngine::onReceived(uint64_t seq, int64_t s, Phase phase, int /*fromIndex*/, Status status) {
+  Actions actions;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failure_.empty() || stopping_) {
+      return;
+    }
+    if (!status.ok()) {
+      failLocked(status.message(), actions);
+    } else if (auto it = ops_.find(seq); it != ops_.end()) {
+      Slice& slice = it->second->slices[s];
+      --slice.pendingReads;
+      ++slice.received[static_cast<int>(phase)];
+      advance(*it->second, slice, actions);
+    }
+  }
+  run(actions);
+}
+
+void AllreduceEngine::onSent(uint64_t seq, int64_t s, Status status) {
+  Actions actions;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failure_.empty() || stopping_) {
+      return;
+    }
+    if (!status.ok()) {
+      failLocked(status.message(), actions);
+    } else if (auto it = ops_.find(seq); it != ops_.end()) {
+      Slice& slice = it->second->slices[s];
+      --slice.sendsInFlight;
+      advance(*it->second, slice, actions);
+    }
+  }
+  run(actions);
+}
+
+void AllreduceEngine::failLocked(const std::string& message, Actions& actions) {
+  if (!failure_.empty()) {
+    return;
+  }
+  failure_ = message;
+  for (auto& [seq, op] : ops_) {
+    auto future = op->future;
+    actions.push_back([future, message] { future->setError(makeError(message)); });
+    graveyard_.push_back(std::move(op));
+  }
+  ops_.clear();
+  waitingForSlot_.clear();
+  parked_.clear();
+  cv_.notify_all();
+}
+
+std::string AllreduceEngine::describeWait(const Op& op) const {
+  for (const Slice& slice : op.slices) {
+    if (slice.done) {
+      continue;
+    }
+    std::string where = "slice " + std::to_string(slice.index) + " of " + std::to_string(op.slices.size());
+    if (!slice.active) {
+      return where + " is waiting for a staging slot (earlier operations have not finished)";
+    }
+    std::string missing;
+    for (int phase = 0; phase < kNumPhases; ++phase) {
+      const bool intraNode = phase == 0 || phase == 3;
+      for (size_t i = 0; i < slice.announced[phase].size(); ++i) {
+        const int peer = intraNode ? layout_.rankOf(layout_.machine(), static_cast<int>(i))
+                                   : layout_.rankOf(static_cast<int>(i), layout_.localRank());
+        if (peer != layout_.rank() && !slice.announced[phase][i]) {
+          missing += (missing.empty() ? "" : ", ") + std::string(phaseName(static_cast<Phase>(phase))) +
+              " from " + layout_.describe(peer);
+        }
+      }
+      if (!missing.empty()) {
+        return where + " is waiting for " + missing;
+      }
+    }
+    return where + " is waiting for its sends and receives to complete";
+  }
+  return "it is finishing";
+}
+
+void AllreduceEngine::watchdog() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stopping_) {
+    cv_.wait_for(lock, std::chrono::milliseconds(100));
+    if (stopping_) {
+      break;
+    }
+    if (!failure_.empty() && !meshClosed_) {
+      // Closing the pipes tells every peer at once that this rank has failed.
+      meshClosed_ = true;
+      lock.unlock();
+      mesh_->close();
+      lock.lock();
+      graveyard_.clear();
+      continue;
+    }
+    const auto now = Clock::now();
+    for (auto& [seq, op] : ops_) {
+      if (now > op->deadline) {
+        Actions actions;
+        failLocked(
+            "fairring: allreduce #" + std::to_string(seq) + " (" + describeOp(op->header(0, Phase::kReduceScatter)) +
+                ") timed out after " + std::to_string(options_.timeout.count()) + " ms on " +
+                layout_.describe(layout_.rank()) + ": " + describeWait(*op),
+            actions);
+        lock.unlock();
+        run(actions);
+        lock.lock();
+        break;
+      }
+    }
+  }
+}
+
+void AllreduceEngine::shutdown() {
+  Actions actions;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) {
+      return;
+    }
+    stopping_ = true;
+    failLocked("fairring: the process group was shut down while this allreduce was in flight", actions);
+  }
+  cv_.notify_all();
+  run(actions);
+  if (watchdog_.joinable()) {
+    watchdog_.join();
+  }
+  mesh_->close();
+  tasks_.stop();
+  std::lock_guard<std::mutex> lock(mu_);
+  graveyard_.clear();
+}
+
+} // namespace fairring

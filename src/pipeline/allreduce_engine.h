@@ -1,0 +1,121 @@
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/status.h"
+#include "pipeline/slice_plan.h"
+#include "pipeline/task_queue.h"
+#include "staging/staging_pool.h"
+#include "topology/rank_layout.h"
+#include "transport/peer_mesh.h"
+#include "transport/wire.h"
+
+namespace fairring {
+
+struct EngineOptions {
+  size_t sliceBytes;
+  size_t totalMemory;
+  std::chrono::milliseconds timeout;
+  std::string listenAddress;
+  std::string token;
+};
+
+// The reduction-server allreduce on CPU tensors. Every operation is cut into
+// slices; each slice goes through reduce-scatter (inside the machine),
+// collect + reduce + diffuse (along the rail, across machines) and
+// all-gather (inside the machine). Slices of many operations are in flight
+// at once, bounded by the staging pool.
+class AllreduceEngine {
+ public:
+  using Future = c10::ivalue::Future;
+
+  AllreduceEngine(RankLayout layout, EngineOptions options);
+  ~AllreduceEngine();
+
+  // Connects to the peers; throws with a clear message on failure.
+  void start(c10d::Store& store);
+
+  // Reduces `work` (contiguous) in place across all ranks. `outputs` is the
+  // future's value; `finish` runs (on the engine's thread) once `work` holds
+  // the result and before the future completes, e.g. to copy it back into a
+  // non-contiguous tensor. Throws at once on bad input or a broken engine.
+  c10::intrusive_ptr<Future> enqueue(
+      at::Tensor work,
+      c10d::ReduceOp::RedOpType op,
+      std::vector<at::Tensor> outputs,
+      std::function<void()> finish);
+
+  // Fails what is in flight, closes the connections and joins the threads.
+  void shutdown();
+
+  const RankLayout& layout() const { return layout_; }
+
+ private:
+  struct Slice;
+  struct Op;
+  struct Parked {
+    int peer;
+    DataHeader header;
+    size_t bytes;
+  };
+  using Actions = std::vector<std::function<void()>>;
+
+  void onMessage(int peer, Lane lane, Status status, std::string header, size_t bytes);
+  void deliver(Op& op, Slice& slice, int peer, const DataHeader& h, size_t bytes, Actions& actions);
+  void onReceived(uint64_t seq, int64_t s, Phase phase, int fromIndex, Status status);
+  void onSent(uint64_t seq, int64_t s, Status status);
+
+  void pump(Actions& actions);
+  void activate(Op& op, Slice& slice, Actions& actions);
+  void advance(Op& op, Slice& slice, Actions& actions);
+  void sendPiece(Op& op, Slice& slice, int peer, Phase phase, Range range, Actions& actions);
+  void finishSlice(Op& op, Slice& slice, Actions& actions);
+
+  // Records the first failure, fails every operation in flight and asks the
+  // watchdog to close the connections. Must be called with mu_ held.
+  void failLocked(const std::string& message, Actions& actions);
+  void run(Actions& actions);
+  void watchdog();
+  std::string describeWait(const Op& op) const;
+  std::string describeOp(const DataHeader& h) const;
+  bool sameOp(const Op& op, const DataHeader& h) const;
+  std::string describeMismatch(const Op& op, int peer, const DataHeader& h) const;
+
+  at::Tensor view(const Op& op, Range range) const;
+
+  const RankLayout layout_;
+  const EngineOptions options_;
+  std::unique_ptr<PeerMesh> mesh_;
+  TaskQueue tasks_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::string failure_; // empty while healthy
+  bool meshClosed_{false};
+  bool stopping_{false};
+  uint64_t nextSeq_{0};
+  std::map<uint64_t, std::unique_ptr<Op>> ops_;
+  // Failed operations whose memory TensorPipe may still touch until the
+  // connections are closed.
+  std::vector<std::unique_ptr<Op>> graveyard_;
+  std::deque<std::pair<uint64_t, int64_t>> waitingForSlot_;
+  std::map<std::pair<uint64_t, int64_t>, std::vector<Parked>> parked_;
+  StagingPool staging_;
+  std::thread watchdog_;
+};
+
+} // namespace fairring

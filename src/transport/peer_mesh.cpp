@@ -1,0 +1,265 @@
+#include "transport/peer_mesh.h"
+
+#include <tensorpipe/channel/basic/factory.h>
+#include <tensorpipe/transport/uv/factory.h>
+
+#include <algorithm>
+#include <iostream>
+
+namespace fairring {
+
+namespace {
+
+std::string addressKey(int rank) {
+  return "addr/" + std::to_string(rank);
+}
+
+bool isClosing(const tensorpipe::Error& e) {
+  return e.isOfType<tensorpipe::PipeClosedError>() || e.isOfType<tensorpipe::ContextClosedError>() ||
+      e.isOfType<tensorpipe::ListenerClosedError>();
+}
+
+// Token comparison that takes the same time wherever the first difference is.
+bool sameToken(const std::string& a, const std::string& b) {
+  if (a.size() != b.size()) {
+    return false;
+  }
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  }
+  return diff == 0;
+}
+
+tensorpipe::Message makeMessage(std::string header, void* data, size_t bytes) {
+  tensorpipe::Message message;
+  message.metadata = std::move(header);
+  if (bytes > 0) {
+    tensorpipe::Message::Tensor t;
+    t.buffer = tensorpipe::CpuBuffer{data};
+    t.length = bytes;
+    message.tensors.push_back(std::move(t));
+  }
+  return message;
+}
+
+} // namespace
+
+PeerMesh::PeerMesh(const RankLayout& layout, Options options, OnMessage onMessage)
+    : layout_(layout), options_(std::move(options)), onMessage_(std::move(onMessage)) {}
+
+PeerMesh::~PeerMesh() {
+  close();
+}
+
+Status PeerMesh::failure(const std::string& what, int peer, const tensorpipe::Error& error) const {
+  return Status::error(
+      "fairring: " + what + " " + layout_.describe(peer) + " failed on " + layout_.describe(layout_.rank()) +
+      ": " + error.what());
+}
+
+Status PeerMesh::start(c10d::Store& store) {
+  context_ = std::make_shared<tensorpipe::Context>(
+      tensorpipe::ContextOptions().name("fairring-rank" + std::to_string(layout_.rank())));
+  context_->registerTransport(0, "uv", tensorpipe::transport::uv::create());
+  context_->registerChannel(0, "basic", tensorpipe::channel::basic::create());
+  listener_ = context_->listen({"uv://" + options_.listenAddress});
+  const std::string url = listener_->url("uv");
+  accept();
+
+  const std::vector<int> peers = layout_.peers();
+  try {
+    store.set(addressKey(layout_.rank()), std::vector<uint8_t>(url.begin(), url.end()));
+    for (int peer : peers) {
+      const std::vector<uint8_t> raw = store.get(addressKey(peer));
+      const std::string peerUrl(raw.begin(), raw.end());
+      for (int l = 0; l < kNumLanes; ++l) {
+        const Lane lane = static_cast<Lane>(l);
+        auto pipe = context_->connect(peerUrl);
+        const std::string hello = encode(Hello{layout_.rank(), lane, options_.token});
+        pipe->write(makeMessage(hello, nullptr, 0), [](const tensorpipe::Error&) {
+          // A failed hello surfaces again on the first write of data.
+        });
+        std::lock_guard<std::mutex> lock(mu_);
+        outbound_[{peer, lane}] = std::move(pipe);
+      }
+    }
+  } catch (const std::exception& e) {
+    return Status::error(
+        std::string("fairring: exchanging listener addresses through the store failed on ") +
+        layout_.describe(layout_.rank()) + ": " + e.what());
+  }
+
+  std::unique_lock<std::mutex> lock(mu_);
+  const size_t expected = peers.size() * kNumLanes;
+  const bool all = cv_.wait_for(lock, options_.timeout, [&] { return closed_ || inbound_.size() == expected; });
+  if (!all || closed_) {
+    std::string missing;
+    for (int peer : peers) {
+      if (!inbound_.count({peer, Lane::kReduce}) || !inbound_.count({peer, Lane::kGather})) {
+        missing += (missing.empty() ? "" : ", ") + layout_.describe(peer);
+      }
+    }
+    return Status::error(
+        "fairring: " + layout_.describe(layout_.rank()) + " timed out after " +
+        std::to_string(options_.timeout.count()) + " ms waiting for " + missing + " to connect to " + url);
+  }
+  return Status();
+}
+
+void PeerMesh::accept() {
+  listener_->accept([this](const tensorpipe::Error& error, std::shared_ptr<tensorpipe::Pipe> pipe) {
+    if (error) {
+      if (!isClosing(error)) {
+        std::cerr << "fairring: listener on " << layout_.describe(layout_.rank())
+                  << " stopped accepting: " << error.what() << std::endl;
+      }
+      return;
+    }
+    onAccepted(std::move(pipe));
+    accept();
+  });
+}
+
+void PeerMesh::onAccepted(std::shared_ptr<tensorpipe::Pipe> pipe) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) {
+      pipe->close();
+      return;
+    }
+    unidentified_.push_back(pipe);
+  }
+  std::weak_ptr<tensorpipe::Pipe> weak = pipe;
+  pipe->readDescriptor([this, weak](const tensorpipe::Error& error, tensorpipe::Descriptor descriptor) {
+    auto pipe = weak.lock();
+    if (!pipe) {
+      return;
+    }
+    auto forget = [&] {
+      std::lock_guard<std::mutex> lock(mu_);
+      unidentified_.erase(std::remove(unidentified_.begin(), unidentified_.end(), pipe), unidentified_.end());
+    };
+    if (error) {
+      forget();
+      return;
+    }
+    const auto hello = decodeHello(descriptor.metadata);
+    const bool known = hello && sameToken(hello->token, options_.token) && hello->rank >= 0 &&
+        hello->rank < layout_.worldSize() && descriptor.tensors.empty() && descriptor.payloads.empty();
+    const std::vector<int> peers = layout_.peers();
+    if (!known || std::find(peers.begin(), peers.end(), hello->rank) == peers.end()) {
+      std::cerr << "fairring: " << layout_.describe(layout_.rank())
+                << " refused a connection that is not from a peer of this job" << std::endl;
+      forget();
+      pipe->close();
+      return;
+    }
+    // The hello has no body, but TensorPipe wants the read to complete it.
+    pipe->read(tensorpipe::Allocation{}, [this, weak, hello](const tensorpipe::Error& error) {
+      auto pipe = weak.lock();
+      if (!pipe || error) {
+        return;
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        unidentified_.erase(std::remove(unidentified_.begin(), unidentified_.end(), pipe), unidentified_.end());
+        if (closed_ || inbound_.count({hello->rank, hello->lane})) {
+          pipe->close();
+          return;
+        }
+        inbound_[{hello->rank, hello->lane}] = pipe;
+      }
+      cv_.notify_all();
+      readNext(hello->rank, hello->lane, pipe);
+    });
+  });
+}
+
+void PeerMesh::readNext(int peer, Lane lane, const std::shared_ptr<tensorpipe::Pipe>& pipe) {
+  pipe->readDescriptor([this, peer, lane](const tensorpipe::Error& error, tensorpipe::Descriptor descriptor) {
+    if (error) {
+      if (!isClosing(error)) {
+        onMessage_(peer, lane, failure("the connection from", peer, error), {}, 0);
+      }
+      return;
+    }
+    size_t bytes = 0;
+    for (const auto& t : descriptor.tensors) {
+      bytes += t.length;
+    }
+    if (descriptor.tensors.size() > 1 || !descriptor.payloads.empty()) {
+      onMessage_(
+          peer, lane,
+          Status::error("fairring: malformed message from " + layout_.describe(peer)), {}, 0);
+      return;
+    }
+    onMessage_(peer, lane, Status(), std::move(descriptor.metadata), bytes);
+  });
+}
+
+void PeerMesh::send(int peer, Lane lane, std::string header, void* data, size_t bytes, Done done) {
+  std::shared_ptr<tensorpipe::Pipe> pipe;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = outbound_.find({peer, lane});
+    if (closed_ || it == outbound_.end()) {
+      done(Status::error("fairring: no connection to " + layout_.describe(peer) + " (closed)"));
+      return;
+    }
+    pipe = it->second;
+  }
+  pipe->write(makeMessage(std::move(header), data, bytes), [this, peer, done](const tensorpipe::Error& error) {
+    done(error ? failure("sending to", peer, error) : Status());
+  });
+}
+
+void PeerMesh::receive(int peer, Lane lane, void* data, size_t bytes, Done done) {
+  std::shared_ptr<tensorpipe::Pipe> pipe;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = inbound_.find({peer, lane});
+    if (closed_ || it == inbound_.end()) {
+      done(Status::error("fairring: no connection from " + layout_.describe(peer) + " (closed)"));
+      return;
+    }
+    pipe = it->second;
+  }
+  tensorpipe::Allocation allocation;
+  if (bytes > 0) {
+    allocation.tensors.push_back({tensorpipe::CpuBuffer{data}});
+  }
+  std::weak_ptr<tensorpipe::Pipe> weak = pipe;
+  pipe->read(std::move(allocation), [this, peer, lane, weak, done](const tensorpipe::Error& error) {
+    if (error) {
+      done(failure("receiving from", peer, error));
+      return;
+    }
+    done(Status());
+    if (auto pipe = weak.lock()) {
+      readNext(peer, lane, pipe);
+    }
+  });
+}
+
+void PeerMesh::close() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) {
+      return;
+    }
+    closed_ = true;
+  }
+  cv_.notify_all();
+  if (context_) {
+    context_->close();
+    context_->join();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  outbound_.clear();
+  inbound_.clear();
+  unidentified_.clear();
+  listener_.reset();
+}
+
+} // namespace fairring

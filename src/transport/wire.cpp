@@ -1,0 +1,87 @@
+#include "transport/wire.h"
+
+#include <cstring>
+
+namespace fairring {
+
+namespace {
+constexpr uint32_t kDataMagic = 0x46524431; // "FRD1"
+constexpr uint32_t kHelloMagic = 0x46524831; // "FRH1"
+constexpr size_t kMaxTokenBytes = 256;
+
+template <typename T>
+void put(std::string& out, T v) {
+  out.append(reinterpret_cast<const char*>(&v), sizeof(T));
+}
+
+template <typename T>
+bool take(const std::string& in, size_t& pos, T& v) {
+  if (pos + sizeof(T) > in.size()) {
+    return false;
+  }
+  std::memcpy(&v, in.data() + pos, sizeof(T));
+  pos += sizeof(T);
+  return true;
+}
+} // namespace
+
+const char* phaseName(Phase p) {
+  switch (p) {
+    case Phase::kReduceScatter: return "reduce-scatter";
+    case Phase::kCollect: return "collect";
+    case Phase::kDiffuse: return "diffuse";
+    case Phase::kAllGather: return "all-gather";
+  }
+  return "unknown phase";
+}
+
+std::string encode(const DataHeader& h) {
+  std::string out;
+  put(out, kDataMagic);
+  put(out, h.opSeq);
+  put(out, h.slice);
+  put(out, static_cast<uint8_t>(h.phase));
+  put(out, h.numel);
+  put(out, h.dtype);
+  put(out, h.op);
+  return out;
+}
+
+std::optional<DataHeader> decodeData(const std::string& in) {
+  size_t pos = 0;
+  uint32_t magic = 0;
+  uint8_t phase = 0;
+  DataHeader h;
+  if (!take(in, pos, magic) || magic != kDataMagic || !take(in, pos, h.opSeq) ||
+      !take(in, pos, h.slice) || !take(in, pos, phase) || !take(in, pos, h.numel) ||
+      !take(in, pos, h.dtype) || !take(in, pos, h.op) || pos != in.size() || phase > 3) {
+    return std::nullopt;
+  }
+  h.phase = static_cast<Phase>(phase);
+  return h;
+}
+
+std::string encode(const Hello& h) {
+  std::string out;
+  put(out, kHelloMagic);
+  put(out, h.rank);
+  put(out, static_cast<uint8_t>(h.lane));
+  out.append(h.token);
+  return out;
+}
+
+std::optional<Hello> decodeHello(const std::string& in) {
+  size_t pos = 0;
+  uint32_t magic = 0;
+  uint8_t lane = 0;
+  Hello h;
+  if (!take(in, pos, magic) || magic != kHelloMagic || !take(in, pos, h.rank) ||
+      !take(in, pos, lane) || lane >= kNumLanes || in.size() - pos > kMaxTokenBytes) {
+    return std::nullopt;
+  }
+  h.lane = static_cast<Lane>(lane);
+  h.token = in.substr(pos);
+  return h;
+}
+
+} // namespace fairring

@@ -1,0 +1,53 @@
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace fairring {
+
+// Traffic classes get separate pipes. A pipe delivers in order, and a
+// receiver may hold a "reduce" message until a staging slot frees; slots free
+// only when "gather" messages arrive, so those must never queue behind it.
+enum class Lane : uint8_t { kReduce = 0, kGather = 1 };
+constexpr int kNumLanes = 2;
+
+// The four exchanges of one slice, in order.
+enum class Phase : uint8_t {
+  kReduceScatter = 0, // intra-node: chunk l of my slice to local rank l
+  kCollect = 1, // rail: shard m of my chunk to machine m
+  kDiffuse = 2, // rail: my reduced shard to every machine
+  kAllGather = 3, // intra-node: my reduced chunk to every local rank
+};
+
+inline Lane laneOf(Phase p) {
+  return (p == Phase::kReduceScatter || p == Phase::kCollect) ? Lane::kReduce : Lane::kGather;
+}
+
+const char* phaseName(Phase p);
+
+// What precedes every data message. It carries the sender's view of the
+// operation so that a receiver can name exactly what differs between ranks.
+struct DataHeader {
+  uint64_t opSeq{0};
+  int64_t slice{0};
+  Phase phase{Phase::kReduceScatter};
+  int64_t numel{0};
+  int8_t dtype{0};
+  uint8_t op{0};
+};
+
+// The first message on every pipe: who the sender is, which lane, and the
+// job token that proves it belongs to this job.
+struct Hello {
+  int32_t rank{0};
+  Lane lane{Lane::kReduce};
+  std::string token;
+};
+
+std::string encode(const DataHeader& h);
+std::optional<DataHeader> decodeData(const std::string& bytes);
+std::string encode(const Hello& h);
+std::optional<Hello> decodeHello(const std::string& bytes);
+
+} // namespace fairring
