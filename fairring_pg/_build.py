@@ -1,0 +1,137 @@
+"""Compiling and loading the C++ core (``fairring_pg_C``) on first use.
+
+The build is cached in a directory named after a hash of everything that affects the
+binary, so an upgrade of torch, Python or the sources rebuilds, and a rerun loads.
+All ranks of a job start together: one takes an exclusive ``flock`` and compiles, the
+others wait on it and then load the result. The kernel drops a ``flock`` when its
+holder dies, so a killed builder never leaves the others waiting forever (torch's own
+lock file inside the build directory can; we clear it while holding ours).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+
+EXTENSION_NAME = "fairring_pg_C"
+CFLAGS = ["-O2", "-std=c++17", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+_SOURCE_SUFFIXES = {".cpp", ".cc"}
+_HASHED_SUFFIXES = _SOURCE_SUFFIXES | {".h", ".hpp", ".inl", ".cu", ".cuh"}
+_ERROR_TAIL_LINES = 40
+
+_loaded: dict[tuple[str, str], ModuleType] = {}
+
+
+def source_dir_candidates() -> list[Path]:
+    package = Path(__file__).resolve().parent
+    # A regular install ships the sources inside the package; an editable one (and a
+    # plain checkout on sys.path) has them at the top of the repository.
+    return [package / "_src", package.parent / "src"]
+
+
+def default_source_dir() -> Path:
+    candidates = source_dir_candidates()
+    for candidate in candidates:
+        if _sources(candidate):
+            return candidate
+    raise RuntimeError(
+        "fairring_pg: no C++ sources (*.cpp) found; looked in "
+        + " and ".join(str(c) for c in candidates)
+        + ". Reinstall fairring_pg (pip install -e . from a checkout)."
+    )
+
+
+def _sources(source_dir: Path) -> list[Path]:
+    if not source_dir.is_dir():
+        return []
+    return sorted(p for p in source_dir.rglob("*") if p.suffix in _SOURCE_SUFFIXES and p.is_file())
+
+
+def build_hash(source_dir: Path, name: str = EXTENSION_NAME) -> str:
+    import torch
+
+    digest = hashlib.sha256()
+    for part in (name, torch.__version__, sys.version, " ".join(CFLAGS), os.environ.get("CXX", "")):
+        digest.update(part.encode())
+        digest.update(b"\0")
+    for path in sorted(source_dir.rglob("*")):
+        if path.suffix in _HASHED_SUFFIXES and path.is_file():
+            digest.update(str(path.relative_to(source_dir)).encode())
+            digest.update(b"\0")
+            digest.update(path.read_bytes())
+            digest.update(b"\0")
+    return digest.hexdigest()[:20]
+
+
+def build_directory(source_dir: Path, name: str = EXTENSION_NAME) -> Path:
+    override = os.environ.get("FAIRRING_BUILD_DIR")
+    if override:
+        return Path(override).expanduser()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "fairring_pg" / build_hash(source_dir, name)
+
+
+@contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def load_extension(source_dir: Path | str | None = None, name: str = EXTENSION_NAME) -> ModuleType:
+    """Build (if needed) and import the C++ extension; cached per process."""
+    src = Path(source_dir) if source_dir is not None else default_source_dir()
+    src = src.resolve()
+    key = (str(src), name)
+    if key in _loaded:
+        return _loaded[key]
+    sources = _sources(src)
+    if not sources:
+        raise RuntimeError(f"fairring_pg: no C++ sources (*.cpp) found under {src}")
+
+    from torch.utils import cpp_extension
+
+    build_dir = build_directory(src, name)
+    verbose = os.environ.get("FAIRRING_BUILD_VERBOSE") == "1"
+    with _exclusive(build_dir.with_name(build_dir.name + ".lock")):
+        build_dir.mkdir(parents=True, exist_ok=True)
+        # Only a process holding our flock ever builds here, so a leftover torch baton
+        # can only come from a builder that died: waiting on it would hang forever.
+        (build_dir / "lock").unlink(missing_ok=True)
+        try:
+            module = cpp_extension.load(
+                name=name,
+                sources=[str(p) for p in sources],
+                extra_include_paths=[str(src)],
+                extra_cflags=CFLAGS,
+                build_directory=str(build_dir),
+                verbose=verbose,
+            )
+        except Exception as exc:
+            raise RuntimeError(_failure_message(exc, build_dir, verbose)) from exc
+    _loaded[key] = module
+    return module
+
+
+def _failure_message(exc: BaseException, build_dir: Path, verbose: bool) -> str:
+    lines = str(exc).splitlines()
+    tail = "\n".join(lines[-_ERROR_TAIL_LINES:])
+    hint = (
+        "see the build output above"
+        if verbose
+        else "set FAIRRING_BUILD_VERBOSE=1 to see the whole build output"
+    )
+    return (
+        f"fairring_pg: building the C++ extension failed in {build_dir}:\n"
+        f"{type(exc).__name__}: {tail}\n({hint})"
+    )

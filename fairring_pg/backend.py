@@ -1,0 +1,128 @@
+"""The creator torch calls for ``init_process_group("fairring")`` and ``new_group``.
+
+Python does the set-up that needs the store and the environment (configuration,
+topology, job token, delegate process groups) and hands the results to the C++ core,
+``_C.FairringBackend``, which does allreduce itself and forwards the rest.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fairring_pg.config import Config
+from fairring_pg.network import listen_address
+from fairring_pg.topology import Topology, discover
+
+_TOKEN_KEY = "fairring/job_token"
+
+# Private seam for tests that run without the C++ core: called with the same arguments
+# as _C.FairringBackend. None means the real core.
+_core_factory: Callable[..., Any] | None = None
+
+
+def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
+    """``extended_api`` creator: returns a ``c10d.Backend`` for one process group."""
+    store = dist_backend_opts.store
+    rank = int(dist_backend_opts.group_rank)
+    size = int(dist_backend_opts.group_size)
+    timeout: timedelta = dist_backend_opts.timeout
+
+    config = Config.from_env()
+    # Compile/load before any rendezvous: a first build takes minutes, and it must not
+    # eat into the store timeouts below (all ranks of a machine wait on the same build).
+    if _core_factory is None:
+        from fairring_pg._build import load_extension
+
+        ext = load_extension()
+        factory, opts = ext.FairringBackend, ext.Options()
+    else:
+        factory, opts = _core_factory, _PlainOptions()
+
+    config.check_consistent_across_ranks(store, rank, size, timeout)
+    topology = discover(store, rank, size, config.machine_id, timeout)
+    config.check_staging_fits(topology.num_machines, topology.local_size)
+    token = job_token(store, rank, timeout)
+    address = listen_address(config, single_host=len(set(topology.hostnames)) == 1)
+    _fill_options(opts, config, topology, address, token, timeout)
+
+    cpu_delegate = make_gloo_delegate(store, rank, size, timeout, config, dist_backend_opts)
+    cuda_delegate = make_nccl_delegate(store, rank, size, timeout, dist_backend_opts)
+    core_store = dist.PrefixStore("fairring/core/", store)
+    try:
+        return factory(core_store, rank, size, opts, cpu_delegate, cuda_delegate)
+    except Exception as exc:
+        raise RuntimeError(
+            f"fairring: rank {rank} of {size} could not start the allreduce core "
+            f"(listening on {address}, {topology.num_machines} machine(s) x "
+            f"{topology.local_size} rank(s)): {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def job_token(store: Any, rank: int, timeout: timedelta) -> str:
+    """A secret shared by the ranks of this group; peers present it when they connect."""
+    if rank == 0:
+        store.set(_TOKEN_KEY, secrets.token_hex(16))
+    store.wait([_TOKEN_KEY], timeout)
+    return store.get(_TOKEN_KEY).decode()
+
+
+def _fill_options(
+    opts: Any, config: Config, topology: Topology, address: str, token: str, timeout: timedelta
+) -> None:
+    opts.slice_size = config.slice_size
+    opts.total_memory = config.total_memory
+    opts.machine_of = list(topology.machine_of)
+    opts.hostnames = list(topology.hostnames)
+    opts.listen_address = address
+    opts.job_token = token
+    opts.timeout = timeout
+
+
+class _PlainOptions:
+    """Stand-in for ``_C.Options`` when a test supplies its own core."""
+
+    slice_size: int
+    total_memory: int
+    machine_of: list[int]
+    hostnames: list[str]
+    listen_address: str
+    job_token: str
+    timeout: timedelta
+
+
+def make_gloo_delegate(
+    store: Any, rank: int, size: int, timeout: timedelta, config: Config, dist_backend_opts: Any
+) -> Any:
+    """The Gloo group that runs every non-allreduce collective on CPU tensors."""
+    gloo_store = dist.PrefixStore("fairring/gloo/", store)
+    if config.socket_ifname is None or os.environ.get("GLOO_SOCKET_IFNAME"):
+        # Gloo picks its interface itself (GLOO_SOCKET_IFNAME or the hostname).
+        return dist.ProcessGroupGloo(gloo_store, rank, size, timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(interface=config.socket_ifname)]
+    options._timeout = timeout
+    options.global_ranks_in_group = list(dist_backend_opts.global_ranks_in_group)
+    options.group_name = str(dist_backend_opts.group_id)
+    return dist.ProcessGroupGloo(gloo_store, rank, size, options)
+
+
+def make_nccl_delegate(
+    store: Any, rank: int, size: int, timeout: timedelta, dist_backend_opts: Any
+) -> Any | None:
+    """The NCCL group for CUDA tensors, or None where CUDA or NCCL is missing."""
+    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+        return None
+    from torch._C._distributed_c10d import ProcessGroupNCCL
+
+    options = ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    options.global_ranks_in_group = list(dist_backend_opts.global_ranks_in_group)
+    options.group_name = str(dist_backend_opts.group_id)
+    return ProcessGroupNCCL(dist.PrefixStore("fairring/nccl/", store), rank, size, options)

@@ -1,0 +1,214 @@
+"""The user's knobs: every ``FAIRRING_*`` variable (and ``TP_SOCKET_IFNAME``), read once.
+
+Each bad value is a ``ValueError`` naming the variable, the value and what is accepted,
+raised at ``init_process_group`` rather than somewhere deep in the data path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import os
+import re
+import socket
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from fractions import Fraction
+from typing import Any
+
+KIB = 1024
+MIB = 1024 * KIB
+GIB = 1024 * MIB
+TIB = 1024 * GIB
+
+DEFAULT_SLICE_SIZE = 25 * MIB  # DDP's default bucket, so one bucket is one slice
+DEFAULT_TOTAL_MEMORY = 50 * MIB
+MAX_BYTES = TIB  # anything larger is a typo, not a configuration
+
+_SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?|\.\d+)\s*([kmg]?)(i?b)?$", re.IGNORECASE)
+_SUFFIX = {"": 1, "k": KIB, "m": MIB, "g": GIB}
+_SIZE_HELP = (
+    "expected a positive integer number of bytes, optionally with a K/M/G suffix "
+    "(powers of 1024, case-insensitive, optional 'B' or 'iB': 25M, 25MiB, 512k, 1G); "
+    "a fraction is accepted only if it comes to a whole number of bytes (1.5K)"
+)
+_SWITCH = {"on": True, "off": False}
+
+# Published to the store by every rank; these must agree across the job, whereas the
+# machine id and the interface name legitimately differ from machine to machine.
+_JOB_WIDE_FIELDS = ("slice_size", "total_memory", "slice_scaling")
+_ENV_NAME = {
+    "slice_size": "FAIRRING_SLICE_SIZE",
+    "total_memory": "FAIRRING_TOTAL_MEMORY",
+    "slice_scaling": "FAIRRING_SLICE_SCALING",
+    "machine_id": "FAIRRING_MACHINE_ID",
+    "socket_ifname": "TP_SOCKET_IFNAME",
+}
+_STORE_KEY = "fairring/config/{rank}"
+
+
+def parse_byte_size(name: str, raw: str) -> int:
+    """Parse ``raw`` (the value of variable ``name``) as a byte count in [1, 1 TiB]."""
+    match = _SIZE_RE.match(raw.strip())
+    if match is None and raw.strip().startswith("-"):
+        raise ValueError(f"{name}={raw!r} must be positive: {_SIZE_HELP}")
+    if match is None:
+        raise ValueError(f"{name}={raw!r} is not a byte size: {_SIZE_HELP}")
+    number, suffix, unit = match.groups()
+    if unit is not None and unit.lower() == "ib" and not suffix:
+        raise ValueError(f"{name}={raw!r} is not a byte size: {_SIZE_HELP}")
+    value = Fraction(number) * _SUFFIX[suffix.lower()]
+    if value.denominator != 1:
+        raise ValueError(
+            f"{name}={raw!r} is not a whole number of bytes ({float(value)}): {_SIZE_HELP}"
+        )
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r} must be positive: {_SIZE_HELP}")
+    if value > MAX_BYTES:
+        raise ValueError(f"{name}={raw!r} is larger than the accepted maximum of 1 TiB ({TIB})")
+    return int(value)
+
+
+def interface_ipv4(ifname: str) -> str | None:
+    """The IPv4 address of network interface ``ifname``, or None if it has none."""
+    siocgifaddr = 0x8915  # <linux/sockios.h>
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        request = struct.pack("256s", ifname.encode()[:15])
+        try:
+            reply = fcntl.ioctl(sock.fileno(), siocgifaddr, request)
+        except OSError:
+            return None
+    return socket.inet_ntoa(reply[20:24])  # sockaddr_in.sin_addr inside struct ifreq
+
+
+def interface_names() -> list[str]:
+    return [name for _, name in socket.if_nameindex()]
+
+
+def _check_ifname(name: str, raw: str) -> str:
+    ifname = raw.strip()
+    available = interface_names()
+    if ifname not in available:
+        raise ValueError(
+            f"{name}={raw!r} is not a network interface of this machine: "
+            f"expected one of {', '.join(available)}"
+        )
+    if interface_ipv4(ifname) is None:
+        raise ValueError(
+            f"{name}={raw!r} has no IPv4 address: expected an interface with one "
+            "(fairring listens on IPv4)"
+        )
+    return ifname
+
+
+def _non_empty(name: str, raw: str) -> str:
+    value = raw.strip()
+    if not value:
+        raise ValueError(f"{name}={raw!r} is empty: expected a non-empty string, or leave it unset")
+    return value
+
+
+def _switch(name: str, raw: str) -> bool:
+    try:
+        return _SWITCH[raw.strip().lower()]
+    except KeyError:
+        raise ValueError(f"{name}={raw!r} is not a switch: expected 'on' or 'off'") from None
+
+
+@dataclass(frozen=True)
+class Config:
+    slice_size: int = DEFAULT_SLICE_SIZE
+    total_memory: int = DEFAULT_TOTAL_MEMORY
+    machine_id: str | None = None
+    socket_ifname: str | None = None
+    slice_scaling: bool = False
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> Config:
+        values: dict[str, Any] = {}
+        if (raw := environ.get("FAIRRING_SLICE_SIZE")) is not None:
+            values["slice_size"] = parse_byte_size("FAIRRING_SLICE_SIZE", raw)
+        if (raw := environ.get("FAIRRING_TOTAL_MEMORY")) is not None:
+            values["total_memory"] = parse_byte_size("FAIRRING_TOTAL_MEMORY", raw)
+        if (raw := environ.get("FAIRRING_MACHINE_ID")) is not None:
+            values["machine_id"] = _non_empty("FAIRRING_MACHINE_ID", raw)
+        if (raw := environ.get("TP_SOCKET_IFNAME")) is not None:
+            _non_empty("TP_SOCKET_IFNAME", raw)
+            values["socket_ifname"] = _check_ifname("TP_SOCKET_IFNAME", raw)
+        if (raw := environ.get("FAIRRING_SLICE_SCALING")) is not None:
+            values["slice_scaling"] = _switch("FAIRRING_SLICE_SCALING", raw)
+        return cls(**values)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    def check_staging_fits(self, num_machines: int, local_size: int) -> None:
+        """Fail if ``total_memory`` cannot hold a single staging slot."""
+        need = staging_slot_bytes(self.slice_size, num_machines, local_size)
+        if self.total_memory < need:
+            raise ValueError(
+                f"FAIRRING_TOTAL_MEMORY={self.total_memory} cannot hold one staging slot for "
+                f"FAIRRING_SLICE_SIZE={self.slice_size} with {num_machines} machine(s) of "
+                f"{local_size} rank(s): expected FAIRRING_TOTAL_MEMORY >= {need}, or a smaller "
+                "FAIRRING_SLICE_SIZE"
+            )
+
+    def check_consistent_across_ranks(
+        self, store: Any, rank: int, world_size: int, timeout: timedelta | None = None
+    ) -> None:
+        """Fail on every rank whose job-wide settings differ from rank 0's.
+
+        Each rank publishes its settings; ranks > 0 compare with rank 0, and rank 0
+        compares with everyone, so a mismatch is reported on rank 0 too instead of
+        leaving it to time out later waiting for a rank that gave up.
+        """
+        store.set(_STORE_KEY.format(rank=rank), self.to_json())
+        others = [0] if rank != 0 else list(range(1, world_size))
+        if not others:
+            return
+        keys = [_STORE_KEY.format(rank=r) for r in others]
+        if timeout is not None:
+            store.wait(keys, timeout)
+        mine = dataclasses.asdict(self)
+        for other, key in zip(others, keys, strict=True):
+            theirs = json.loads(store.get(key))
+            for field in _JOB_WIDE_FIELDS:
+                if mine[field] != theirs.get(field):
+                    raise ValueError(
+                        f"{_ENV_NAME[field]} differs across ranks: rank {rank} has "
+                        f"{_show(field, mine[field])}, rank {other} has "
+                        f"{_show(field, theirs.get(field))}; expected the same value on "
+                        "every rank"
+                    )
+
+
+def _show(field: str, value: Any) -> str:
+    if field == "slice_scaling":
+        return "'on'" if value else "'off'"
+    return repr(value)
+
+
+def staging_slot_bytes(slice_size: int, num_machines: int, local_size: int) -> int:
+    """Bytes of staging memory one slice in flight needs on one rank.
+
+    The intra-node part receives a chunk from each of the L-1 peers, the rail part a
+    shard from each of the M-1 other machines; each message carries a small header
+    (8 and 16 bytes) and the slot is cache-line aligned.
+    """
+    if slice_size < 0 or num_machines < 1 or local_size < 1:
+        raise ValueError(
+            f"staging_slot_bytes({slice_size}, {num_machines}, {local_size}): "
+            "expected slice_size >= 0, num_machines >= 1, local_size >= 1"
+        )
+    s, m, loc = slice_size, num_machines, local_size
+    chunk = Fraction(s, loc) + 8
+    shard = Fraction(s, loc * m) + 16
+    total = (loc - 1) * _ceil(chunk) + (m - 1) * _ceil(shard)
+    return -(-total // 64) * 64
+
+
+def _ceil(x: Fraction) -> int:
+    return -(-x.numerator // x.denominator)
