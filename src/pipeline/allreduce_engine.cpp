@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+
 #include "ops/reduce_kind.h"
 
 namespace fairring {
@@ -105,11 +107,32 @@ c10::intrusive_ptr<AllreduceEngine::Future> AllreduceEngine::enqueue(
   }
   auto future = c10::make_intrusive<Future>(c10::ListType::create(c10::TensorType::get()));
   Actions actions;
+  std::string refusal;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!failure_.empty()) {
-      throw c10::DistBackendError(failure_ + " (this process group failed earlier and cannot be used)");
+    if (failure_.empty() && !departed_.empty()) {
+      failLocked(departed_, actions);
     }
+    refusal = failure_;
+    if (refusal.empty()) {
+      admitLocked(std::move(work), op, std::move(outputs), std::move(finish), future, actions);
+    }
+  }
+  run(actions);
+  if (!refusal.empty()) {
+    throw c10::DistBackendError(refusal + " (this process group failed earlier and cannot be used)");
+  }
+  return future;
+}
+
+void AllreduceEngine::admitLocked(
+    at::Tensor work,
+    RedOp op,
+    std::vector<at::Tensor> outputs,
+    std::function<void()> finish,
+    const c10::intrusive_ptr<Future>& future,
+    Actions& actions) {
+  {
     auto o = std::make_unique<Op>();
     o->seq = nextSeq_++;
     o->work = work.view({-1});
@@ -141,8 +164,6 @@ c10::intrusive_ptr<AllreduceEngine::Future> AllreduceEngine::enqueue(
       pump(actions);
     }
   }
-  run(actions);
-  return future;
 }
 
 void AllreduceEngine::run(Actions& actions) {
@@ -401,7 +422,13 @@ void AllreduceEngine::onMessage(int peer, Lane lane, Status status, std::string 
       return;
     }
     if (!status.ok()) {
-      failLocked(status.message(), actions);
+      // A peer that finished everything may close before we have read its
+      // last bytes' successors; that is only an error if we wait on it.
+      if (needsFrom(peer, lane)) {
+        failLocked(status.message(), actions);
+      } else if (departed_.empty()) {
+        departed_ = status.message();
+      }
     } else if (auto h = decodeData(header); !h || laneOf(h->phase) != lane) {
       failLocked("fairring: malformed message from " + layout_.describe(peer), actions);
     } else {
@@ -543,6 +570,29 @@ void AllreduceEngine::failLocked(const std::string& message, Actions& actions) {
   waitingForSlot_.clear();
   parked_.clear();
   cv_.notify_all();
+}
+
+bool AllreduceEngine::needsFrom(int peer, Lane lane) const {
+  const bool local = layout_.machineOf(peer) == layout_.machine();
+  const Phase phase = local ? (lane == Lane::kReduce ? Phase::kReduceScatter : Phase::kAllGather)
+                            : (lane == Lane::kReduce ? Phase::kCollect : Phase::kDiffuse);
+  const int from = local ? layout_.localRankOf(peer) : layout_.machineOf(peer);
+  for (const auto& [seq, op] : ops_) {
+    for (const Slice& slice : op->slices) {
+      if (slice.done || slice.announced[static_cast<int>(phase)][from]) {
+        continue;
+      }
+      auto parked = parked_.find({seq, slice.index});
+      const bool isParked = parked != parked_.end() &&
+          std::any_of(parked->second.begin(), parked->second.end(), [&](const Parked& p) {
+                              return p.peer == peer && p.header.phase == phase;
+                            });
+      if (!isParked) {
+        return true;
+      }
+    }
+  }
+  return false;
 }
 
 std::string AllreduceEngine::describeWait(const Op& op) const {

@@ -74,6 +74,13 @@ class AllreduceEngine {
   };
   using Actions = std::vector<std::function<void()>>;
 
+  void admitLocked(
+      at::Tensor work,
+      c10d::ReduceOp::RedOpType op,
+      std::vector<at::Tensor> outputs,
+      std::function<void()> finish,
+      const c10::intrusive_ptr<Future>& future,
+      Actions& actions);
   void onMessage(int peer, Lane lane, Status status, std::string header, size_t bytes);
   void deliver(Op& op, Slice& slice, int peer, const DataHeader& h, size_t bytes, Actions& actions);
   void onReceived(uint64_t seq, int64_t s, Phase phase, int fromIndex, Status status);
@@ -88,6 +95,8 @@ class AllreduceEngine {
   // Records the first failure, fails every operation in flight and asks the
   // watchdog to close the connections. Must be called with mu_ held.
   void failLocked(const std::string& message, Actions& actions);
+  // Whether an operation in flight still waits for a message on (peer, lane).
+  bool needsFrom(int peer, Lane lane) const;
   void run(Actions& actions);
   void watchdog();
   std::string describeWait(const Op& op) const;
@@ -105,6 +114,9 @@ class AllreduceEngine {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::string failure_; // empty while healthy
+  // A peer whose connection closed while nothing in flight needed it: not yet
+  // an error, but the next operation (which needs every peer) fails with it.
+  std::string departed_;
   bool meshClosed_{false};
   bool stopping_{false};
   uint64_t nextSeq_{0};

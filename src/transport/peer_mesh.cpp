@@ -179,7 +179,17 @@ void PeerMesh::onAccepted(std::shared_ptr<tensorpipe::Pipe> pipe) {
 void PeerMesh::readNext(int peer, Lane lane, const std::shared_ptr<tensorpipe::Pipe>& pipe) {
   pipe->readDescriptor([this, peer, lane](const tensorpipe::Error& error, tensorpipe::Descriptor descriptor) {
     if (error) {
-      if (!isClosing(error)) {
+      if (isClosing(error)) {
+        return;
+      }
+      if (error.isOfType<tensorpipe::EOFError>()) {
+        onMessage_(
+            peer, lane,
+            Status::error(
+                "fairring: " + layout_.describe(peer) + " closed its connection to " +
+                layout_.describe(layout_.rank()) + " (it exited, crashed or destroyed its process group)"),
+            {}, 0);
+      } else {
         onMessage_(peer, lane, failure("the connection from", peer, error), {}, 0);
       }
       return;
