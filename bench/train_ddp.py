@@ -44,7 +44,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--ff", type=int, default=1024)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
