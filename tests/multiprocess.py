@@ -1,0 +1,466 @@
+"""Multi-process test harness: one OS process per rank, simulated machines on one host.
+
+A job is a function ``fn(rank, world_size, **kwargs)`` run on every rank after
+``dist.init_process_group(backend, ...)``. Each rank is a fresh ``python`` process
+(``subprocess`` with its own session, so a whole job can be SIGKILLed), given its own
+``FAIRRING_MACHINE_ID`` so that ranks with equal ids form one simulated machine.
+
+The rendezvous store is a ``TCPStore`` hosted by the parent (the test process), so it
+outlives any rank: a rank that dies never takes the store down with it, and there is
+no free-port race (the server binds port 0 and reports the port it got).
+
+Nothing here can hang a test: every job has a deadline after which all ranks still
+alive get SIGUSR1 (``faulthandler`` dumps their Python stacks into their logs) and then
+SIGKILL, and the failure names the ranks that did not finish. Once one rank has failed,
+the others get ``abort_grace_s`` to finish before they are killed the same way.
+
+``fn`` and ``kwargs`` travel by pickle, so ``fn`` must be a module-level function of an
+importable module (a test module is fine: the parent's ``sys.path`` is handed over).
+
+This file is also the rank entry point: ``python multiprocess.py JOB_DIR RANK``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+# Simulated cluster shapes: machine id of each rank.
+SHAPES: dict[str, list[str]] = {
+    "2x2": ["m0", "m0", "m1", "m1"],
+    "3x1": ["m0", "m1", "m2"],
+    "1x3": ["m0", "m0", "m0"],
+    # Ranks of a machine are not contiguous: rank r is on machine r % 2.
+    "interleaved": ["m0", "m1", "m0", "m1"],
+}
+
+# The backend the suite tests; FAIRRING_TEST_BACKEND=gloo runs the same tests on Gloo
+# (useful to validate expectations: Gloo fails the cases only fairring supports).
+DEFAULT_BACKEND: str = os.environ.get("FAIRRING_TEST_BACKEND", "fairring")
+
+_LOG_TAIL_LINES = 40
+_POLL_S = 0.02
+# Compiling the C++ core from scratch takes minutes on 2 cores; it happens once, before
+# the first fairring job, and does not count against any job's deadline.
+_BUILD_TIMEOUT_S = 1200
+_built = False
+
+
+def fairring_env(
+    *,
+    total_memory: int | None = None,
+    slice_size: int | None = None,
+    **extra: str | int | None,
+) -> dict[str, str | None]:
+    """Extra environment for a job: ``FAIRRING_TOTAL_MEMORY``, ``FAIRRING_SLICE_SIZE``
+    (bytes) and any other ``NAME=value`` given as keyword arguments. A value of None
+    removes the variable from the ranks' environment."""
+    env: dict[str, str | None] = {}
+    if total_memory is not None:
+        env["FAIRRING_TOTAL_MEMORY"] = str(total_memory)
+    if slice_size is not None:
+        env["FAIRRING_SLICE_SIZE"] = str(slice_size)
+    for name, value in extra.items():
+        env[name] = None if value is None else str(value)
+    return env
+
+
+def local_ranks(machine_ids: Sequence[str]) -> list[int]:
+    """Local rank of every rank: its index among the ranks of its machine."""
+    seen: dict[str, int] = {}
+    out = []
+    for mid in machine_ids:
+        out.append(seen.get(mid, 0))
+        seen[mid] = out[-1] + 1
+    return out
+
+
+@dataclasses.dataclass
+class RankOutcome:
+    """What became of one rank.
+
+    status: "ok" (fn returned and the process exited 0), "error" (fn or init raised),
+    "crashed" (the process died without reporting, e.g. a signal or os._exit),
+    "killed" (still running at the deadline or after another rank failed),
+    "hung_at_exit" (fn returned but the process did not exit: a hang in
+    destroy_process_group or at interpreter exit).
+    """
+
+    rank: int
+    status: str
+    value: Any = None
+    error_type: str | None = None
+    error_message: str | None = None
+    remote_traceback: str | None = None
+    exception: BaseException | None = None
+    exitcode: int | None = None
+    log_tail: str = ""
+    phase: str | None = None  # last phase the rank reached (init / fn / destroy)
+    failed_at: float | None = None  # time.time() when the rank reported its error
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def describe(self) -> str:
+        head = f"rank {self.rank}: {self.status}"
+        if self.exitcode is not None:
+            head += f" (exit code {self.exitcode})"
+        if self.phase is not None and self.status != "ok":
+            head += f", last phase: {self.phase}"
+        parts = [head]
+        if self.error_type is not None:
+            parts.append(f"  {self.error_type}: {self.error_message}")
+        if self.remote_traceback:
+            parts.append("  remote traceback:\n" + _indent(self.remote_traceback, 4))
+        if self.log_tail and self.status != "ok":
+            parts.append("  log tail:\n" + _indent(self.log_tail, 4))
+        return "\n".join(parts)
+
+
+class RankFailure(AssertionError):
+    """One or more ranks of a job failed, crashed or did not finish in time."""
+
+    def __init__(self, message: str, outcomes: list[RankOutcome]) -> None:
+        super().__init__(message)
+        self.outcomes = outcomes
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    machine_ids: Sequence[str],
+    backend: str | None = None,
+    env: Mapping[str, str | int | None] | None = None,
+    timeout_s: float = 120,
+    *,
+    rank_env: Mapping[int, Mapping[str, str | int | None]] | None = None,
+    abort_grace_s: float | None = 15.0,
+    pg_timeout_s: float | None = None,
+    **kwargs: Any,
+) -> list[RankOutcome]:
+    """Run ``fn(rank, world_size, **kwargs)`` on ``world_size`` fresh processes and
+    return every rank's outcome; never raises for a rank's failure.
+
+    env: extra environment for every rank (None removes a variable); rank_env: extra
+    environment for single ranks, applied after env. abort_grace_s: once a rank has
+    failed, how long the others may still run (None: until the deadline).
+    pg_timeout_s: the process group's own timeout (default: timeout_s).
+    """
+    import torch.distributed as dist  # the parent only hosts the store
+
+    if len(machine_ids) != world_size:
+        raise ValueError(f"machine_ids has {len(machine_ids)} entries for world_size {world_size}")
+    backend = DEFAULT_BACKEND if backend is None else backend
+    pg_timeout_s = timeout_s if pg_timeout_s is None else pg_timeout_s
+    if backend == "fairring":
+        ensure_fairring_built()
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=pg_timeout_s),
+    )
+    lranks = local_ranks(machine_ids)
+    lsizes = {mid: machine_ids.count(mid) for mid in machine_ids}
+    with tempfile.TemporaryDirectory(prefix="fairring_job_") as tmp:
+        job_dir = Path(tmp)
+        # Plain types only: the rank unpickles this before it has the parent's path.
+        spec = {
+            "fn": pickle.dumps(fn),
+            "kwargs": pickle.dumps(kwargs),
+            "backend": backend,
+            "world_size": world_size,
+            "store_port": store.port,
+            "pg_timeout_s": pg_timeout_s,
+            "sys_path": list(sys.path),
+        }
+        (job_dir / "spec.pkl").write_bytes(pickle.dumps(spec))
+        procs: list[subprocess.Popen[bytes]] = []
+        logs = []
+        try:
+            for rank in range(world_size):
+                child_env = dict(os.environ)
+                child_env.setdefault("OMP_NUM_THREADS", "1")
+                child_env.update(
+                    FAIRRING_MACHINE_ID=machine_ids[rank],
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(store.port),
+                    RANK=str(rank),
+                    WORLD_SIZE=str(world_size),
+                    LOCAL_RANK=str(lranks[rank]),
+                    LOCAL_WORLD_SIZE=str(lsizes[machine_ids[rank]]),
+                    PYTHONUNBUFFERED="1",
+                )
+                for extra in (env or {}), (rank_env or {}).get(rank, {}):
+                    for name, value in extra.items():
+                        if value is None:
+                            child_env.pop(name, None)
+                        else:
+                            child_env[name] = str(value)
+                log = open(job_dir / f"rank{rank}.log", "wb")  # noqa: SIM115
+                logs.append(log)
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, __file__, str(job_dir), str(rank)],
+                        env=child_env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+            killed = _supervise(procs, job_dir, timeout_s, abort_grace_s)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    _kill(proc, dump_stacks=False)
+            for log in logs:
+                log.close()
+            del store
+        return [_collect(rank, procs[rank], job_dir, rank in killed) for rank in range(world_size)]
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    machine_ids: Sequence[str],
+    backend: str | None = None,
+    env: Mapping[str, str | int | None] | None = None,
+    timeout_s: float = 120,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, **kwargs)`` on every rank (see ``launch``) and return
+    the list of per-rank results. Raises ``RankFailure`` naming every rank that failed
+    (with its exception and remote traceback) or did not finish within ``timeout_s``."""
+    outcomes = launch(fn, world_size, machine_ids, backend, env, timeout_s, **kwargs)
+    bad = [o for o in outcomes if not o.ok]
+    if bad:
+        # The first rank to fail is usually the cause, the others its victims.
+        bad.sort(key=lambda o: (o.failed_at is None, o.failed_at or 0.0, o.rank))
+        backend = DEFAULT_BACKEND if backend is None else backend
+        summary = ", ".join(f"rank {o.rank} {o.status}" for o in bad)
+        unfinished = [o.rank for o in bad if o.status in ("killed", "hung_at_exit")]
+        msg = f"{getattr(fn, '__name__', fn)} on {backend} {list(machine_ids)}: {summary}"
+        if unfinished:
+            msg += f"; ranks that did not finish: {unfinished}"
+        if bad[0].failed_at is not None:
+            msg += f"; first to fail: rank {bad[0].rank}"
+        msg += "\n" + "\n".join(o.describe() for o in bad)
+        raise RankFailure(msg, outcomes)
+    return [o.value for o in outcomes]
+
+
+# ---------------------------------------------------------------------------- parent
+
+
+def ensure_fairring_built() -> None:
+    """Compile (or find cached) fairring's C++ extension, in a child process so that
+    the test process never loads it. Once per test process."""
+    global _built
+    if _built:
+        return
+    code = "from fairring_pg._build import load_extension; load_extension()"
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=_BUILD_TIMEOUT_S,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"building fairring's extension took over {_BUILD_TIMEOUT_S} s") from exc
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-_LOG_TAIL_LINES:])
+        raise RuntimeError(f"building fairring's extension failed:\n{tail}")
+    _built = True
+
+
+def _supervise(
+    procs: list[subprocess.Popen[bytes]],
+    job_dir: Path,
+    timeout_s: float,
+    abort_grace_s: float | None,
+) -> set[int]:
+    """Wait for the ranks; kill stragglers. Returns the ranks that were killed."""
+    deadline = time.monotonic() + timeout_s
+    killed: set[int] = set()
+    while True:
+        running = [r for r, p in enumerate(procs) if p.poll() is None]
+        if not running:
+            return killed
+        now = time.monotonic()
+        failed = any(
+            p.returncode not in (None, 0) or _read_result(job_dir, r)[0] == "error"
+            for r, p in enumerate(procs)
+        )
+        if failed and abort_grace_s is not None:
+            deadline = min(deadline, now + abort_grace_s)
+            abort_grace_s = None  # start the grace period only once
+        if now >= deadline:
+            for r in running:
+                _kill(procs[r], dump_stacks=True)
+                killed.add(r)
+            return killed
+        time.sleep(_POLL_S)
+
+
+def _kill(proc: subprocess.Popen[bytes], dump_stacks: bool) -> None:
+    """SIGKILL the rank's whole session (it may have spawned helpers of its own);
+    first, if asked, SIGUSR1 so that faulthandler writes its stacks into the log."""
+    try:
+        if dump_stacks:
+            os.kill(proc.pid, signal.SIGUSR1)
+            try:
+                proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _read_result(job_dir: Path, rank: int) -> tuple[str | None, Any]:
+    path = job_dir / f"rank{rank}.result"
+    if not path.exists():
+        return None, None
+    try:
+        return pickle.loads(path.read_bytes())
+    except Exception:  # noqa: BLE001 - half-written files cannot exist (rename), be safe
+        return None, None
+
+
+def _read_phase(job_dir: Path, rank: int) -> str | None:
+    path = job_dir / f"rank{rank}.phase"
+    return path.read_text() if path.exists() else None
+
+
+def _log_tail(job_dir: Path, rank: int) -> str:
+    path = job_dir / f"rank{rank}.log"
+    if not path.exists():
+        return ""
+    lines = path.read_text(errors="replace").splitlines()
+    return "\n".join(lines[-_LOG_TAIL_LINES:])
+
+
+def _collect(rank: int, proc: subprocess.Popen[bytes], job_dir: Path, killed: bool) -> RankOutcome:
+    kind, payload = _read_result(job_dir, rank)
+    out = RankOutcome(
+        rank=rank,
+        status="ok",
+        exitcode=proc.returncode,
+        log_tail=_log_tail(job_dir, rank),
+        phase=_read_phase(job_dir, rank),
+    )
+    if kind == "error":
+        out.status = "error"
+        (
+            out.error_type,
+            out.error_message,
+            out.remote_traceback,
+            exc_bytes,
+            out.failed_at,
+        ) = payload
+        if exc_bytes is not None:
+            try:
+                out.exception = pickle.loads(exc_bytes)
+            except Exception:  # noqa: BLE001 - the exception class may not unpickle
+                out.exception = None
+    elif kind == "ok":
+        out.value = payload
+        if killed:
+            out.status = "hung_at_exit"
+        elif proc.returncode != 0:
+            out.status = "crashed"
+    elif killed:
+        out.status = "killed"
+    else:
+        out.status = "crashed"
+    return out
+
+
+def _indent(text: str, n: int) -> str:
+    pad = " " * n
+    return "\n".join(pad + line for line in text.splitlines())
+
+
+# ---------------------------------------------------------------------------- child
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _child_main(job_dir: Path, rank: int) -> int:
+    import faulthandler
+
+    faulthandler.enable()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+    def phase(name: str) -> None:
+        _write_atomic(job_dir / f"rank{rank}.phase", name.encode())
+
+    spec: dict[str, Any] = pickle.loads((job_dir / "spec.pkl").read_bytes())
+    for entry in reversed(spec["sys_path"]):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    result_path = job_dir / f"rank{rank}.result"
+    try:
+        phase("import")
+        import torch.distributed as dist
+
+        if spec["backend"] == "fairring":
+            import fairring_pg  # noqa: F401 - registers the backend
+
+        fn = pickle.loads(spec["fn"])
+        kwargs = pickle.loads(spec["kwargs"])
+        phase("init")
+        timeout = timedelta(seconds=spec["pg_timeout_s"])
+        store = dist.TCPStore("127.0.0.1", spec["store_port"], is_master=False, timeout=timeout)
+        dist.init_process_group(
+            spec["backend"],
+            store=store,
+            rank=rank,
+            world_size=spec["world_size"],
+            timeout=timeout,
+        )
+        phase("fn")
+        value = fn(rank, spec["world_size"], **kwargs)
+        payload = pickle.dumps(("ok", value))
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+        tb = traceback.format_exc()
+        try:
+            exc_bytes: bytes | None = pickle.dumps(exc)
+        except Exception:  # noqa: BLE001
+            exc_bytes = None
+        payload = pickle.dumps(
+            ("error", (type(exc).__qualname__, str(exc), tb, exc_bytes, time.time()))
+        )
+        _write_atomic(result_path, payload)
+        return 1
+    _write_atomic(result_path, payload)
+    phase("destroy")
+    dist.destroy_process_group()
+    phase("exit")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(Path(sys.argv[1]), int(sys.argv[2])))

@@ -1,0 +1,426 @@
+"""Exact allreduce results on simulated clusters.
+
+One job per cluster shape runs the whole case list on every rank and returns, per
+case, None or what went wrong; each case is then its own pytest item. Inputs are small
+integers generated from (case, rank), so every rank computes the exact expected result
+from all ranks' inputs (in float64/int64, then cast) and float16/bfloat16 sums are exact.
+
+The jobs run with a 4 KiB slice and 64 KiB of staging memory, so anything above a few
+thousand elements crosses many slices, and the largest cases are ~100x the staging pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+import zlib
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from multiprocess import DEFAULT_BACKEND, SHAPES, RankFailure, fairring_env, run_ranks
+
+BACKEND = DEFAULT_BACKEND
+SLICE_SIZE = 4 * 1024
+TOTAL_MEMORY = 64 * 1024
+JOB_ENV = fairring_env(total_memory=TOTAL_MEMORY, slice_size=SLICE_SIZE)
+JOB_TIMEOUT_S = 300
+
+OPS = ("SUM", "AVG", "MIN", "MAX", "PRODUCT")
+FLOAT_DTYPES = ("float32", "float64", "float16", "bfloat16")
+INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8")
+DTYPES = FLOAT_DTYPES + INT_DTYPES + ("bool",)
+# Empty, one element, fewer elements than ranks, not divisible by M*L, many slices.
+SIZES = (0, 1, 2, 7, 1001, 10_000)
+# Views: (base shape from numel, view of the base). The allreduce must write its result
+# through the view and leave the rest of the base alone.
+VIEW_KINDS = (
+    "multidim",
+    "transposed",
+    "strided",
+    "offset",
+    "column_block",
+    "channels_last",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    id: str
+    kind: str  # see _run_case
+    op: str = "SUM"
+    dtype: str = "float32"
+    numel: int = 7
+
+
+def build_cases(shape: str) -> list[Case]:
+    """The case list of one job. Cases that must raise come last, followed by one
+    allreduce that checks the process group still works after them."""
+    cases: list[Case] = []
+    if shape == "interleaved":
+        combos = [
+            (op, dtype, n)
+            for op in ("SUM", "MAX", "PRODUCT")
+            for dtype in ("float32", "bfloat16", "int32", "bool")
+            for n in (2, 7, 1001, 10_000)
+        ]
+        view_dtypes = [("SUM", "float32")]
+        big = [("SUM", "float32", 1_500_000)]
+    else:
+        combos = [
+            (op, dtype, n)
+            for op in OPS
+            for dtype in DTYPES
+            if not (op == "AVG" and dtype not in FLOAT_DTYPES)
+            for n in SIZES
+        ]
+        view_dtypes = [("SUM", "float32"), ("MAX", "int32"), ("SUM", "bfloat16")]
+        # Several MB, ~100x the staging memory.
+        big = [("SUM", "float32", 1_500_000), ("MAX", "int64", 600_000)]
+    for op, dtype, n in combos:
+        cases.append(Case(f"{op}-{dtype}-n{n}", "plain", op, dtype, n))
+    for op, dtype in view_dtypes:
+        for kind in VIEW_KINDS:
+            cases.append(Case(f"{kind}-{op}-{dtype}", kind, op, dtype, 0))
+    for op, dtype, n in big:
+        cases.append(Case(f"big-{op}-{dtype}-n{n}", "plain", op, dtype, n))
+    cases += [
+        Case("async-SUM-float32", "async", "SUM", "float32", 1001),
+        Case("async-MAX-int64", "async", "MAX", "int64", 10_000),
+        Case("future_then-SUM-float32", "future_then", "SUM", "float32", 1001),
+        Case("coalesced-SUM-float32", "coalesced", "SUM", "float32", 0),
+        Case("coalesced-MAX-int32", "coalesced", "MAX", "int32", 0),
+        Case("complex_sum-complex64", "complex_sum", "SUM", "complex64", 7),
+    ]
+    if shape != "interleaved":
+        cases += [
+            Case("avg_fraction-float32", "avg_fraction", "AVG", "float32", 1001),
+            Case("avg_fraction-float64", "avg_fraction", "AVG", "float64", 1001),
+        ]
+        cases += [
+            Case(f"avg_error-{dtype}", "avg_error", "AVG", dtype, 7)
+            for dtype in INT_DTYPES + ("bool",)
+        ]
+        cases += [
+            Case("unsupported-SUM-complex64", "unsupported", "SUM", "complex64", 7),
+            Case("unsupported-MAX-complex64", "unsupported", "MAX", "complex64", 7),
+        ]
+    cases.append(Case("after_errors-SUM-float32", "plain", "SUM", "float32", 1001))
+    ids = [c.id for c in cases]
+    assert len(ids) == len(set(ids)), "case ids must be unique"
+    return cases
+
+
+# ----------------------------------------------------------------- inputs, references
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def make_values(
+    rank: int, case_id: str, op: str, dtype: str, numel: int, world: int
+) -> torch.Tensor:
+    """Deterministic small integer values (int64) for one rank's input."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{case_id}/{rank}".encode()))
+    if dtype == "bool":
+        return torch.randint(0, 2, (numel,), generator=gen)
+    unsigned = dtype == "uint8"
+    if op == "SUM":
+        lo, hi = (0, 8) if unsigned else (-8, 8)
+        return torch.randint(lo, hi + 1, (numel,), generator=gen)
+    if op == "AVG":
+        # Multiples of the world size: the average is an integer, whatever the order
+        # of division and summation, so it is exact in every float dtype.
+        return world * torch.randint(-8, 9, (numel,), generator=gen)
+    if op in ("MIN", "MAX"):
+        lo, hi = (0, 200) if unsigned else (-100, 100)
+        return torch.randint(lo, hi + 1, (numel,), generator=gen)
+    if op == "PRODUCT":
+        choices = torch.tensor([1, 2] if unsigned else [1, 2, -1, 1])
+        return choices[torch.randint(0, len(choices), (numel,), generator=gen)]
+    raise ValueError(op)
+
+
+def make_input(rank: int, case: Case, numel: int, world: int) -> torch.Tensor:
+    values = make_values(rank, case.id, case.op, case.dtype, numel, world)
+    return values.to(_dtype(case.dtype))
+
+
+def reduce_exact(inputs: list[torch.Tensor], op: str, dtype: str) -> torch.Tensor:
+    """The exact reduction of the ranks' inputs, computed wide and cast back."""
+    if dtype == "bool":
+        stacked = torch.stack(inputs)
+        if op in ("SUM", "MAX"):
+            return stacked.any(dim=0)
+        if op in ("MIN", "PRODUCT"):
+            return stacked.all(dim=0)
+        raise ValueError(f"no bool reference for {op}")
+    is_float = dtype in FLOAT_DTYPES
+    wide = torch.stack([t.to(torch.float64 if is_float else torch.int64) for t in inputs])
+    if op == "SUM":
+        out = wide.sum(dim=0)
+    elif op == "AVG":
+        out = wide.sum(dim=0) / len(inputs)
+    elif op == "MIN":
+        out = wide.amin(dim=0)
+    elif op == "MAX":
+        out = wide.amax(dim=0)
+    elif op == "PRODUCT":
+        out = wide.prod(dim=0)
+    else:
+        raise ValueError(op)
+    if not is_float and out.numel():
+        info = torch.iinfo(_dtype(dtype))
+        # A self-check of the test data: the reference must not overflow.
+        assert info.min <= int(out.min()) and int(out.max()) <= info.max, (op, dtype)
+    return out.to(_dtype(dtype))
+
+
+def _view_of(
+    kind: str, base_numel_hint: int
+) -> tuple[tuple[int, ...], Callable[[torch.Tensor], torch.Tensor]]:
+    """Base shape and the view of it that the allreduce gets."""
+    n = base_numel_hint
+    if kind == "plain":
+        return (n,), lambda b: b
+    if kind == "multidim":
+        return (3, 5, 7), lambda b: b
+    if kind == "transposed":
+        return (13, 11), lambda b: b.t()
+    if kind == "strided":
+        return (2 * 1001,), lambda b: b[::2]
+    if kind == "offset":
+        return (1001 + 10,), lambda b: b[5 : 5 + 1001]
+    if kind == "column_block":
+        return (10, 12), lambda b: b[:, 2:7]
+    if kind == "channels_last":
+        # Dense but not contiguous in the default sense.
+        return (2, 3, 4, 5), lambda b: b
+    raise ValueError(kind)
+
+
+def _make_base(rank: int, case: Case, world: int, shape: tuple[int, ...]) -> torch.Tensor:
+    numel = 1
+    for d in shape:
+        numel *= d
+    base = make_input(rank, case, numel, world).reshape(shape)
+    if case.kind == "channels_last":
+        base = base.contiguous(memory_format=torch.channels_last)
+    return base
+
+
+def _compare(got: torch.Tensor, expected: torch.Tensor, what: str) -> str | None:
+    if got.dtype != expected.dtype or got.shape != expected.shape:
+        return (
+            f"{what}: got {got.dtype}{tuple(got.shape)}, "
+            f"expected {expected.dtype}{tuple(expected.shape)}"
+        )
+    if torch.equal(got, expected):
+        return None
+    bad = (got != expected).flatten().nonzero().flatten()
+    first = int(bad[0])
+    g, e = got.flatten()[first].item(), expected.flatten()[first].item()
+    return (
+        f"{what}: {bad.numel()} of {got.numel()} elements differ; first at flat index "
+        f"{first}: got {g}, expected {e}"
+    )
+
+
+def _op(name: str) -> dist.ReduceOp.RedOpType:
+    return getattr(dist.ReduceOp, name)
+
+
+# ----------------------------------------------------------------- the rank side
+
+
+def _run_case(rank: int, world: int, case: Case) -> str | None:
+    """Run one case on this rank; None if it passed, else what went wrong."""
+    if case.kind in ("plain",) + VIEW_KINDS:
+        shape, view_of = _view_of(case.kind, case.numel)
+        bases = [_make_base(r, case, world, shape) for r in range(world)]
+        base = bases[rank].clone(memory_format=torch.preserve_format)
+        view = view_of(base)
+        dist.all_reduce(view, op=_op(case.op))
+        expected_base = bases[rank].clone(memory_format=torch.preserve_format)
+        view_of(expected_base).copy_(reduce_exact([view_of(b) for b in bases], case.op, case.dtype))
+        return _compare(view, view_of(expected_base), "result") or _compare(
+            base, expected_base, "base tensor (elements outside the view must not change)"
+        )
+
+    if case.kind in ("async", "future_then"):
+        inputs = [make_input(r, case, case.numel, world) for r in range(world)]
+        expected = reduce_exact(inputs, case.op, case.dtype)
+        tensor = inputs[rank].clone()
+        work = dist.all_reduce(tensor, op=_op(case.op), async_op=True)
+        assert work is not None
+        if case.kind == "async":
+            work.wait()
+            if not work.is_completed():
+                return "work.is_completed() is False after wait()"
+            return _compare(tensor, expected, "result")
+        fut = work.get_future().then(lambda f: f.value()[0] * 2)
+        doubled = fut.wait()
+        return _compare(doubled, expected * 2, "value of the chained future") or _compare(
+            tensor, expected, "result"
+        )
+
+    if case.kind == "coalesced":
+        sizes = (5, 1, 1001, 3000)
+        all_inputs = [
+            [
+                make_input(r, dataclasses.replace(case, id=f"{case.id}/{i}"), n, world)
+                for i, n in enumerate(sizes)
+            ]
+            for r in range(world)
+        ]
+        tensors = [t.clone() for t in all_inputs[rank]]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # deprecated, still there
+            dist.all_reduce_coalesced(tensors, op=_op(case.op))
+        for i, tensor in enumerate(tensors):
+            expected = reduce_exact([ins[i] for ins in all_inputs], case.op, case.dtype)
+            err = _compare(tensor, expected, f"tensor {i} of {len(sizes)}")
+            if err:
+                return err
+        return None
+
+    if case.kind == "complex_sum":
+        # torch hands complex SUM to the backend as a float view (view_as_real).
+        def complex_input(r: int) -> torch.Tensor:
+            real = make_values(r, case.id + "/re", "SUM", "float32", case.numel, world)
+            imag = make_values(r, case.id + "/im", "SUM", "float32", case.numel, world)
+            return torch.complex(real.float(), imag.float())
+
+        inputs = [complex_input(r) for r in range(world)]
+        tensor = inputs[rank].clone()
+        dist.all_reduce(tensor)
+        expected = torch.stack([t.to(torch.complex128) for t in inputs]).sum(0)
+        return _compare(tensor, expected.to(torch.complex64), "result")
+
+    if case.kind == "avg_fraction":
+        # Averages that are not integers: compare within a rounding error.
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{case.id}/{rank}".encode()))
+        mine = torch.randint(-50, 51, (case.numel,), generator=gen).to(_dtype(case.dtype))
+        inputs = []
+        for r in range(world):
+            g = torch.Generator().manual_seed(zlib.crc32(f"{case.id}/{r}".encode()))
+            inputs.append(torch.randint(-50, 51, (case.numel,), generator=g).to(torch.float64))
+        expected = (torch.stack(inputs).sum(0) / world).to(_dtype(case.dtype))
+        dist.all_reduce(mine, op=dist.ReduceOp.AVG)
+        try:
+            torch.testing.assert_close(mine, expected)
+        except AssertionError as exc:
+            return f"AVG off by more than rounding: {exc}"
+        return None
+
+    if case.kind == "avg_error":
+        tensor = make_input(rank, dataclasses.replace(case, op="SUM"), case.numel, world)
+        try:
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.AVG, async_op=True)
+            assert work is not None
+            work.wait()
+        except Exception as exc:  # noqa: BLE001 - any error type, the message matters
+            msg = str(exc)
+            # The dtype as Python users spell it: "int8", not c10's "Char".
+            if "AVG" in msg and case.dtype in msg:
+                return None
+            return f"error does not name 'AVG' and '{case.dtype}': {type(exc).__name__}: {msg}"
+        return f"AVG on {case.dtype} did not raise"
+
+    if case.kind == "unsupported":
+        # Straight to the process group: dist.all_reduce would hand the backend a float
+        # view of a complex tensor (and refuse MAX on it itself). A complex SUM may be
+        # supported (Gloo does it) but must then be exact; MAX has no meaning on
+        # complex numbers and must raise. Either error must name the dtype as Python
+        # users know it ("complex64", not c10's "ComplexFloat").
+        inputs = [
+            torch.complex(
+                make_values(r, case.id, "SUM", "float32", case.numel, world).float(),
+                make_values(r, case.id + "/im", "SUM", "float32", case.numel, world).float(),
+            )
+            for r in range(world)
+        ]
+        tensor = inputs[rank].clone()
+        pg = dist.distributed_c10d._get_default_group()
+        try:
+            pg.allreduce([tensor], _op(case.op)).wait()
+        except Exception as exc:  # noqa: BLE001
+            msg = str(exc)
+            if case.dtype in msg:
+                return None
+            return f"error does not name the dtype {case.dtype}: {type(exc).__name__}: {msg}"
+        if case.op != "SUM":
+            return f"allreduce {case.op} of {case.dtype} did not raise"
+        expected = torch.stack([t.to(torch.complex128) for t in inputs]).sum(0)
+        return _compare(tensor, expected.to(torch.complex64), "result of a complex SUM")
+
+    raise ValueError(f"unknown case kind {case.kind}")
+
+
+def run_cases(rank: int, world: int, cases: list[Case]) -> dict[str, str | None]:
+    results: dict[str, str | None] = {}
+    for case in cases:
+        print(f"case {case.id}", flush=True)  # in the rank's log, should it hang
+        try:
+            results[case.id] = _run_case(rank, world, case)
+        except Exception as exc:  # noqa: BLE001 - reported per case
+            results[case.id] = f"{type(exc).__name__}: {exc}"
+    return results
+
+
+# ----------------------------------------------------------------- the pytest side
+
+JOB_SHAPES = ("2x2", "3x1", "1x3", "interleaved")
+CASES: dict[str, list[Case]] = {shape: build_cases(shape) for shape in JOB_SHAPES}
+_JOBS: dict[str, dict[str, list[tuple[int, str]]] | RankFailure] = {}
+_JOB_FAILURE_SHOWN: set[str] = set()
+
+
+def _job(shape: str) -> dict[str, list[tuple[int, str]]] | RankFailure:
+    """Run (once) the job of one shape: case id -> [(rank, error)] over all ranks."""
+    if shape not in _JOBS:
+        ids = SHAPES[shape]
+        try:
+            per_rank = run_ranks(
+                run_cases,
+                len(ids),
+                ids,
+                backend=BACKEND,
+                env=JOB_ENV,
+                timeout_s=JOB_TIMEOUT_S,
+                cases=CASES[shape],
+            )
+        except RankFailure as exc:
+            _JOBS[shape] = exc
+        else:
+            merged: dict[str, list[tuple[int, str]]] = {c.id: [] for c in CASES[shape]}
+            for rank, results in enumerate(per_rank):
+                assert set(results) == set(merged), f"rank {rank} skipped cases"
+                for case_id, err in results.items():
+                    if err is not None:
+                        merged[case_id].append((rank, err))
+            _JOBS[shape] = merged
+    return _JOBS[shape]
+
+
+@pytest.mark.parametrize(
+    ("shape", "case_id"),
+    [pytest.param(s, c.id, id=f"{s}-{c.id}") for s in JOB_SHAPES for c in CASES[s]],
+)
+def test_allreduce(shape: str, case_id: str) -> None:
+    result = _job(shape)
+    if isinstance(result, RankFailure):
+        if shape in _JOB_FAILURE_SHOWN:
+            pytest.fail(
+                f"the {shape} job failed (see its first case): {str(result).splitlines()[0]}"
+            )
+        _JOB_FAILURE_SHOWN.add(shape)
+        pytest.fail(f"the {shape} job failed:\n{result}")
+    errors = result[case_id]
+    if errors:
+        pytest.fail(
+            f"{case_id} on {BACKEND} {shape}:\n"
+            + "\n".join(f"  rank {rank}: {err}" for rank, err in errors)
+        )
