@@ -1,6 +1,7 @@
 #include "transport/peer_mesh.h"
 
 #include <tensorpipe/channel/basic/factory.h>
+#include <tensorpipe/channel/cma/factory.h>
 #include <tensorpipe/transport/uv/factory.h>
 
 #include <algorithm>
@@ -10,8 +11,8 @@ namespace fairring {
 
 namespace {
 
-std::string addressKey(int rank) {
-  return "addr/" + std::to_string(rank);
+std::string addressKey(PeerMesh::Reach reach, int rank) {
+  return std::string(reach == PeerMesh::Reach::kLocal ? "addr/local/" : "addr/rail/") + std::to_string(rank);
 }
 
 bool isClosing(const tensorpipe::Error& e) {
@@ -58,24 +59,50 @@ Status PeerMesh::failure(const std::string& what, int peer, const tensorpipe::Er
       ": " + error.what());
 }
 
-Status PeerMesh::start(c10d::Store& store) {
-  context_ = std::make_shared<tensorpipe::Context>(
-      tensorpipe::ContextOptions().name("fairring-rank" + std::to_string(layout_.rank())));
-  context_->registerTransport(0, "uv", tensorpipe::transport::uv::create());
-  context_->registerChannel(0, "basic", tensorpipe::channel::basic::create());
-  listener_ = context_->listen({"uv://" + options_.listenAddress});
-  const std::string url = listener_->url("uv");
-  accept();
+PeerMesh::Reach PeerMesh::reachOf(int peer) const {
+  return layout_.machineOf(peer) == layout_.machine() ? Reach::kLocal : Reach::kRail;
+}
 
+void PeerMesh::openEndpoint(Reach reach) {
+  Endpoint& ep = endpoints_[static_cast<int>(reach)];
+  const bool local = reach == Reach::kLocal;
+  ep.context = std::make_shared<tensorpipe::Context>(tensorpipe::ContextOptions().name(
+      "fairring-rank" + std::to_string(layout_.rank()) + (local ? "-local" : "-rail")));
+  ep.context->registerTransport(0, "uv", tensorpipe::transport::uv::create());
+  ep.context->registerChannel(0, "basic", tensorpipe::channel::basic::create());
+  if (local) {
+    // One copy straight from the sender's memory (process_vm_readv); TensorPipe
+    // falls back to "basic" where the kernel does not allow it.
+    ep.context->registerChannel(10, "cma", tensorpipe::channel::cma::create());
+  }
+  // Local peers share this machine, so their listener needs only loopback.
+  ep.listener = ep.context->listen({"uv://" + (local ? std::string("127.0.0.1") : options_.listenAddress)});
+  ep.url = ep.listener->url("uv");
+  accept(reach);
+}
+
+Status PeerMesh::start(c10d::Store& store) {
   const std::vector<int> peers = layout_.peers();
+  if (layout_.localSize() > 1) {
+    openEndpoint(Reach::kLocal);
+  }
+  if (layout_.numMachines() > 1) {
+    openEndpoint(Reach::kRail);
+  }
   try {
-    store.set(addressKey(layout_.rank()), std::vector<uint8_t>(url.begin(), url.end()));
+    for (int r = 0; r < 2; ++r) {
+      const Endpoint& ep = endpoints_[r];
+      if (ep.context) {
+        store.set(addressKey(static_cast<Reach>(r), layout_.rank()), std::vector<uint8_t>(ep.url.begin(), ep.url.end()));
+      }
+    }
     for (int peer : peers) {
-      const std::vector<uint8_t> raw = store.get(addressKey(peer));
+      const Reach reach = reachOf(peer);
+      const std::vector<uint8_t> raw = store.get(addressKey(reach, peer));
       const std::string peerUrl(raw.begin(), raw.end());
       for (int l = 0; l < kNumLanes; ++l) {
         const Lane lane = static_cast<Lane>(l);
-        auto pipe = context_->connect(peerUrl);
+        auto pipe = endpoints_[static_cast<int>(reach)].context->connect(peerUrl);
         const std::string hello = encode(Hello{layout_.rank(), lane, options_.token});
         pipe->write(makeMessage(hello, nullptr, 0), [](const tensorpipe::Error&) {
           // A failed hello surfaces again on the first write of data.
@@ -102,26 +129,27 @@ Status PeerMesh::start(c10d::Store& store) {
     }
     return Status::error(
         "fairring: " + layout_.describe(layout_.rank()) + " timed out after " +
-        std::to_string(options_.timeout.count()) + " ms waiting for " + missing + " to connect to " + url);
+        std::to_string(options_.timeout.count()) + " ms waiting for " + missing + " to connect");
   }
   return Status();
 }
 
-void PeerMesh::accept() {
-  listener_->accept([this](const tensorpipe::Error& error, std::shared_ptr<tensorpipe::Pipe> pipe) {
-    if (error) {
-      if (!isClosing(error)) {
-        std::cerr << "fairring: listener on " << layout_.describe(layout_.rank())
-                  << " stopped accepting: " << error.what() << std::endl;
-      }
-      return;
-    }
-    onAccepted(std::move(pipe));
-    accept();
-  });
+void PeerMesh::accept(Reach reach) {
+  endpoints_[static_cast<int>(reach)].listener->accept(
+      [this, reach](const tensorpipe::Error& error, std::shared_ptr<tensorpipe::Pipe> pipe) {
+        if (error) {
+          if (!isClosing(error)) {
+            std::cerr << "fairring: listener on " << layout_.describe(layout_.rank())
+                      << " stopped accepting: " << error.what() << std::endl;
+          }
+          return;
+        }
+        onAccepted(reach, std::move(pipe));
+        accept(reach);
+      });
 }
 
-void PeerMesh::onAccepted(std::shared_ptr<tensorpipe::Pipe> pipe) {
+void PeerMesh::onAccepted(Reach reach, std::shared_ptr<tensorpipe::Pipe> pipe) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) {
@@ -131,7 +159,7 @@ void PeerMesh::onAccepted(std::shared_ptr<tensorpipe::Pipe> pipe) {
     unidentified_.push_back(pipe);
   }
   std::weak_ptr<tensorpipe::Pipe> weak = pipe;
-  pipe->readDescriptor([this, weak](const tensorpipe::Error& error, tensorpipe::Descriptor descriptor) {
+  pipe->readDescriptor([this, weak, reach](const tensorpipe::Error& error, tensorpipe::Descriptor descriptor) {
     auto pipe = weak.lock();
     if (!pipe) {
       return;
@@ -148,7 +176,8 @@ void PeerMesh::onAccepted(std::shared_ptr<tensorpipe::Pipe> pipe) {
     const bool known = hello && sameToken(hello->token, options_.token) && hello->rank >= 0 &&
         hello->rank < layout_.worldSize() && descriptor.tensors.empty() && descriptor.payloads.empty();
     const std::vector<int> peers = layout_.peers();
-    if (!known || std::find(peers.begin(), peers.end(), hello->rank) == peers.end()) {
+    if (!known || std::find(peers.begin(), peers.end(), hello->rank) == peers.end() ||
+        reachOf(hello->rank) != reach) {
       std::cerr << "fairring: " << layout_.describe(layout_.rank())
                 << " refused a connection that is not from a peer of this job" << std::endl;
       forget();
@@ -261,15 +290,19 @@ void PeerMesh::close() {
     closed_ = true;
   }
   cv_.notify_all();
-  if (context_) {
-    context_->close();
-    context_->join();
+  for (Endpoint& ep : endpoints_) {
+    if (ep.context) {
+      ep.context->close();
+      ep.context->join();
+    }
   }
   std::lock_guard<std::mutex> lock(mu_);
   outbound_.clear();
   inbound_.clear();
   unidentified_.clear();
-  listener_.reset();
+  for (Endpoint& ep : endpoints_) {
+    ep.listener.reset();
+  }
 }
 
 } // namespace fairring

@@ -31,6 +31,12 @@ class PeerMesh {
     std::chrono::milliseconds timeout;
   };
 
+  // Local peers (same machine) and rail peers (other machines) are reached
+  // through separate TensorPipe contexts: the local one may use channels that
+  // copy through memory (cma), which must never carry traffic between
+  // machines, not even simulated ones sharing a host.
+  enum class Reach : int { kRail = 0, kLocal = 1 };
+
   // Called on a TensorPipe thread once per arriving message (header only:
   // call receive() to read its body), or once with a failure of the pipe.
   using OnMessage = std::function<void(int peer, Lane lane, Status status, std::string header, size_t bytes)>;
@@ -56,16 +62,23 @@ class PeerMesh {
  private:
   using Key = std::pair<int, Lane>;
 
-  void accept();
-  void onAccepted(std::shared_ptr<tensorpipe::Pipe> pipe);
+  struct Endpoint {
+    std::shared_ptr<tensorpipe::Context> context;
+    std::shared_ptr<tensorpipe::Listener> listener;
+    std::string url;
+  };
+
+  Reach reachOf(int peer) const;
+  void openEndpoint(Reach reach);
+  void accept(Reach reach);
+  void onAccepted(Reach reach, std::shared_ptr<tensorpipe::Pipe> pipe);
   void readNext(int peer, Lane lane, const std::shared_ptr<tensorpipe::Pipe>& pipe);
   Status failure(const std::string& what, int peer, const tensorpipe::Error& error) const;
 
   const RankLayout& layout_;
   const Options options_;
   const OnMessage onMessage_;
-  std::shared_ptr<tensorpipe::Context> context_;
-  std::shared_ptr<tensorpipe::Listener> listener_;
+  Endpoint endpoints_[2];
 
   std::mutex mu_;
   std::condition_variable cv_;
