@@ -429,6 +429,10 @@ void AllreduceEngine::onMessage(int peer, Lane lane, Status status, std::string 
       } else if (departed_.empty()) {
         departed_ = status.message();
       }
+    } else if (auto abort = decodeAbort(header)) {
+      failLocked(abort->reason + " (reported to " + layout_.describe(layout_.rank()) + " by " +
+                     layout_.describe(peer) + ")",
+                 actions);
     } else if (auto h = decodeData(header); !h || laneOf(h->phase) != lane) {
       failLocked("fairring: malformed message from " + layout_.describe(peer), actions);
     } else {
@@ -561,6 +565,19 @@ void AllreduceEngine::failLocked(const std::string& message, Actions& actions) {
     return;
   }
   failure_ = message;
+  failedAt_ = Clock::now();
+  if (!stopping_) {
+    for (int peer : layout_.peers()) {
+      ++abortsInFlight_;
+      actions.push_back([this, peer, message] {
+        mesh_->send(peer, Lane::kGather, encode(Abort{message}), nullptr, 0, [this](Status) {
+          std::lock_guard<std::mutex> lock(mu_);
+          --abortsInFlight_;
+          cv_.notify_all();
+        });
+      });
+    }
+  }
   for (auto& [seq, op] : ops_) {
     auto future = op->future;
     actions.push_back([future, message] { future->setError(makeError(message)); });
@@ -631,7 +648,10 @@ void AllreduceEngine::watchdog() {
     if (stopping_) {
       break;
     }
-    if (!failure_.empty() && !meshClosed_) {
+    // Close once the aborts are out (or after a grace period if a peer does
+    // not take them): closing the pipes earlier would drop them.
+    if (!failure_.empty() && !meshClosed_ &&
+        (abortsInFlight_ == 0 || Clock::now() - failedAt_ > std::chrono::seconds(2))) {
       // Closing the pipes tells every peer at once that this rank has failed.
       meshClosed_ = true;
       lock.unlock();

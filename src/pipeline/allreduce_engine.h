@@ -118,6 +118,8 @@ class AllreduceEngine {
   // an error, but the next operation (which needs every peer) fails with it.
   std::string departed_;
   bool meshClosed_{false};
+  int abortsInFlight_{0};
+  std::chrono::steady_clock::time_point failedAt_;
   bool stopping_{false};
   uint64_t nextSeq_{0};
   std::map<uint64_t, std::unique_ptr<Op>> ops_;

@@ -7,6 +7,8 @@ namespace fairring {
 namespace {
 constexpr uint32_t kDataMagic = 0x46524431; // "FRD1"
 constexpr uint32_t kHelloMagic = 0x46524831; // "FRH1"
+constexpr uint32_t kAbortMagic = 0x46524131; // "FRA1"
+constexpr size_t kMaxReasonBytes = 4096;
 constexpr size_t kMaxTokenBytes = 256;
 
 template <typename T>
@@ -59,6 +61,22 @@ std::optional<DataHeader> decodeData(const std::string& in) {
   }
   h.phase = static_cast<Phase>(phase);
   return h;
+}
+
+std::string encode(const Abort& a) {
+  std::string out;
+  put(out, kAbortMagic);
+  out.append(a.reason.substr(0, kMaxReasonBytes));
+  return out;
+}
+
+std::optional<Abort> decodeAbort(const std::string& in) {
+  size_t pos = 0;
+  uint32_t magic = 0;
+  if (!take(in, pos, magic) || magic != kAbortMagic || in.size() - pos > kMaxReasonBytes) {
+    return std::nullopt;
+  }
+  return Abort{in.substr(pos)};
 }
 
 std::string encode(const Hello& h) {

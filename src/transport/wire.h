@@ -47,6 +47,15 @@ struct Hello {
 
 std::string encode(const DataHeader& h);
 std::optional<DataHeader> decodeData(const std::string& bytes);
+// The last message a failing rank sends to each peer, on the gather lane
+// (which no receiver ever holds back): the first error, so that ranks that
+// never talked to the culprit still learn who it was.
+struct Abort {
+  std::string reason;
+};
+
+std::string encode(const Abort& a);
+std::optional<Abort> decodeAbort(const std::string& bytes);
 std::string encode(const Hello& h);
 std::optional<Hello> decodeHello(const std::string& bytes);
 
