@@ -57,7 +57,10 @@ def build_hash(source_dir: Path, name: str = EXTENSION_NAME) -> str:
     import torch
 
     digest = hashlib.sha256()
-    for part in (name, torch.__version__, sys.version, " ".join(CFLAGS), os.environ.get("CXX", "")):
+    # The source path is part of the key because torch's build.ninja records absolute
+    # paths: two installs sharing one directory would rebuild each other's binary.
+    parts = (name, str(source_dir), torch.__version__, sys.version, " ".join(CFLAGS))
+    for part in (*parts, os.environ.get("CXX", "")):
         digest.update(part.encode())
         digest.update(b"\0")
     for path in sorted(source_dir.rglob("*")):
