@@ -40,7 +40,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("options"), py::arg("cpu_delegate"),
           py::arg("cuda_delegate") = py::none());
 
+  // Same argument order as fairring_pg.config.staging_slot_bytes, which a test compares it with.
   m.def(
-      "staging_slot_bytes", &fairring::stagingSlotBytes, py::arg("slice_size"), py::arg("local_size"),
-      py::arg("num_machines"), "Bytes of one staging slot (must equal fairring_pg.config's formula).");
+      "staging_slot_bytes",
+      [](size_t sliceSize, int numMachines, int localSize) {
+        return fairring::stagingSlotBytes(sliceSize, localSize, numMachines);
+      },
+      py::arg("slice_size"), py::arg("num_machines"), py::arg("local_size"),
+      "Bytes of one staging slot (must equal fairring_pg.config's formula).");
 }
