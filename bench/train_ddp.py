@@ -45,6 +45,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--ff", type=int, default=1024)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument(
+        "--optimizer",
+        choices=["adam", "sgd"],
+        default="adam",
+        help="sgd keeps weights comparable across backends: Adam turns rounding-level"
+        " gradient differences into lr-sized steps",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
@@ -80,7 +87,8 @@ def main() -> None:
         seq_len=args.seq_len,
     )
     model = DDP(build_model(cfg, args.seed), bucket_cap_mb=args.bucket_cap_mb)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    optimizer_cls = torch.optim.Adam if args.optimizer == "adam" else torch.optim.SGD
+    optimizer = optimizer_cls(model.parameters(), lr=args.lr)
     corpus = SyntheticCorpus(cfg.vocab, args.seed, rank)
 
     def step() -> torch.Tensor:
