@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The README's test command: install what the tests need on a fresh machine, then run
+# the whole suite (multi-process CPU tests on simulated machines; CUDA tests skip
+# without a GPU).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
+# A bare `torch` requirement would pull the CUDA wheels (gigabytes): pin the CPU build
+# first, and only when no torch is present at all.
+if ! python -c "import torch" >/dev/null 2>&1; then
+    python -m pip install -q "torch==2.13.0"
+fi
+python -m pip install -q -e ".[test]"
+
+# Compile the C++ core once, up front, so that no test's deadline pays for it.
+python -c "import fairring_pg._build as b; b.load_extension()"
+
+python -m pytest -q tests "$@"
