@@ -76,7 +76,8 @@ def job_token(store: Any, rank: int, timeout: timedelta) -> str:
 def _fill_options(
     opts: Any, config: Config, topology: Topology, address: str, token: str, timeout: timedelta
 ) -> None:
-    opts.slice_size = config.slice_size
+    opts.slice_size = config.effective_slice_size(topology.num_machines, topology.local_size)
+    opts.timeline_path = config.timeline_path(topology.rank)
     opts.total_memory = config.total_memory
     opts.machine_of = list(topology.machine_of)
     opts.hostnames = list(topology.hostnames)
@@ -95,6 +96,7 @@ class _PlainOptions:
     listen_address: str
     job_token: str
     timeout: timedelta
+    timeline_path: str
 
 
 def make_gloo_delegate(

@@ -26,6 +26,9 @@ TIB = 1024 * GIB
 
 DEFAULT_SLICE_SIZE = 25 * MIB  # DDP's default bucket, so one bucket is one slice
 DEFAULT_TOTAL_MEMORY = 50 * MIB
+# Smallest shard slice scaling aims for: below about this, fixed per-message costs
+# (headers, wake-ups, a loop iteration per peer) outweigh the bytes moved.
+MIN_SHARD_BYTES = 1 * MIB
 MAX_BYTES = TIB  # anything larger is a typo, not a configuration
 
 _SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?|\.\d+)\s*([kmg]?)(i?b)?$", re.IGNORECASE)
@@ -46,6 +49,7 @@ _ENV_NAME = {
     "slice_scaling": "FAIRRING_SLICE_SCALING",
     "machine_id": "FAIRRING_MACHINE_ID",
     "socket_ifname": "TP_SOCKET_IFNAME",
+    "timeline": "FAIRRING_TIMELINE",
 }
 _STORE_KEY = "fairring/config/{rank}"
 
@@ -124,7 +128,8 @@ class Config:
     total_memory: int = DEFAULT_TOTAL_MEMORY
     machine_id: str | None = None
     socket_ifname: str | None = None
-    slice_scaling: bool = False
+    slice_scaling: bool = True
+    timeline: str | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> Config:
@@ -140,7 +145,38 @@ class Config:
             values["socket_ifname"] = _check_ifname("TP_SOCKET_IFNAME", raw)
         if (raw := environ.get("FAIRRING_SLICE_SCALING")) is not None:
             values["slice_scaling"] = _switch("FAIRRING_SLICE_SCALING", raw)
+        if (raw := environ.get("FAIRRING_TIMELINE")) is not None:
+            values["timeline"] = _check_timeline("FAIRRING_TIMELINE", raw)
         return cls(**values)
+
+    def effective_slice_size(self, num_machines: int, local_size: int) -> int:
+        """The slice actually used: FAIRRING_SLICE_SIZE, grown against over-sharding.
+
+        A slice is cut into L*M shards; at many machines they get so small that per-message
+        costs dominate (Fairring's "over-sharding"). With scaling on, the slice grows until
+        every shard has at least MIN_SHARD_BYTES, but never so far that fewer than two
+        slices fit in the staging memory (that would serialise the pipeline).
+        """
+        base = self.slice_size
+        if not self.slice_scaling:
+            return base
+        wanted = max(base, MIN_SHARD_BYTES * num_machines * local_size)
+        while (
+            wanted > base
+            and 2 * staging_slot_bytes(wanted, num_machines, local_size) > self.total_memory
+        ):
+            wanted = max(base, wanted // 2)
+        return wanted
+
+    def timeline_path(self, rank: int) -> str:
+        """This rank's trace file: '{rank}' in FAIRRING_TIMELINE is replaced, else the
+        rank goes before the extension (trace.json -> trace.rank3.json)."""
+        if self.timeline is None:
+            return ""
+        if "{rank}" in self.timeline:
+            return self.timeline.replace("{rank}", str(rank))
+        root, ext = os.path.splitext(self.timeline)
+        return f"{root}.rank{rank}{ext or '.json'}"
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -183,6 +219,19 @@ class Config:
                         f"{_show(field, theirs.get(field))}; expected the same value on "
                         "every rank"
                     )
+
+
+def _check_timeline(name: str, raw: str) -> str:
+    path = _non_empty(name, raw)
+    directory = os.path.dirname(os.path.abspath(path.replace("{rank}", "0")))
+    if not os.path.isdir(directory):
+        raise ValueError(
+            f"{name}={raw!r}: the directory {directory!r} does not exist; expected a file path "
+            "in an existing, writable directory ('{rank}' in it is replaced by the rank)"
+        )
+    if not os.access(directory, os.W_OK):
+        raise ValueError(f"{name}={raw!r}: the directory {directory!r} is not writable")
+    return path
 
 
 def _show(field: str, value: Any) -> str:

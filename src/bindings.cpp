@@ -23,7 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("hostnames", &BackendOptions::hostnames)
       .def_readwrite("listen_address", &BackendOptions::listenAddress)
       .def_readwrite("job_token", &BackendOptions::jobToken)
-      .def_readwrite("timeout", &BackendOptions::timeout);
+      .def_readwrite("timeout", &BackendOptions::timeout)
+      .def_readwrite("timeline_path", &BackendOptions::timelinePath);
 
   py::class_<FairringBackend, c10d::Backend, c10::intrusive_ptr<FairringBackend>>(m, "FairringBackend")
       .def(

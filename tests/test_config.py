@@ -30,7 +30,7 @@ SIZE_VARS = ["FAIRRING_SLICE_SIZE", "FAIRRING_TOTAL_MEMORY"]
 
 def test_defaults() -> None:
     cfg = Config.from_env({})
-    assert cfg == Config(DEFAULT_SLICE_SIZE, DEFAULT_TOTAL_MEMORY, None, None, False)
+    assert cfg == Config(DEFAULT_SLICE_SIZE, DEFAULT_TOTAL_MEMORY, None, None, True, None)
     assert cfg.slice_size == 25 * MIB and cfg.total_memory == 50 * MIB
 
 
@@ -120,7 +120,7 @@ def test_machine_id() -> None:
 
 
 def test_slice_scaling() -> None:
-    assert Config.from_env({}).slice_scaling is False
+    assert Config.from_env({}).slice_scaling is True
     assert Config.from_env({"FAIRRING_SLICE_SCALING": "on"}).slice_scaling is True
     assert Config.from_env({"FAIRRING_SLICE_SCALING": "OFF"}).slice_scaling is False
     for raw in ["yes", "1", "", "true"]:
@@ -233,7 +233,7 @@ def test_consistent_across_ranks() -> None:
     [
         ("slice_size", 4 * MIB, "FAIRRING_SLICE_SIZE", str(4 * MIB)),
         ("total_memory", 8 * MIB, "FAIRRING_TOTAL_MEMORY", str(8 * MIB)),
-        ("slice_scaling", True, "FAIRRING_SLICE_SCALING", "'on'"),
+        ("slice_scaling", False, "FAIRRING_SLICE_SCALING", "'off'"),
     ],
 )
 def test_mismatch_across_ranks(field: str, value: Any, var: str, shown: str) -> None:
@@ -247,3 +247,38 @@ def test_mismatch_across_ranks(field: str, value: Any, var: str, shown: str) -> 
     assert bad.startswith(f"{var} differs across ranks: rank 2 has {shown}, rank 0 has ")
     # Rank 0 fails too (naming the odd rank), rather than timing out later.
     assert f"rank 2 has {shown}" in str(results[0])
+
+
+def test_effective_slice_size_grows_against_over_sharding() -> None:
+    # 1 MiB slices on 8 machines x 1 rank would make 128 KiB shards: grown to 8 MiB.
+    config = Config(slice_size=1 * MIB, total_memory=64 * MIB)
+    assert config.effective_slice_size(8, 1) == 8 * MIB
+    assert staging_slot_bytes(8 * MIB, 8, 1) * 2 <= 64 * MIB
+    # Shards already >= 1 MiB: unchanged.
+    assert config.effective_slice_size(1, 1) == 1 * MIB
+    assert Config().effective_slice_size(4, 2) == Config().slice_size
+    # Off: never changed.
+    assert Config(slice_size=1 * MIB, slice_scaling=False).effective_slice_size(8, 1) == 1 * MIB
+
+
+def test_effective_slice_size_keeps_two_slots_in_staging() -> None:
+    config = Config(slice_size=1 * MIB, total_memory=6 * MIB)
+    grown = config.effective_slice_size(8, 1)
+    assert 1 * MIB < grown < 8 * MIB
+    assert 2 * staging_slot_bytes(grown, 8, 1) <= 6 * MIB
+    # Staging too small to grow at all: the configured slice stays.
+    tight = Config(slice_size=1 * MIB, total_memory=2 * MIB)
+    assert tight.effective_slice_size(8, 1) == 1 * MIB
+
+
+def test_timeline(tmp_path: Any) -> None:
+    path = str(tmp_path / "trace.json")
+    config = Config.from_env({"FAIRRING_TIMELINE": path})
+    assert config.timeline_path(3) == str(tmp_path / "trace.rank3.json")
+    templated = Config.from_env({"FAIRRING_TIMELINE": str(tmp_path / "t-{rank}.json")})
+    assert templated.timeline_path(1) == str(tmp_path / "t-1.json")
+    assert Config.from_env({}).timeline_path(0) == ""
+    with pytest.raises(ValueError, match=r"FAIRRING_TIMELINE=.*does not exist"):
+        Config.from_env({"FAIRRING_TIMELINE": str(tmp_path / "missing" / "t.json")})
+    with pytest.raises(ValueError, match=r"FAIRRING_TIMELINE"):
+        Config.from_env({"FAIRRING_TIMELINE": "  "})

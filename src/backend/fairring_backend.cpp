@@ -36,7 +36,8 @@ FairringBackend::FairringBackend(
       " entries for a world of ", size);
   RankLayout layout(rank, options.machineOf, options.hostnames);
   EngineOptions engineOptions{
-      options.sliceSize, options.totalMemory, options.timeout, options.listenAddress, options.jobToken};
+      options.sliceSize, options.totalMemory, options.timeout, options.listenAddress, options.jobToken,
+      options.timelinePath};
   engine_ = std::make_unique<AllreduceEngine>(std::move(layout), std::move(engineOptions));
   engine_->start(*store);
 }

@@ -22,6 +22,7 @@ struct BackendOptions {
   std::string listenAddress{"127.0.0.1"};
   std::string jobToken;
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+  std::string timelinePath; // this rank's trace file; empty: off
 };
 
 // The c10d backend: allreduce on CPU tensors runs the reduction-server

@@ -1,5 +1,6 @@
 #include "backend/future_work.h"
 
+#include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 
 #include <string>
@@ -12,9 +13,18 @@ FutureWork::FutureWork(
     const char* profilingTitle,
     const std::vector<at::Tensor>& inputs,
     c10::intrusive_ptr<c10::ivalue::Future> future)
-    : c10d::Work(rank, opType, profilingTitle, inputs),
+    : c10d::Work(rank, opType, nullptr, inputs),
       future_(std::move(future)),
       signal_(std::make_shared<Signal>()) {
+  // A torch.profiler range from issue to completion. c10d::Work would end its
+  // own range in finish(), which this future-driven Work never calls.
+  auto range = std::make_shared<at::RecordFunction>(at::RecordScope::USER_SCOPE);
+  if (range->isActive()) {
+    range->_setAsync();
+    std::vector<c10::IValue> shapes(inputs.begin(), inputs.end());
+    range->before(profilingTitle, c10::ArrayRef<const c10::IValue>(shapes.data(), shapes.size()));
+    future_->addCallback([range](c10::ivalue::Future&) { range->end(); });
+  }
   // The future has no timed wait; a callback turns completion into a signal.
   future_->addCallback([signal = signal_](c10::ivalue::Future&) {
     {

@@ -14,6 +14,13 @@ using RedOp = c10d::ReduceOp::RedOpType;
 namespace {
 constexpr int kNumPhases = 4;
 
+// Free when the timeline is off: one branch, no clock read.
+inline void stamp(const Timeline& timeline, int64_t& at) {
+  if (timeline.enabled()) {
+    at = Timeline::now();
+  }
+}
+
 std::exception_ptr makeError(const std::string& message) {
   return std::make_exception_ptr(c10::DistBackendError(message));
 }
@@ -38,6 +45,12 @@ struct AllreduceEngine::Slice {
   bool chunkFinal{false};
   bool agSent{false};
   bool done{false};
+  // Timeline stamps (microseconds), taken only when the timeline is on.
+  int64_t tActive{0};
+  int64_t tRsReduced{0};
+  int64_t tReduceStart{0};
+  int64_t tShardReduced{0};
+  int64_t tChunkFinal{0};
 };
 
 struct AllreduceEngine::Op {
@@ -52,6 +65,8 @@ struct AllreduceEngine::Op {
   std::vector<at::Tensor> outputs;
   std::function<void()> finish;
   std::vector<Slice> slices;
+  int64_t tEnqueued{0};
+  uint64_t firstSliceId{0};
 
   DataHeader header(int64_t s, Phase phase) const {
     DataHeader h;
@@ -72,6 +87,7 @@ struct AllreduceEngine::Op {
 AllreduceEngine::AllreduceEngine(RankLayout layout, EngineOptions options)
     : layout_(std::move(layout)),
       options_(std::move(options)),
+      timeline_(options_.timelinePath, layout_.rank()),
       staging_(
           options_.totalMemory,
           stagingSlotBytes(options_.sliceBytes, layout_.localSize(), layout_.numMachines())) {
@@ -146,6 +162,9 @@ void AllreduceEngine::admitLocked(
     o->outputs = std::move(outputs);
     o->finish = std::move(finish);
     o->slicesLeft = o->plan.numSlices();
+    o->firstSliceId = nextSliceId_;
+    nextSliceId_ += o->slicesLeft;
+    stamp(timeline_, o->tEnqueued);
     if (o->slicesLeft == 0) {
       // Nothing to exchange, but the sequence number is spent on every rank alike.
       actions.push_back([future, outs = o->outputs]() { future->markCompleted(c10::IValue(outs)); });
@@ -199,6 +218,7 @@ void AllreduceEngine::pump(Actions& actions) {
 
 void AllreduceEngine::activate(Op& op, Slice& slice, Actions& actions) {
   slice.active = true;
+  stamp(timeline_, slice.tActive);
   const int m = layout_.machine();
   for (int j = 0; j < layout_.localSize(); ++j) {
     if (j != layout_.localRank()) {
@@ -252,6 +272,7 @@ void AllreduceEngine::advance(Op& op, Slice& slice, Actions& actions) {
     }
     if (L == 1) {
       slice.rsReduced = true;
+      stamp(timeline_, slice.tRsReduced);
     } else {
       // Sum the other local ranks' copies of my chunk into my own.
       const Range mine = op.plan.chunk(s, l);
@@ -278,6 +299,7 @@ void AllreduceEngine::advance(Op& op, Slice& slice, Actions& actions) {
             Slice& slice = it->second->slices[s];
             slice.reducing = false;
             slice.rsReduced = true;
+            stamp(timeline_, slice.tRsReduced);
             advance(*it->second, slice, actions);
           }
         }
@@ -312,6 +334,7 @@ void AllreduceEngine::advance(Op& op, Slice& slice, Actions& actions) {
       ++p;
     }
     slice.reducing = true;
+    stamp(timeline_, slice.tReduceStart);
     const RedOp redop = op.op;
     const int worldSize = layout_.worldSize();
     tasks_.post([this, seq, s, dst, pieces, redop, worldSize] {
@@ -327,6 +350,7 @@ void AllreduceEngine::advance(Op& op, Slice& slice, Actions& actions) {
           Slice& slice = it->second->slices[s];
           slice.reducing = false;
           slice.shardReduced = true;
+          stamp(timeline_, slice.tShardReduced);
           // Everything this slice receives from now on lands in place.
           staging_.release(slice.slot);
           slice.slot = -1;
@@ -354,6 +378,7 @@ void AllreduceEngine::advance(Op& op, Slice& slice, Actions& actions) {
       return;
     }
     slice.chunkFinal = true;
+    stamp(timeline_, slice.tChunkFinal);
   }
 
   if (L > 1 && !slice.agSent) {
@@ -374,9 +399,11 @@ void AllreduceEngine::advance(Op& op, Slice& slice, Actions& actions) {
 
 void AllreduceEngine::finishSlice(Op& op, Slice& slice, Actions& actions) {
   slice.done = true;
+  recordSlice(op, slice);
   if (--op.slicesLeft > 0) {
     return;
   }
+  recordOp(op);
   auto it = ops_.find(op.seq);
   std::shared_ptr<Op> finished(std::move(it->second));
   ops_.erase(it);
@@ -394,6 +421,44 @@ void AllreduceEngine::finishSlice(Op& op, Slice& slice, Actions& actions) {
       }
     });
   });
+}
+
+void AllreduceEngine::recordSlice(const Op& op, const Slice& slice) {
+  if (!timeline_.enabled()) {
+    return;
+  }
+  const int64_t tDone = Timeline::now();
+  const uint64_t id = op.firstSliceId + slice.index;
+  const std::string args = "{\"op\":" + std::to_string(op.seq) + ",\"slice\":" + std::to_string(slice.index) +
+      ",\"elements\":" + std::to_string(op.plan.slice(slice.index).size()) + "}";
+  const bool intraNode = layout_.localSize() > 1;
+  const bool rail = layout_.numMachines() > 1;
+  timeline_.sliceSpan(id, "waiting for staging", op.tEnqueued, slice.tActive, args);
+  if (intraNode) {
+    timeline_.sliceSpan(id, "reduce-scatter", slice.tActive, slice.tRsReduced, args);
+  }
+  if (rail) {
+    timeline_.sliceSpan(id, "collect", slice.tRsReduced, slice.tReduceStart, args);
+  }
+  timeline_.sliceSpan(id, "reduce", slice.tReduceStart, slice.tShardReduced, args);
+  if (rail) {
+    timeline_.sliceSpan(id, "diffuse", slice.tShardReduced, slice.tChunkFinal, args);
+  }
+  if (intraNode) {
+    timeline_.sliceSpan(id, "all-gather", slice.tChunkFinal, tDone, args);
+  }
+}
+
+void AllreduceEngine::recordOp(const Op& op) {
+  if (!timeline_.enabled()) {
+    return;
+  }
+  const DataHeader h = op.header(0, Phase::kReduceScatter);
+  timeline_.span(
+      "ops", "allreduce #" + std::to_string(op.seq), op.tEnqueued, Timeline::now(),
+      "{\"elements\":" + std::to_string(h.numel) + ",\"dtype\":\"" +
+          std::string(c10::toString(op.work.scalar_type())) + "\",\"op\":\"" + opName(op.op) +
+          "\",\"slices\":" + std::to_string(op.slices.size()) + "}");
 }
 
 std::string AllreduceEngine::describeOp(const DataHeader& h) const {
@@ -647,6 +712,11 @@ void AllreduceEngine::watchdog() {
     cv_.wait_for(lock, std::chrono::milliseconds(100));
     if (stopping_) {
       break;
+    }
+    if (timeline_.enabled()) {
+      lock.unlock();
+      timeline_.flush();
+      lock.lock();
     }
     // Close once the aborts are out (or after a grace period if a peer does
     // not take them): closing the pipes earlier would drop them.

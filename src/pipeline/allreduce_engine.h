@@ -20,6 +20,7 @@
 #include "pipeline/slice_plan.h"
 #include "pipeline/task_queue.h"
 #include "staging/staging_pool.h"
+#include "timeline/timeline.h"
 #include "topology/rank_layout.h"
 #include "transport/peer_mesh.h"
 #include "transport/wire.h"
@@ -32,6 +33,7 @@ struct EngineOptions {
   std::chrono::milliseconds timeout;
   std::string listenAddress;
   std::string token;
+  std::string timelinePath; // empty: no timeline
 };
 
 // The reduction-server allreduce on CPU tensors. Every operation is cut into
@@ -105,9 +107,12 @@ class AllreduceEngine {
   std::string describeMismatch(const Op& op, int peer, const DataHeader& h) const;
 
   at::Tensor view(const Op& op, Range range) const;
+  void recordSlice(const Op& op, const Slice& slice);
+  void recordOp(const Op& op);
 
   const RankLayout layout_;
   const EngineOptions options_;
+  Timeline timeline_;
   std::unique_ptr<PeerMesh> mesh_;
   TaskQueue tasks_;
 
@@ -122,6 +127,7 @@ class AllreduceEngine {
   std::chrono::steady_clock::time_point failedAt_;
   bool stopping_{false};
   uint64_t nextSeq_{0};
+  uint64_t nextSliceId_{0};
   std::map<uint64_t, std::unique_ptr<Op>> ops_;
   // Failed operations whose memory TensorPipe may still touch until the
   // connections are closed.

@@ -1,0 +1,49 @@
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <mutex>
+#include <string>
+
+namespace fairring {
+
+// Horovod's Timeline for fairring: a Chrome trace (chrome://tracing, Perfetto)
+// per rank, with a span per operation and per phase of every slice. When no
+// path is set, enabled() is false and callers skip building any event, so it
+// costs one branch.
+class Timeline {
+ public:
+  // An empty path disables the timeline.
+  Timeline(const std::string& path, int rank);
+  ~Timeline();
+
+  bool enabled() const { return file_ != nullptr; }
+
+  // Microseconds on the system clock, so that ranks of one host line up when
+  // their traces are merged.
+  static int64_t now();
+
+  // A complete span on a named track ("ops" for operations).
+  void span(const std::string& track, const std::string& name, int64_t beginUs, int64_t endUs,
+            const std::string& argsJson = "{}");
+
+  // A span on the async track of one slice (Perfetto draws each id on its own
+  // row), so that slices in flight at once do not overlap on one row.
+  void sliceSpan(uint64_t sliceId, const std::string& name, int64_t beginUs, int64_t endUs,
+                 const std::string& argsJson = "{}");
+
+  // Writes what is buffered. Called from the engine's watchdog, off the data path.
+  void flush();
+
+ private:
+  void append(const std::string& event);
+
+  std::FILE* file_{nullptr};
+  int rank_;
+  std::mutex mu_;
+  std::string buffer_;
+  bool first_{true};
+};
+
+} // namespace fairring
