@@ -247,8 +247,8 @@ void AllreduceEngine::sendPiece(Op& op, Slice& slice, int peer, Phase phase, Ran
   const uint64_t seq = op.seq;
   const int64_t s = slice.index;
   actions.push_back([this, peer, phase, header = std::move(header), data, bytes, seq, s]() mutable {
-    mesh_->send(peer, laneOf(phase), std::move(header), data, bytes, [this, seq, s](Status status) {
-      onSent(seq, s, std::move(status));
+    mesh_->send(peer, laneOf(phase), std::move(header), data, bytes, [this, seq, s, peer](Status status) {
+      onSent(seq, s, peer, std::move(status));
     });
   });
 }
@@ -607,15 +607,27 @@ void AllreduceEngine::onReceived(uint64_t seq, int64_t s, Phase phase, int /*fro
   run(actions);
 }
 
-void AllreduceEngine::onSent(uint64_t seq, int64_t s, Status status) {
+void AllreduceEngine::onSent(uint64_t seq, int64_t s, int peer, Status status) {
   Actions actions;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!failure_.empty() || stopping_) {
       return;
     }
+    // A failed send does not make this rank's result wrong: only data it still
+    // has to receive can. (A peer that finished and exited may drop the
+    // acknowledgement of bytes it did read, e.g. on the cma channel.) So the
+    // send counts as over, the peer as gone, and work fails only if it waits
+    // on that peer.
     if (!status.ok()) {
-      failLocked(status.message(), actions);
+      if (needsFrom(peer, Lane::kReduce) || needsFrom(peer, Lane::kGather)) {
+        failLocked(status.message(), actions);
+      } else if (departed_.empty()) {
+        departed_ = status.message();
+      }
+    }
+    if (!failure_.empty()) {
+      // failLocked already failed this operation.
     } else if (auto it = ops_.find(seq); it != ops_.end()) {
       Slice& slice = it->second->slices[s];
       --slice.sendsInFlight;
