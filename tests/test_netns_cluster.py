@@ -1,0 +1,168 @@
+"""scripts/netns_cluster.py: two namespace hosts, their launch environment, isolation,
+and nothing left behind. Needs root and iproute2; skips cleanly without them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "netns_cluster.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import netns_cluster  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    netns_cluster.unavailable_reason() is not None,
+    reason=f"no namespace cluster here: {netns_cluster.unavailable_reason()}",
+)
+
+# Runs on every host. Host 1 serves one connection; host 0 connects to it, then tries
+# addresses outside the cluster, which must fail at once (no route), sending nothing.
+HOST_PROGRAM = r"""
+import json, os, socket, sys, time
+node = int(os.environ["NODE_RANK"])
+report = {k: os.environ.get(k) for k in (
+    "NODE_RANK", "NNODES", "MASTER_ADDR", "MASTER_PORT", "HOST_ADDR",
+    "FAIRRING_MACHINE_ID", "TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")}
+report["ifnames"] = [name for _, name in socket.if_nameindex()]
+if node == 1:
+    server = socket.create_server((os.environ["HOST_ADDR"], 7777))
+    server.settimeout(30)
+    conn, _ = server.accept()
+    conn.sendall(b"hello from host 1")
+    conn.close()
+else:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            conn = socket.create_connection(("10.213.0.2", 7777), timeout=5)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    report["reply"] = conn.recv(100).decode()
+    report["outside"] = {}
+    for address in sys.argv[1:]:
+        try:
+            socket.create_connection((address, 9), timeout=2).close()
+            report["outside"][address] = "connected"
+        except OSError as exc:
+            report["outside"][address] = type(exc).__name__
+print("REPORT " + json.dumps(report), flush=True)
+"""
+
+
+def _outside_addresses() -> list[str]:
+    """Addresses a leaky namespace could reach: this machine's own and a public one."""
+    addresses = ["1.1.1.1", "127.0.0.53"]
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # picks the route's source address; sends nothing
+            addresses.append(s.getsockname()[0])
+    except OSError:
+        pass
+    return addresses
+
+
+def _root_links() -> set[str]:
+    return set(re.findall(r"^\d+: ([^:@]+)", subprocess.run(
+        ["ip", "-o", "link"], capture_output=True, text=True).stdout, re.M))
+
+
+def test_two_hosts_env_reachability_and_teardown() -> None:
+    links_before = _root_links()
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--hosts", "2", "--timeout", "45", "--",
+         sys.executable, "-c", HOST_PROGRAM, *_outside_addresses()],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    prefix = re.search(r"\[netns\] (fnc-\S+):", done.stderr)
+    assert prefix, done.stderr
+    prefix_name = prefix.group(1)
+
+    reports = {}
+    for line in done.stdout.splitlines():
+        if "REPORT " in line:
+            r = json.loads(line.split("REPORT ", 1)[1])
+            reports[int(r["NODE_RANK"])] = r
+    assert set(reports) == {0, 1}
+    for node, r in reports.items():
+        assert r["NNODES"] == "2"
+        assert r["MASTER_ADDR"] == "10.213.0.1"
+        assert r["HOST_ADDR"] == f"10.213.0.{node + 1}"
+        assert r["FAIRRING_MACHINE_ID"] == f"{prefix_name}-h{node}"
+        assert r["TP_SOCKET_IFNAME"] == r["GLOO_SOCKET_IFNAME"]
+        # The host sees its own veth and loopback, nothing of this machine's network.
+        assert sorted(r["ifnames"]) == sorted(["lo", r["TP_SOCKET_IFNAME"]])
+    assert reports[0]["reply"] == "hello from host 1"
+    assert reports[0]["outside"], "no outside address was tried"
+    assert "connected" not in reports[0]["outside"].values(), reports[0]["outside"]
+
+    left = [n for n in netns_cluster.our_namespaces() if n.startswith(prefix_name)]
+    assert left == []
+    assert _root_links() - links_before == set()
+
+
+def test_failure_still_tears_down() -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--hosts", "2", "--rate", "1gbit", "--timeout", "30",
+         "--", "sh", "-c", 'test "$NODE_RANK" = 0 || exit 3; sleep 20'],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 3, done.stdout + done.stderr
+    prefix = re.search(r"\[netns\] (fnc-\S+):", done.stderr)
+    assert prefix, done.stderr
+    assert not [n for n in netns_cluster.our_namespaces() if n.startswith(prefix.group(1))]
+
+
+def test_sigterm_tears_down() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--hosts", "2", "--", "sleep", "30"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    assert proc.stderr is not None
+    first = proc.stderr.readline()  # printed once the cluster is up
+    prefix = re.search(r"\[netns\] (fnc-\S+):", first)
+    assert prefix, first
+    assert [n for n in netns_cluster.our_namespaces() if n.startswith(prefix.group(1))]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 130
+    assert not [n for n in netns_cluster.our_namespaces() if n.startswith(prefix.group(1))]
+
+
+def test_cleanup_removes_leftovers_of_dead_runs_only() -> None:
+    dead = f"{netns_cluster.NAME_ROOT}-{2**22 + 7}-dead-h0"  # above pid_max's default
+    alive = f"{netns_cluster.NAME_ROOT}-{os.getpid()}-live-h0"
+    for name in (dead, alive):
+        subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        done = subprocess.run([sys.executable, str(SCRIPT), "--cleanup"],
+                              capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        names = netns_cluster.our_namespaces()
+        assert dead not in names
+        assert alive in names
+    finally:
+        for name in (dead, alive):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv to drop root")
+def test_without_root_says_so_and_exits_cleanly() -> None:
+    done = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+         sys.executable, str(SCRIPT), "--hosts", "2", "--", "true"],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "HOME": "/tmp"},
+    )
+    assert done.returncode == netns_cluster.SKIP_EXIT, done.stdout + done.stderr
+    assert "need root" in done.stderr
