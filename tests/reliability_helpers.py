@@ -1,0 +1,408 @@
+"""Helpers for the reliability tests (faults, shutdown, bad input, strangers, soak).
+
+Two things the shared harness (``multiprocess.py``) deliberately does not do live here:
+
+* ``run_bare`` starts ranks *without* initialising a process group, so a test can
+  count a process's threads and sockets before ``init_process_group``, initialise
+  several groups in turn (each with its own environment), or let the interpreter exit
+  with a group still alive. The parent hosts the store, as in the harness.
+* Introspection of one rank from the inside: the job's listener addresses from the
+  store, this process's listening sockets, and counts of what could leak.
+
+This file is also the entry point of a bare rank: ``python reliability_helpers.py
+JOB_DIR RANK``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+_POLL_S = 0.02
+_LOG_TAIL_LINES = 60
+
+# ---------------------------------------------------------------------- introspection
+
+
+def group_store(group: Any = None) -> Any:
+    """The store torch handed to ``group``'s CPU backend (``None``: the default group).
+
+    torch wraps the rendezvous store as ``<group name>/`` then ``cpu/`` before calling
+    a backend creator; fairring adds ``fairring/core/`` for the C++ core."""
+    import torch.distributed as dist
+
+    c10d = dist.distributed_c10d
+    pg = c10d._get_default_group() if group is None else group
+    return dist.PrefixStore("cpu/", c10d._world.pg_map[pg][1])
+
+
+def core_store(group: Any = None) -> Any:
+    import torch.distributed as dist
+
+    return dist.PrefixStore("fairring/core/", group_store(group))
+
+
+def listener_addresses(world_size: int, group: Any = None) -> dict[str, str]:
+    """``{"rail/0": "uv://127.0.0.1:PORT", "local/0": ..., ...}``: every listener the
+    ranks of ``group`` published (a rank has no local listener when it is alone on its
+    machine, and no rail listener when there is one machine)."""
+    store = core_store(group)
+    out: dict[str, str] = {}
+    for rank in range(world_size):
+        for reach in ("rail", "local"):
+            key = f"addr/{reach}/{rank}"
+            if store.check([key]):
+                out[f"{reach}/{rank}"] = store.get(key).decode()
+    return out
+
+
+def parse_uv(url: str) -> tuple[str, int]:
+    """``uv://127.0.0.1:1234`` -> ``("127.0.0.1", 1234)``."""
+    if not url.startswith("uv://"):
+        raise ValueError(f"not a uv:// address: {url!r}")
+    host, _, port = url[len("uv://") :].rpartition(":")
+    return host, int(port)
+
+
+def _socket_inodes(pid: int | str = "self") -> set[int]:
+    inodes = set()
+    fd_dir = Path(f"/proc/{pid}/fd")
+    for fd in fd_dir.iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            inodes.add(int(target[len("socket:[") : -1]))
+    return inodes
+
+
+def _hex_ipv4(field: str) -> tuple[str, int]:
+    addr, port = field.split(":")
+    raw = bytes.fromhex(addr)[::-1]  # /proc/net/tcp prints the address in host order
+    return socket.inet_ntoa(raw), int(port, 16)
+
+
+def _hex_ipv6(field: str) -> tuple[str, int]:
+    addr, port = field.split(":")
+    raw = bytes.fromhex(addr)
+    # Four 32-bit words, each in host (little-endian) order.
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
+    return socket.inet_ntop(socket.AF_INET6, words), int(port, 16)
+
+
+def listening_sockets(pid: int | str = "self") -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket in LISTEN state that process ``pid`` holds."""
+    mine = _socket_inodes(pid)
+    out = []
+    for table, decode in (("/proc/net/tcp", _hex_ipv4), ("/proc/net/tcp6", _hex_ipv6)):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            listen = fields[3] == "0A"  # TCP_LISTEN
+            if listen and int(fields[9]) in mine:
+                out.append(decode(fields[1]))
+    return sorted(out)
+
+
+def is_loopback(address: str) -> bool:
+    return address.startswith("127.") or address == "::1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Resources:
+    """What a process group could leak, counted in the calling process."""
+
+    py_threads: int  # threading.active_count()
+    tasks: int  # native threads: /proc/self/task
+    fds: int
+    socket_fds: int
+    shm_fds: int  # descriptors open on /dev/shm
+    shm_maps: int  # mappings of /dev/shm files
+    rss_kib: int
+
+    def minus(self, other: Resources) -> dict[str, int]:
+        return {
+            f.name: getattr(self, f.name) - getattr(other, f.name) for f in dataclasses.fields(self)
+        }
+
+
+def count_resources() -> Resources:
+    import threading
+
+    fds = socket_fds = shm_fds = 0
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        fds += 1
+        socket_fds += target.startswith("socket:")
+        shm_fds += target.startswith("/dev/shm/")
+    shm_maps = sum(
+        " /dev/shm/" in line for line in Path("/proc/self/maps").read_text().splitlines()
+    )
+    rss_kib = 0
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            rss_kib = int(line.split()[1])
+    return Resources(
+        py_threads=threading.active_count(),
+        tasks=len(os.listdir("/proc/self/task")),
+        fds=fds,
+        socket_fds=socket_fds,
+        shm_fds=shm_fds,
+        shm_maps=shm_maps,
+        rss_kib=rss_kib,
+    )
+
+
+def settle(
+    measure: Callable[[], Resources], baseline: Resources, timeout_s: float = 3.0
+) -> Resources:
+    """Re-count until no count exceeds ``baseline`` or ``timeout_s`` passes: threads
+    torch or TensorPipe are joining may take a moment to disappear from /proc."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = measure()
+        grown = any(v > 0 for k, v in now.minus(baseline).items() if k != "rss_kib")
+        if not grown or time.monotonic() >= deadline:
+            return now
+        time.sleep(0.05)
+
+
+def shm_entries() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
+
+
+def default_store() -> Any:
+    """The job-wide store (the harness's TCPStore under torch's default-group prefix);
+    every rank sees the same keys, so ranks can signal one another through it."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
+def wait_key(store: Any, key: str, timeout_s: float) -> bytes:
+    store.wait([key], timedelta(seconds=timeout_s))
+    return store.get(key)
+
+
+# ---------------------------------------------------------------------- bare launcher
+
+
+@dataclasses.dataclass
+class BareOutcome:
+    """One bare rank. status: "ok", "error" (fn raised), "crashed" (no result),
+    "killed" (still running at the deadline; ``returned`` says whether fn had
+    returned, i.e. the process hung at exit)."""
+
+    rank: int
+    status: str
+    value: Any = None
+    error: str | None = None
+    exitcode: int | None = None
+    returned_at: float | None = None  # time.monotonic() in the parent's clock domain
+    exited_at: float | None = None
+    log_tail: str = ""
+
+    @property
+    def exit_latency_s(self) -> float | None:
+        """Seconds from fn's return to the process's exit."""
+        if self.returned_at is None or self.exited_at is None:
+            return None
+        return self.exited_at - self.returned_at
+
+    def describe(self) -> str:
+        head = f"rank {self.rank}: {self.status} (exit code {self.exitcode})"
+        if self.error:
+            head += f"\n  {self.error}"
+        if self.status != "ok" and self.log_tail:
+            head += "\n  log tail:\n" + "\n".join("    " + x for x in self.log_tail.splitlines())
+        return head
+
+
+def run_bare(
+    fn: Callable[..., Any],
+    machine_ids: Sequence[str],
+    env: Mapping[str, str | int | None] | None = None,
+    rank_env: Mapping[int, Mapping[str, str | int | None]] | None = None,
+    timeout_s: float = 120,
+    **kwargs: Any,
+) -> list[BareOutcome]:
+    """Run ``fn(rank, world_size, store, **kwargs)`` on fresh processes, one per entry
+    of ``machine_ids``, with no process group: ``store`` is a client of a TCPStore the
+    parent hosts. After fn returns the interpreter simply exits (``sys.exit(0)``), so
+    whatever fn left alive is torn down by interpreter exit. Ranks still running at the
+    deadline are killed (after a faulthandler stack dump into their logs)."""
+    import torch.distributed as dist
+    from multiprocess import ensure_fairring_built, local_ranks
+
+    ensure_fairring_built()
+    world_size = len(machine_ids)
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
+    lranks = local_ranks(machine_ids)
+    with tempfile.TemporaryDirectory(prefix="fairring_bare_") as tmp:
+        job_dir = Path(tmp)
+        spec = {
+            "fn": pickle.dumps(fn),
+            "kwargs": pickle.dumps(kwargs),
+            "world_size": world_size,
+            "store_port": store.port,
+            "sys_path": list(sys.path),
+        }
+        (job_dir / "spec.pkl").write_bytes(pickle.dumps(spec))
+        procs: list[subprocess.Popen[bytes]] = []
+        exited: dict[int, float] = {}
+        returned: dict[int, float] = {}
+        try:
+            for rank in range(world_size):
+                child_env = dict(os.environ)
+                child_env.setdefault("OMP_NUM_THREADS", "1")
+                child_env.update(
+                    FAIRRING_MACHINE_ID=machine_ids[rank],
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(store.port),
+                    RANK=str(rank),
+                    WORLD_SIZE=str(world_size),
+                    LOCAL_RANK=str(lranks[rank]),
+                    PYTHONUNBUFFERED="1",
+                )
+                for extra in (env or {}), (rank_env or {}).get(rank, {}):
+                    for name, value in extra.items():
+                        if value is None:
+                            child_env.pop(name, None)
+                        else:
+                            child_env[name] = str(value)
+                with open(job_dir / f"rank{rank}.log", "wb") as log:
+                    procs.append(
+                        subprocess.Popen(
+                            [sys.executable, __file__, str(job_dir), str(rank)],
+                            env=child_env,
+                            stdin=subprocess.DEVNULL,
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                            start_new_session=True,
+                        )
+                    )
+            deadline = time.monotonic() + timeout_s
+            killed: set[int] = set()
+            while len(exited) < world_size:
+                now = time.monotonic()
+                for rank, proc in enumerate(procs):
+                    if rank not in returned and (job_dir / f"rank{rank}.result").exists():
+                        returned[rank] = now
+                    if rank not in exited and proc.poll() is not None:
+                        exited[rank] = now
+                        if (job_dir / f"rank{rank}.result").exists():
+                            returned.setdefault(rank, now)
+                if now >= deadline:
+                    for rank, proc in enumerate(procs):
+                        if rank not in exited:
+                            _dump_and_kill(proc)
+                            killed.add(rank)
+                            exited[rank] = time.monotonic()
+                    break
+                time.sleep(_POLL_S)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    _dump_and_kill(proc, dump=False)
+            del store
+        return [
+            _bare_outcome(rank, procs[rank], job_dir, returned, exited, rank in killed)
+            for rank in range(world_size)
+        ]
+
+
+def _dump_and_kill(proc: subprocess.Popen[bytes], dump: bool = True) -> None:
+    try:
+        if dump:
+            os.kill(proc.pid, signal.SIGUSR1)
+            try:
+                proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _bare_outcome(
+    rank: int,
+    proc: subprocess.Popen[bytes],
+    job_dir: Path,
+    returned: dict[int, float],
+    exited: dict[int, float],
+    killed: bool,
+) -> BareOutcome:
+    log = job_dir / f"rank{rank}.log"
+    tail = "\n".join(log.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:])
+    result = job_dir / f"rank{rank}.result"
+    out = BareOutcome(rank=rank, status="crashed", exitcode=proc.returncode, log_tail=tail)
+    out.exited_at = exited.get(rank)
+    if result.exists():
+        kind, payload = pickle.loads(result.read_bytes())
+        out.returned_at = returned.get(rank)
+        if kind == "ok":
+            out.value = payload
+            out.status = "ok" if proc.returncode == 0 and not killed else "killed"
+        else:
+            out.error = payload
+            out.status = "error"
+    elif killed:
+        out.status = "killed"
+    return out
+
+
+def _bare_child(job_dir: Path, rank: int) -> int:
+    import faulthandler
+
+    faulthandler.enable()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    spec: dict[str, Any] = pickle.loads((job_dir / "spec.pkl").read_bytes())
+    for entry in reversed(spec["sys_path"]):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    import torch.distributed as dist
+
+    result = job_dir / f"rank{rank}.result"
+    try:
+        fn = pickle.loads(spec["fn"])
+        kwargs = pickle.loads(spec["kwargs"])
+        store = dist.TCPStore(
+            "127.0.0.1", spec["store_port"], is_master=False, timeout=timedelta(seconds=60)
+        )
+        payload = ("ok", fn(rank, spec["world_size"], store, **kwargs))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        payload = ("error", traceback.format_exc())
+    tmp = result.with_suffix(".tmp")
+    tmp.write_bytes(pickle.dumps(payload))
+    os.replace(tmp, result)
+    print("fn returned; exiting", flush=True)
+    return 0 if payload[0] == "ok" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(_bare_child(Path(sys.argv[1]), int(sys.argv[2])))

@@ -1,0 +1,435 @@
+"""Faults: a peer killed or frozen mid-allreduce, and allreduces that differ between ranks.
+
+Each scenario runs in its own process group made with ``new_group(timeout=...)``
+inside a normal 2x2 job, so the short timeout applies to the fault and not to the
+job's start-up (ranks of a loaded 2-core machine may start seconds apart).
+
+What must hold (README, "When things go wrong"):
+
+* SIGKILL of one rank: every survivor's pending allreduce raises within 5 s, naming the
+  lost rank and its host, also on ranks that never exchange data with it (the first
+  rank to notice forwards the error); the next call raises at once.
+* SIGSTOP of one rank (its sockets stay open, nothing arrives): every other rank raises
+  at the group's timeout, saying it timed out.
+* Size, dtype or op differing between ranks: every rank raises naming both
+  descriptions; results of earlier allreduces and unrelated tensors are untouched.
+
+Gloo is the yardstick for the SIGKILL case: the same job runs on a Gloo group and both
+detection times are printed side by side.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import socket
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from multiprocess import SHAPES, RankOutcome, fairring_env, launch
+from reliability_helpers import default_store, wait_key
+
+SHAPE = SHAPES["2x2"]
+WORLD = len(SHAPE)
+KILL_BOUND_S = 5.0  # the issue's bound for every survivor to learn of a SIGKILLed peer
+GROUP_TIMEOUT_S = 10.0  # for the SIGKILL groups: well above KILL_BOUND_S
+FREEZE_TIMEOUT_S = 5.0
+# 256 KiB slices and 1 MiB of staging: a 32 MiB allreduce is a pipeline of 128 slices.
+ENV = fairring_env(slice_size=256 * 1024, total_memory=1024 * 1024)
+BIG_NUMEL = 8 * 1024 * 1024
+JOB_TIMEOUT_S = 120
+# Small slices for the mismatch job, so that its "size_slices" case differs in the
+# number of slices too.
+MISMATCH_ENV = fairring_env(slice_size=64 * 1024, total_memory=512 * 1024)
+
+
+def _warm_up(rank: int, group: Any) -> None:
+    """One exact allreduce: every connection of the group is up before the fault."""
+    t = torch.full((1000,), float(rank + 1))
+    dist.all_reduce(t, group=group)
+    expected = float(sum(range(1, WORLD + 1)))
+    assert torch.equal(t, torch.full((1000,), expected)), f"warm-up gave {t[:4]}"
+
+
+def _call_after_error(group: Any) -> tuple[float, str | None]:
+    """Seconds an allreduce on a failed group takes to raise, and its message
+    (None if it did not raise)."""
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(10), group=group)
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        return time.monotonic() - t0, str(exc)
+    return time.monotonic() - t0, None
+
+
+# ------------------------------------------------------------------------ SIGKILL
+
+
+def _killed_peer(rank: int, world: int, group_backend: str, victim: int) -> dict[str, Any]:
+    store = default_store()
+    group = dist.new_group(backend=group_backend, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    _warm_up(rank, group)
+    big = torch.ones(BIG_NUMEL)
+    dist.barrier(group=group)
+    if rank == victim:
+        # Once the others are inside the allreduce, join it and die a few slices in
+        # (the whole 32 MiB takes a fraction of a second).
+        store.wait([f"kill/posted/{r}" for r in range(world) if r != victim])
+        dist.all_reduce(big, group=group, async_op=True)
+        time.sleep(0.005)
+        store.set("kill/at", repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    work = dist.all_reduce(big, group=group, async_op=True)
+    assert work is not None
+    store.set(f"kill/posted/{rank}", "1")
+    message = None
+    try:
+        work.wait()
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        message = str(exc)
+    raised_at = time.time()
+    killed_at = float(wait_key(store, "kill/at", 30))
+    out: dict[str, Any] = {
+        "message": message,
+        "detect_s": raised_at - killed_at,
+        "host": socket.gethostname(),
+    }
+    if group_backend == "fairring":
+        # Gloo makes no promise about calls after an error (it may wait for the timeout).
+        out["after_s"], out["after_message"] = _call_after_error(group)
+    return out
+
+
+@functools.cache
+def _kill_job(backend: str, victim: int) -> tuple[RankOutcome, ...]:
+    outcomes = launch(
+        _killed_peer,
+        WORLD,
+        SHAPE,
+        env=ENV,
+        timeout_s=JOB_TIMEOUT_S,
+        abort_grace_s=45,
+        group_backend=backend,
+        victim=victim,
+    )
+    return tuple(outcomes)
+
+
+def _survivors(outcomes: tuple[RankOutcome, ...], victim: int) -> list[RankOutcome]:
+    assert outcomes[victim].status == "crashed", outcomes[victim].describe()
+    bad = [o for o in outcomes if o.rank != victim and not o.ok]
+    assert not bad, "survivors failed or hung:\n" + "\n".join(o.describe() for o in bad)
+    return [o for o in outcomes if o.rank != victim]
+
+
+@pytest.mark.parametrize("victim", [3, 1])
+def test_killed_peer_every_survivor_raises_promptly(victim: int) -> None:
+    survivors = _survivors(_kill_job("fairring", victim), victim)
+    problems = []
+    for o in survivors:
+        v = o.value
+        culprit = f"rank {victim} (host {v['host']})"
+        if v["message"] is None:
+            problems.append(f"rank {o.rank}: the allreduce completed although rank {victim} died")
+            continue
+        if culprit not in v["message"]:
+            problems.append(f"rank {o.rank}: error does not name {culprit!r}: {v['message']}")
+        if not v["detect_s"] <= KILL_BOUND_S:
+            problems.append(
+                f"rank {o.rank}: raised {v['detect_s']:.2f} s after the kill "
+                f"(bound {KILL_BOUND_S} s): {v['message']}"
+            )
+        # After an error, every call raises at once, with the first error.
+        if v["after_message"] is None:
+            problems.append(f"rank {o.rank}: an allreduce after the failure did not raise")
+        elif v["after_s"] > 1.0 or culprit not in v["after_message"]:
+            problems.append(
+                f"rank {o.rank}: the call after the failure took {v['after_s']:.2f} s "
+                f"or lost the culprit: {v['after_message']}"
+            )
+    detect = {o.rank: round(o.value["detect_s"], 3) for o in survivors}
+    print(f"fairring: SIGKILL of rank {victim} detected after {detect} s")
+    assert not problems, "\n".join(problems)
+
+
+def test_gloo_killed_peer_detection_yardstick(capsys: pytest.CaptureFixture[str]) -> None:
+    """The same kill on Gloo, measured for comparison (nothing is asserted about Gloo's
+    own speed: it is the yardstick)."""
+    victim = 3
+    gloo = _survivors(_kill_job("gloo", victim), victim)
+    fairring = _survivors(_kill_job("fairring", victim), victim)
+
+    def show(outcomes: list[RankOutcome]) -> str:
+        return ", ".join(
+            f"rank {o.rank} {o.value['detect_s']:.3f} s"
+            + ("" if o.value["message"] is not None else " (did not raise)")
+            for o in outcomes
+        )
+
+    with capsys.disabled():
+        print(f"\nSIGKILL of rank {victim} in a 2x2 job, time until each survivor raised:")
+        print(f"  fairring: {show(fairring)}")
+        print(f"  gloo:     {show(gloo)} (group timeout {GROUP_TIMEOUT_S:.0f} s)")
+    assert all(o.value["message"] is not None for o in gloo), show(gloo)
+
+
+# ------------------------------------------------------------------------ SIGSTOP
+
+
+def _wait_stopped(pid: int, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            # Field 3, after the parenthesised command name.
+            state = f.read().rpartition(")")[2].split()[0]
+        if state == "T":
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"process {pid} did not stop")
+
+
+def _frozen_peer(rank: int, world: int, victim: int) -> dict[str, Any] | None:
+    store = default_store()
+    group = dist.new_group(backend="fairring", timeout=timedelta(seconds=FREEZE_TIMEOUT_S))
+    _warm_up(rank, group)
+    dist.barrier(group=group)
+    if rank == victim:
+        store.set("freeze/pid", str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(120)  # never reached in practice: rank 0 SIGKILLs this process
+        return None
+    pid = int(wait_key(store, "freeze/pid", 30))
+    _wait_stopped(pid)
+    tensor = torch.ones(100_000)
+    t0 = time.monotonic()
+    message = None
+    try:
+        dist.all_reduce(tensor, group=group)
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        message = str(exc)
+    elapsed = time.monotonic() - t0
+    after_s, after_message = _call_after_error(group)
+    # Only once every survivor has its answer may the frozen rank go away: its
+    # death would otherwise be reported instead of the timeout.
+    store.add("freeze/done", 1)
+    if rank == 0:
+        deadline = time.monotonic() + 60
+        while store.add("freeze/done", 0) < world - 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGKILL)
+    return {
+        "message": message,
+        "elapsed_s": elapsed,
+        "after_s": after_s,
+        "after_message": after_message,
+    }
+
+
+def test_frozen_peer_every_rank_raises_at_timeout() -> None:
+    victim = 3
+    outcomes = launch(
+        _frozen_peer,
+        WORLD,
+        SHAPE,
+        env=ENV,
+        timeout_s=JOB_TIMEOUT_S,
+        abort_grace_s=45,
+        victim=victim,
+    )
+    survivors = _survivors(tuple(outcomes), victim)
+    problems = []
+    for o in survivors:
+        v = o.value
+        if v["message"] is None:
+            problems.append(f"rank {o.rank}: the allreduce completed with rank {victim} frozen")
+            continue
+        if "timed out" not in v["message"]:
+            problems.append(f"rank {o.rank}: error does not say 'timed out': {v['message']}")
+        # Ranks post within a fraction of a second of one another; the first to time
+        # out forwards its error, so a rank may hear of it slightly before its own
+        # deadline.
+        if not FREEZE_TIMEOUT_S - 1.0 <= v["elapsed_s"] <= FREEZE_TIMEOUT_S + 5.0:
+            problems.append(
+                f"rank {o.rank}: raised after {v['elapsed_s']:.2f} s, expected about the "
+                f"group timeout of {FREEZE_TIMEOUT_S} s: {v['message']}"
+            )
+        if v["after_message"] is None or v["after_s"] > 1.0:
+            problems.append(
+                f"rank {o.rank}: the call after the timeout took {v['after_s']:.2f} s and "
+                f"raised {v['after_message']!r}"
+            )
+    print({o.rank: round(o.value["elapsed_s"], 3) for o in survivors})
+    assert not problems, "\n".join(problems)
+
+
+# ------------------------------------------------------------------------ mismatch
+
+ODD_RANK = 3  # rank 0 never exchanges data with it: rank 0 learns by forwarding
+# kind: (what the odd rank calls instead of 1000 float32 elements with SUM, the two
+# descriptions that the error must name)
+MISMATCHES: dict[str, tuple[dict[str, Any], tuple[str, str]]] = {
+    "size": ({"numel": 1001}, ("1000 elements", "1001 elements")),
+    "size_slices": ({"numel": 70_000, "base": 100_000}, ("100000 elements", "70000 elements")),
+    "dtype": ({"dtype": torch.int32}, ("of Float", "of Int")),
+    "op": ({"op": dist.ReduceOp.MAX}, ("ReduceOp.SUM", "ReduceOp.MAX")),
+}
+
+
+def _mismatch_case(rank: int, world: int, kind: str) -> dict[str, Any]:
+    change, _ = MISMATCHES[kind]
+    group = dist.new_group(backend="fairring", timeout=timedelta(seconds=30))
+    earlier = torch.arange(1000, dtype=torch.float32) * (rank + 1)
+    dist.all_reduce(earlier, group=group)
+    # Completed on every rank, not only on this one, before anything goes wrong.
+    dist.barrier(group=group)
+    bystander = torch.arange(500, dtype=torch.float32) + rank
+    bystander_before = bystander.clone()
+    numel = change["base"] if "base" in change else 1000
+    dtype, op = torch.float32, dist.ReduceOp.SUM
+    if rank == ODD_RANK:
+        numel = change.get("numel", numel)
+        dtype = change.get("dtype", dtype)
+        op = change.get("op", op)
+    tensor = torch.ones(numel, dtype=dtype)
+    t0 = time.monotonic()
+    message = None
+    try:
+        dist.all_reduce(tensor, op=op, group=group)
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        message = str(exc)
+    elapsed = time.monotonic() - t0
+    after_s, after_message = _call_after_error(group)
+    expected_earlier = torch.arange(1000, dtype=torch.float32) * sum(range(1, world + 1))
+    return {
+        "message": message,
+        "elapsed_s": elapsed,
+        "after_s": after_s,
+        "after_message": after_message,
+        "earlier_intact": torch.equal(earlier, expected_earlier),
+        "bystander_intact": torch.equal(bystander, bystander_before),
+    }
+
+
+def _inflight_case(rank: int, world: int) -> dict[str, Any]:
+    """An allreduce every rank has posted, still in flight when a mismatched one
+    follows: it must complete, exactly, on every rank (Gloo and NCCL run collectives
+    in order, so a later collective's error never fails an earlier one)."""
+    group = dist.new_group(backend="fairring", timeout=timedelta(seconds=30))
+    dist.all_reduce(torch.ones(10), group=group)  # connections up
+    first = torch.arange(200_000, dtype=torch.float32) * (rank + 1)
+    work = dist.all_reduce(first, group=group, async_op=True)
+    assert work is not None
+    bad = torch.ones(1001 if rank == ODD_RANK else 1000)
+    message = None
+    try:
+        dist.all_reduce(bad, group=group)
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        message = str(exc)
+    first_error = None
+    try:
+        work.wait()
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        first_error = str(exc)
+    expected = torch.arange(200_000, dtype=torch.float32) * sum(range(1, world + 1))
+    return {
+        "message": message,
+        "first_error": first_error,
+        "first_exact": first_error is None and torch.equal(first, expected),
+    }
+
+
+def _mismatched(rank: int, world: int, kinds: list[str]) -> dict[str, dict[str, Any]]:
+    """Every scenario on its own group; an unexpected exception is recorded, not
+    raised, so that the ranks stay in step for the next scenario."""
+    results: dict[str, dict[str, Any]] = {}
+    for kind in kinds:
+        try:
+            if kind == "inflight":
+                results[kind] = _inflight_case(rank, world)
+            else:
+                results[kind] = _mismatch_case(rank, world, kind)
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            results[kind] = {"unexpected": f"{type(exc).__name__}: {exc}"}
+    # The failed groups are separate from the default group, which still works.
+    t = torch.full((10,), float(rank))
+    dist.all_reduce(t)
+    results["default_group_after"] = {"ok": torch.equal(t, torch.full((10,), 6.0))}
+    return results
+
+
+@functools.cache
+def _mismatch_job() -> tuple[RankOutcome, ...]:
+    return tuple(
+        launch(
+            _mismatched,
+            WORLD,
+            SHAPE,
+            env=MISMATCH_ENV,
+            timeout_s=JOB_TIMEOUT_S,
+            kinds=[*MISMATCHES, "inflight"],
+        )
+    )
+
+
+@pytest.mark.parametrize("kind", list(MISMATCHES))
+def test_mismatch_every_rank_raises_naming_the_difference(kind: str) -> None:
+    outcomes = _mismatch_job()
+    bad = [o for o in outcomes if not o.ok]
+    assert not bad, "\n".join(o.describe() for o in bad)
+    _, (mine, theirs) = MISMATCHES[kind]
+    problems = []
+    for o in outcomes:
+        v = o.value[kind]
+        if "unexpected" in v:
+            problems.append(f"rank {o.rank}: unexpected error: {v['unexpected']}")
+            continue
+        if v["message"] is None:
+            problems.append(f"rank {o.rank}: the mismatched allreduce did not raise")
+            continue
+        for word in ("differs between ranks", mine, theirs):
+            if word not in v["message"]:
+                problems.append(f"rank {o.rank}: error lacks {word!r}: {v['message']}")
+        if v["elapsed_s"] > 10.0:  # detected, not timed out (the group's timeout is 30 s)
+            problems.append(f"rank {o.rank}: raised only after {v['elapsed_s']:.1f} s")
+        if v["after_message"] is None or v["after_s"] > 1.0:
+            problems.append(
+                f"rank {o.rank}: the next call took {v['after_s']:.2f} s and raised "
+                f"{v['after_message']!r}"
+            )
+        if not v["earlier_intact"]:
+            problems.append(f"rank {o.rank}: the result of an earlier allreduce changed")
+        if not v["bystander_intact"]:
+            problems.append(f"rank {o.rank}: a tensor no allreduce touched changed")
+    assert not problems, "\n".join(problems)
+
+
+def test_mismatch_does_not_fail_an_earlier_allreduce_in_flight() -> None:
+    outcomes = _mismatch_job()
+    bad = [o for o in outcomes if not o.ok]
+    assert not bad, "\n".join(o.describe() for o in bad)
+    problems = []
+    for o in outcomes:
+        v = o.value["inflight"]
+        if "unexpected" in v:
+            problems.append(f"rank {o.rank}: unexpected error: {v['unexpected']}")
+            continue
+        if v["message"] is None:
+            problems.append(f"rank {o.rank}: the mismatched allreduce did not raise")
+        if not v["first_exact"]:
+            problems.append(
+                f"rank {o.rank}: the earlier allreduce, posted by every rank, "
+                + (f"failed: {v['first_error']}" if v["first_error"] else "was not exact")
+            )
+    assert not problems, "\n".join(problems)
+
+
+def test_mismatch_leaves_other_groups_working() -> None:
+    outcomes = _mismatch_job()
+    bad = [o for o in outcomes if not o.ok]
+    assert not bad, "\n".join(o.describe() for o in bad)
+    assert all(o.value["default_group_after"]["ok"] for o in outcomes)
