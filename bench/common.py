@@ -1,0 +1,254 @@
+"""What every microbenchmark shares: the launch, both process groups, timing, the stamp.
+
+A benchmark script runs twice over: as the *driver* (what the user starts), which
+launches the ranks on simulated machines (loopback, or the namespace cluster of
+scripts/netns_cluster.py), and as a *worker* (one per rank, `--role worker`), which
+measures fairring and Gloo side by side in the same processes and leaves its raw
+figures in a JSON file for the driver.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+TMP = RESULTS / "tmp"
+KIB = 1024
+MIB = 1024 * KIB
+sys.path.insert(0, str(REPO / "scripts"))
+import netns_cluster  # noqa: E402
+
+# --- sizes and bandwidths ----------------------------------------------------------
+
+
+def parse_size(text: str) -> int:
+    units = {"K": KIB, "M": MIB, "G": 1024 * MIB}
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def show_size(n: int) -> str:
+    for unit, scale in (("GiB", 1024 * MIB), ("MiB", MIB), ("KiB", KIB)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """'2x2' -> (machines, ranks per machine)."""
+    machines, ranks = text.lower().split("x")
+    return int(machines), int(ranks)
+
+
+def algbw(size: int, seconds: float) -> float:
+    """Bytes/s of the tensor itself: S/t."""
+    return size / seconds
+
+
+def busbw(size: int, seconds: float, world: int) -> float:
+    """Bytes/s each rank moves in a bandwidth-optimal allreduce: 2(N-1)/N * S/t."""
+    return 2 * (world - 1) / world * size / seconds if world > 1 else 0.0
+
+
+# --- the stamp ---------------------------------------------------------------------
+
+_CONFIG_PREFIXES = ("FAIRRING_", "TP_", "GLOO_", "OMP_")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _git(*args: str) -> str:
+    done = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else "unknown"
+
+
+def stamp(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Where and how a result was measured, so that figures are never compared blind."""
+    import torch
+
+    dirty = bool(_git("status", "--porcelain", "--", "src", "fairring_pg", "bench", "scripts"))
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "host": socket.gethostname(),
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "git_commit": _git("rev-parse", "--short=12", "HEAD"),
+        "git_dirty": dirty,  # the commit alone does not describe uncommitted sources
+        "load_avg": list(os.getloadavg()),
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(_CONFIG_PREFIXES)},
+        "config": dict(config),
+    }
+
+
+# --- launching ---------------------------------------------------------------------
+
+
+def worker_command(script: Path, args: Sequence[str]) -> list[str]:
+    return [sys.executable, str(script), "--role", "worker", *args]
+
+
+def launch(
+    script: Path,
+    args: Sequence[str],
+    machines: int,
+    ranks_per_machine: int,
+    rate: str | None = None,
+    netns: bool = False,
+    timeout: float = 300.0,
+    env: Mapping[str, str] | None = None,
+) -> int:
+    """Run ``script --role worker ARGS`` as M x L ranks; 0 when every rank succeeded.
+
+    Loopback (default): every simulated machine is this host, told apart by
+    FAIRRING_MACHINE_ID. netns=True (or a rate): each machine is a namespace host with
+    its own link, shaped to ``rate`` when given.
+    """
+    command = worker_command(script, args)
+    extra = dict(env or {})
+    if netns or rate:
+        with netns_cluster.running_cluster(machines, rate) as cluster:
+            specs = netns_cluster.host_specs(cluster, command, ranks_per_machine)
+            specs = [(label, argv, {**e, **extra}) for label, argv, e in specs]
+            return netns_cluster.run_processes(specs, timeout)
+    port = _free_port()
+    specs = []
+    for m in range(machines):
+        host_env = {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "NODE_RANK": str(m),
+            "NNODES": str(machines),
+            "FAIRRING_MACHINE_ID": f"machine{m}",
+            "GLOO_SOCKET_IFNAME": "lo",
+        }
+        for local in range(ranks_per_machine):
+            rank_env = netns_cluster.rank_env(host_env, local, ranks_per_machine)
+            specs.append((f"m{m}/r{rank_env['RANK']}", command,
+                          {**os.environ, **rank_env, **extra}))
+    return netns_cluster.run_processes(specs, timeout)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- inside a worker ---------------------------------------------------------------
+
+
+def init_worker(timeout_s: float = 300.0) -> None:
+    import torch
+    import torch.distributed as dist
+
+    # Several ranks share two cores: extra intra-op threads only oversubscribe them.
+    torch.set_num_threads(1)
+    # The default group is Gloo: the reference, and what barriers and result gathering
+    # use, so that fairring groups carry nothing but the timed allreduces.
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+
+
+@contextmanager
+def env_overrides(values: Mapping[str, str]) -> Iterator[None]:
+    """fairring reads its configuration from the environment when a group is created."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def fairring_group(ranks: Sequence[int] | None = None, **env: str) -> Any:
+    """A fairring group over the same processes, configured by FAIRRING_* ``env``."""
+    import torch.distributed as dist
+
+    with env_overrides(env):
+        return dist.new_group(ranks=ranks, backend="fairring")
+
+
+def time_iterations(
+    variants: Mapping[str, Callable[[], None]],
+    iters: int,
+    warmup: int,
+    barrier: Callable[[], None],
+) -> dict[str, list[float]]:
+    """Seconds per iteration of each variant, interleaved, the slowest rank's time.
+
+    Variants alternate iteration by iteration, so a slow spell on this shared host
+    hits all of them alike. Each timed iteration starts right after a barrier.
+    """
+    import torch
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        for fn in variants.values():
+            barrier()
+            fn()
+    mine: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(iters):
+        for name, fn in variants.items():
+            barrier()
+            start = time.perf_counter()
+            fn()
+            mine[name].append(time.perf_counter() - start)
+    # The collective took as long as its slowest rank; done on the default (Gloo) group.
+    flat = torch.tensor([t for name in variants for t in mine[name]], dtype=torch.float64)
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    values = flat.tolist()
+    return {name: values[i * iters:(i + 1) * iters] for i, name in enumerate(variants)}
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def write_worker_result(path: Path, data: Mapping[str, Any]) -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=1))
+
+
+# --- results -----------------------------------------------------------------------
+
+
+def save(name: str, data: Mapping[str, Any], markdown: str, plot: Callable[[Path], None]) -> None:
+    """bench/results/<name>.json, .md and .png."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
+    (RESULTS / f"{name}.md").write_text(markdown)
+    plot(RESULTS / f"{name}.png")
+    print(markdown)
+    print(f"wrote {RESULTS / name}.{{json,md,png}}", flush=True)
