@@ -275,36 +275,11 @@ void AllreduceEngine::advance(Op& op, Slice& slice, Actions& actions) {
       stamp(timeline_, slice.tRsReduced);
     } else {
       // Sum the other local ranks' copies of my chunk into my own.
-      const Range mine = op.plan.chunk(s, l);
-      at::Tensor dst = view(op, mine);
-      std::vector<at::Tensor> pieces;
-      for (int j = 0, p = 0; j < L; ++j) {
-        if (j == l) {
-          continue;
-        }
-        pieces.push_back(at::from_blob(slice.staging + p * maxChunkBytes, {mine.size()}, op.work.options()));
-        ++p;
-      }
-      slice.reducing = true;
-      const RedOp redop = op.op;
-      tasks_.post([this, seq, s, dst, pieces, redop] {
-        for (const auto& piece : pieces) {
-          reduceInto(dst, piece, redop);
-        }
-        Actions actions;
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          auto it = ops_.find(seq);
-          if (it != ops_.end()) {
-            Slice& slice = it->second->slices[s];
-            slice.reducing = false;
-            slice.rsReduced = true;
-            stamp(timeline_, slice.tRsReduced);
-            advance(*it->second, slice, actions);
-          }
-        }
-        run(actions);
-      });
+      reduceLater(op, slice, op.plan.chunk(s, l), slice.staging, maxChunkBytes, L - 1, false,
+                  [this](Slice& done, Actions&) {
+                    done.rsReduced = true;
+                    stamp(timeline_, done.tRsReduced);
+                  });
       return;
     }
   }
@@ -322,45 +297,18 @@ void AllreduceEngine::advance(Op& op, Slice& slice, Actions& actions) {
     if (slice.received[static_cast<int>(Phase::kCollect)] < M - 1) {
       return;
     }
-    const Range mine = op.plan.shard(s, l, m);
-    at::Tensor dst = view(op, mine);
-    std::vector<at::Tensor> pieces;
-    for (int k = 0, p = 0; k < M; ++k) {
-      if (k == m) {
-        continue;
-      }
-      uint8_t* base = slice.staging + (L - 1) * maxChunkBytes + p * maxShardBytes;
-      pieces.push_back(at::from_blob(base, {mine.size()}, op.work.options()));
-      ++p;
-    }
-    slice.reducing = true;
     stamp(timeline_, slice.tReduceStart);
-    const RedOp redop = op.op;
-    const int worldSize = layout_.worldSize();
-    tasks_.post([this, seq, s, dst, pieces, redop, worldSize] {
-      for (const auto& piece : pieces) {
-        reduceInto(dst, piece, redop);
-      }
-      finishReduction(dst, redop, worldSize);
-      Actions actions;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        auto it = ops_.find(seq);
-        if (it != ops_.end()) {
-          Slice& slice = it->second->slices[s];
-          slice.reducing = false;
-          slice.shardReduced = true;
-          stamp(timeline_, slice.tShardReduced);
-          // Everything this slice receives from now on lands in place.
-          staging_.release(slice.slot);
-          slice.slot = -1;
-          slice.staging = nullptr;
-          advance(*it->second, slice, actions);
-          pump(actions);
-        }
-      }
-      run(actions);
-    });
+    // Sum the other machines' copies of my shard into mine, then finish (AVG).
+    reduceLater(op, slice, op.plan.shard(s, l, m), slice.staging + (L - 1) * maxChunkBytes, maxShardBytes, M - 1,
+                true, [this](Slice& done, Actions& actions) {
+                  done.shardReduced = true;
+                  stamp(timeline_, done.tShardReduced);
+                  // Everything this slice receives from now on lands in place.
+                  staging_.release(done.slot);
+                  done.slot = -1;
+                  done.staging = nullptr;
+                  pump(actions);
+                });
     return;
   }
 
@@ -395,6 +343,47 @@ void AllreduceEngine::advance(Op& op, Slice& slice, Actions& actions) {
     return;
   }
   finishSlice(op, slice, actions);
+}
+
+void AllreduceEngine::reduceLater(
+    Op& op,
+    Slice& slice,
+    Range mine,
+    uint8_t* firstPiece,
+    int64_t pieceStride,
+    int numPieces,
+    bool last,
+    std::function<void(Slice&, Actions&)> then) {
+  at::Tensor dst = view(op, mine);
+  std::vector<at::Tensor> pieces;
+  for (int p = 0; p < numPieces; ++p) {
+    pieces.push_back(at::from_blob(firstPiece + p * pieceStride, {mine.size()}, op.work.options()));
+  }
+  slice.reducing = true;
+  const uint64_t seq = op.seq;
+  const int64_t s = slice.index;
+  const RedOp redop = op.op;
+  const int worldSize = layout_.worldSize();
+  tasks_.post([this, seq, s, dst, pieces, redop, worldSize, last, then = std::move(then)] {
+    for (const auto& piece : pieces) {
+      reduceInto(dst, piece, redop);
+    }
+    if (last) {
+      finishReduction(dst, redop, worldSize);
+    }
+    Actions actions;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = ops_.find(seq);
+      if (it != ops_.end()) {
+        Slice& slice = it->second->slices[s];
+        slice.reducing = false;
+        then(slice, actions);
+        advance(*it->second, slice, actions);
+      }
+    }
+    run(actions);
+  });
 }
 
 void AllreduceEngine::finishSlice(Op& op, Slice& slice, Actions& actions) {

@@ -93,6 +93,17 @@ class AllreduceEngine {
   void advance(Op& op, Slice& slice, Actions& actions);
   void sendPiece(Op& op, Slice& slice, int peer, Phase phase, Range range, Actions& actions);
   void finishSlice(Op& op, Slice& slice, Actions& actions);
+  // Reduces `numPieces` staged pieces into `mine` on the reduction thread
+  // (and applies AVG's division if `last`), then runs `then` under the lock.
+  void reduceLater(
+      Op& op,
+      Slice& slice,
+      Range mine,
+      uint8_t* firstPiece,
+      int64_t pieceStride,
+      int numPieces,
+      bool last,
+      std::function<void(Slice&, Actions&)> then);
 
   // Records the first failure, fails every operation in flight and asks the
   // watchdog to close the connections. Must be called with mu_ held.
