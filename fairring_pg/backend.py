@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from fairring_pg.config import Config
+from fairring_pg.cuda import cuda_delegate_kind, make_local_nccl_groups
 from fairring_pg.network import listen_address
 from fairring_pg.topology import Topology, discover
 
@@ -53,7 +54,18 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
     _fill_options(opts, config, topology, address, token, timeout)
 
     cpu_delegate = make_gloo_delegate(store, rank, size, timeout, config, dist_backend_opts)
-    cuda_delegate = make_nccl_delegate(store, rank, size, timeout, dist_backend_opts)
+    # CUDA (fairring_pg/cuda.py): NCCL, or Gloo where ranks share a GPU.
+    cuda_kind = cuda_delegate_kind(topology)
+    cuda_delegate = (
+        make_nccl_delegate(store, rank, size, timeout, dist_backend_opts)
+        if cuda_kind == "nccl"
+        else cpu_delegate
+        if cuda_kind == "gloo"
+        else None
+    )
+    local_groups = make_local_nccl_groups(store, topology, timeout)
+    if local_groups is not None:
+        opts.local_reduce_group, opts.local_gather_group = local_groups
     core_store = dist.PrefixStore("fairring/core/", store)
     try:
         return factory(core_store, rank, size, opts, cpu_delegate, cuda_delegate)

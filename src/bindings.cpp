@@ -24,7 +24,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("listen_address", &BackendOptions::listenAddress)
       .def_readwrite("job_token", &BackendOptions::jobToken)
       .def_readwrite("timeout", &BackendOptions::timeout)
-      .def_readwrite("timeline_path", &BackendOptions::timelinePath);
+      .def_readwrite("timeline_path", &BackendOptions::timelinePath)
+      .def_readwrite("local_reduce_group", &BackendOptions::localReduceGroup)
+      .def_readwrite("local_gather_group", &BackendOptions::localGatherGroup);
+
+  // Whether CUDA tensors get fairring's own allreduce (else NCCL's).
+#ifdef FAIRRING_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
 
   py::class_<FairringBackend, c10d::Backend, c10::intrusive_ptr<FairringBackend>>(m, "FairringBackend")
       .def(

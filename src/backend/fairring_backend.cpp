@@ -1,6 +1,7 @@
 #include "backend/fairring_backend.h"
 
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "backend/future_work.h"
 #include "ops/reduce_kind.h"
@@ -40,9 +41,21 @@ FairringBackend::FairringBackend(
       options.timelinePath};
   engine_ = std::make_unique<AllreduceEngine>(std::move(layout), std::move(engineOptions));
   engine_->start(*store);
+#ifdef FAIRRING_WITH_CUDA
+  CudaEngineOptions cudaOptions{
+      options.sliceSize, options.totalMemory, options.timeout, options.listenAddress, options.jobToken,
+      options.hostnames, options.localReduceGroup, options.localGatherGroup};
+  cudaEngine_ = std::make_unique<CudaAllreduceEngine>(
+      engine_->layout(), std::move(cudaOptions), c10::make_intrusive<c10d::PrefixStore>("cuda/", store));
+#endif
 }
 
 FairringBackend::~FairringBackend() {
+#ifdef FAIRRING_WITH_CUDA
+  if (cudaEngine_) {
+    cudaEngine_->shutdown();
+  }
+#endif
   if (engine_) {
     engine_->shutdown();
   }
@@ -78,7 +91,11 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce(
       tensors.size() == 1, "fairring: allreduce takes exactly one tensor per process, got ", tensors.size());
   at::Tensor& tensor = tensors[0];
   if (tensor.defined() && tensor.device().is_cuda()) {
+#ifdef FAIRRING_WITH_CUDA
+    return cudaEngine_->allreduce(tensors, opts.reduceOp.op_, rank_);
+#else
     return delegateFor(tensor).allreduce(tensors, opts);
+#endif
   }
   checkCpuTensor(tensor, "the allreduce tensor");
   at::Tensor work = tensor.is_contiguous() ? tensor : tensor.contiguous();
@@ -96,7 +113,11 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce_coalesced(
     const c10d::AllreduceCoalescedOptions& opts) {
   TORCH_CHECK(!tensors.empty(), "fairring: allreduce_coalesced needs at least one tensor");
   if (tensors[0].defined() && tensors[0].device().is_cuda()) {
+#ifdef FAIRRING_WITH_CUDA
+    return cudaEngine_->allreduceCoalesced(tensors, opts.reduceOp.op_, rank_);
+#else
     return delegateFor(tensors).allreduce_coalesced(tensors, opts);
+#endif
   }
   std::vector<at::Tensor> flat;
   flat.reserve(tensors.size());
@@ -249,6 +270,11 @@ uint64_t FairringBackend::getSequenceNumberForGroup() {
 }
 
 void FairringBackend::shutdown() {
+#ifdef FAIRRING_WITH_CUDA
+  if (cudaEngine_) {
+    cudaEngine_->shutdown();
+  }
+#endif
   if (engine_) {
     engine_->shutdown();
   }
@@ -259,6 +285,11 @@ void FairringBackend::shutdown() {
 }
 
 void FairringBackend::abort() {
+#ifdef FAIRRING_WITH_CUDA
+  if (cudaEngine_) {
+    cudaEngine_->shutdown();
+  }
+#endif
   if (engine_) {
     engine_->shutdown();
   }

@@ -9,6 +9,9 @@
 #include <vector>
 
 #include "pipeline/allreduce_engine.h"
+#ifdef FAIRRING_WITH_CUDA
+#include "cuda/cuda_allreduce_engine.h"
+#endif
 
 namespace fairring {
 
@@ -23,11 +26,15 @@ struct BackendOptions {
   std::string jobToken;
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   std::string timelinePath; // this rank's trace file; empty: off
+  // CUDA allreduce: two NCCL groups over this machine's ranks (see
+  // src/cuda/local_collectives.h); unset with one rank per machine.
+  c10::intrusive_ptr<c10d::Backend> localReduceGroup;
+  c10::intrusive_ptr<c10d::Backend> localGatherGroup;
 };
 
 // The c10d backend: allreduce on CPU tensors runs the reduction-server
-// pipeline; every other collective, and anything on CUDA for now, goes to the
-// delegate backend for the tensors' device (Gloo for CPU, NCCL for CUDA).
+// pipeline, on CUDA tensors the CUDA pipeline (when built with CUDA); every
+// other collective goes to the delegate backend for the tensors' device.
 class FairringBackend : public c10d::Backend {
  public:
   FairringBackend(
@@ -125,6 +132,9 @@ class FairringBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> cpu_;
   c10::intrusive_ptr<c10d::Backend> cuda_;
   std::unique_ptr<AllreduceEngine> engine_;
+#ifdef FAIRRING_WITH_CUDA
+  std::unique_ptr<CudaAllreduceEngine> cudaEngine_; // connects at the first CUDA allreduce
+#endif
 };
 
 } // namespace fairring
