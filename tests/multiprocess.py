@@ -17,11 +17,13 @@ the others get ``abort_grace_s`` to finish before they are killed the same way.
 ``fn`` and ``kwargs`` travel by pickle, so ``fn`` must be a module-level function of an
 importable module (a test module is fine: the parent's ``sys.path`` is handed over).
 
+Set FAIRRING_TEST_KEEP_JOBS=DIR to keep every job's folder (rank logs, results) there.
 This file is also the rank entry point: ``python multiprocess.py JOB_DIR RANK``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pickle
@@ -106,7 +108,9 @@ class RankOutcome:
     exception: BaseException | None = None
     exitcode: int | None = None
     log_tail: str = ""
-    phase: str | None = None  # last phase the rank reached (init / fn / destroy)
+    # Last phase the rank reached (import / init / fn / destroy / exit), read after any
+    # kill: the stacks in the log were dumped just before it, so they may be older.
+    phase: str | None = None
     failed_at: float | None = None  # time.time() when the rank reported its error
 
     @property
@@ -162,6 +166,11 @@ def launch(
 
     if len(machine_ids) != world_size:
         raise ValueError(f"machine_ids has {len(machine_ids)} entries for world_size {world_size}")
+    if getattr(fn, "__module__", None) == "__main__":
+        raise ValueError(
+            f"{fn.__name__} is defined in __main__, which the ranks cannot import: "
+            "define it in an importable module"
+        )
     backend = DEFAULT_BACKEND if backend is None else backend
     pg_timeout_s = timeout_s if pg_timeout_s is None else pg_timeout_s
     if backend == "fairring":
@@ -175,7 +184,14 @@ def launch(
     )
     lranks = local_ranks(machine_ids)
     lsizes = {mid: machine_ids.count(mid) for mid in machine_ids}
-    with tempfile.TemporaryDirectory(prefix="fairring_job_") as tmp:
+    keep_under = os.environ.get("FAIRRING_TEST_KEEP_JOBS")
+    if keep_under:
+        # Debugging: keep every job's logs, results and phases under this folder.
+        Path(keep_under).mkdir(parents=True, exist_ok=True)
+        job_ctx: Any = contextlib.nullcontext(tempfile.mkdtemp(prefix="job_", dir=keep_under))
+    else:
+        job_ctx = tempfile.TemporaryDirectory(prefix="fairring_job_")
+    with job_ctx as tmp:
         job_dir = Path(tmp)
         # Plain types only: the rank unpickles this before it has the parent's path.
         spec = {
@@ -261,6 +277,106 @@ def run_ranks(
         msg += "\n" + "\n".join(o.describe() for o in bad)
         raise RankFailure(msg, outcomes)
     return [o.value for o in outcomes]
+
+
+# ---------------------------------------------------------------------------- case jobs
+
+
+def _run_case_list(
+    rank: int,
+    world_size: int,
+    runner: Callable[[int, int, Any], str | None],
+    cases: Sequence[Any],
+) -> dict[str, str | None]:
+    """Rank side of a CaseJob: run every case in order, report each one's error."""
+    results: dict[str, str | None] = {}
+    for case in cases:
+        print(f"case {case.id}", flush=True)  # in the rank's log, should it hang
+        try:
+            results[case.id] = runner(rank, world_size, case)
+        except Exception as exc:  # noqa: BLE001 - reported per case
+            results[case.id] = f"{type(exc).__name__}: {exc}"
+    return results
+
+
+class CaseJob:
+    """Many checks in one process group: each rank runs ``runner(rank, world_size,
+    case)`` for every case (same order on all ranks); the runner returns None if the
+    case passed, else what went wrong, and an exception fails only its case. Cases
+    need a unique ``id`` and must pickle. The job runs once, on the first ``check``;
+    ``check(case_id)`` then fails the calling test with the errors of every rank."""
+
+    def __init__(
+        self,
+        name: str,
+        runner: Callable[[int, int, Any], str | None],
+        cases: Sequence[Any],
+        machine_ids: Sequence[str],
+        backend: str | None = None,
+        env: Mapping[str, str | int | None] | None = None,
+        timeout_s: float = 300,
+    ) -> None:
+        ids = [c.id for c in cases]
+        if len(ids) != len(set(ids)):
+            raise ValueError(f"{name}: case ids are not unique")
+        self.name = name
+        self.runner = runner
+        self.cases = list(cases)
+        self.machine_ids = list(machine_ids)
+        self.backend = DEFAULT_BACKEND if backend is None else backend
+        self.env = env
+        self.timeout_s = timeout_s
+        self._errors: dict[str, list[tuple[int, str]]] | None = None
+        self._failure: RankFailure | None = None
+        self._failure_shown = False
+
+    @property
+    def case_ids(self) -> list[str]:
+        return [c.id for c in self.cases]
+
+    def _run(self) -> None:
+        if self._errors is not None or self._failure is not None:
+            return
+        try:
+            per_rank = run_ranks(
+                _run_case_list,
+                len(self.machine_ids),
+                self.machine_ids,
+                backend=self.backend,
+                env=self.env,
+                timeout_s=self.timeout_s,
+                runner=self.runner,
+                cases=self.cases,
+            )
+        except RankFailure as exc:
+            self._failure = exc
+            return
+        errors: dict[str, list[tuple[int, str]]] = {i: [] for i in self.case_ids}
+        for rank, results in enumerate(per_rank):
+            for case_id in errors:
+                if case_id not in results:
+                    errors[case_id].append((rank, "no result from this rank"))
+                elif results[case_id] is not None:
+                    errors[case_id].append((rank, results[case_id]))
+        self._errors = errors
+
+    def check(self, case_id: str) -> None:
+        import pytest
+
+        self._run()
+        if self._failure is not None:
+            if self._failure_shown:
+                first = str(self._failure).splitlines()[0]
+                pytest.fail(f"the {self.name} job failed (its first case shows why): {first}")
+            self._failure_shown = True
+            pytest.fail(f"the {self.name} job failed:\n{self._failure}")
+        assert self._errors is not None
+        errors = self._errors[case_id]
+        if errors:
+            pytest.fail(
+                f"{case_id} on {self.backend} {self.machine_ids}:\n"
+                + "\n".join(f"  rank {rank}: {err}" for rank, err in errors)
+            )
 
 
 # ---------------------------------------------------------------------------- parent

@@ -1,7 +1,7 @@
 """Exact allreduce results on simulated clusters.
 
-One job per cluster shape runs the whole case list on every rank and returns, per
-case, None or what went wrong; each case is then its own pytest item. Inputs are small
+One job per cluster shape runs the whole case list on every rank (multiprocess.CaseJob)
+and each case is then its own pytest item. Inputs are small
 integers generated from (case, rank), so every rank computes the exact expected result
 from all ranks' inputs (in float64/int64, then cast) and float16/bfloat16 sums are exact.
 
@@ -19,12 +19,17 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import DEFAULT_BACKEND, SHAPES, RankFailure, fairring_env, run_ranks
+from multiprocess import DEFAULT_BACKEND, SHAPES, CaseJob, fairring_env
 
 BACKEND = DEFAULT_BACKEND
 SLICE_SIZE = 4 * 1024
 TOTAL_MEMORY = 64 * 1024
-JOB_ENV = fairring_env(total_memory=TOTAL_MEMORY, slice_size=SLICE_SIZE)
+# Slice scaling would grow the slice to 32 KiB here; off, sizes mean what they say.
+JOB_ENV = fairring_env(
+    total_memory=TOTAL_MEMORY, slice_size=SLICE_SIZE, FAIRRING_SLICE_SCALING="off"
+)
+# The interleaved job keeps the default (scaling on).
+SCALED_ENV = fairring_env(total_memory=TOTAL_MEMORY, slice_size=SLICE_SIZE)
 JOB_TIMEOUT_S = 300
 
 OPS = ("SUM", "AVG", "MIN", "MAX", "PRODUCT")
@@ -48,7 +53,7 @@ VIEW_KINDS = (
 @dataclasses.dataclass(frozen=True)
 class Case:
     id: str
-    kind: str  # see _run_case
+    kind: str  # see run_case
     op: str = "SUM"
     dtype: str = "float32"
     numel: int = 7
@@ -107,8 +112,6 @@ def build_cases(shape: str) -> list[Case]:
             Case("unsupported-MAX-complex64", "unsupported", "MAX", "complex64", 7),
         ]
     cases.append(Case("after_errors-SUM-float32", "plain", "SUM", "float32", 1001))
-    ids = [c.id for c in cases]
-    assert len(ids) == len(set(ids)), "case ids must be unique"
     return cases
 
 
@@ -235,7 +238,7 @@ def _op(name: str) -> dist.ReduceOp.RedOpType:
 # ----------------------------------------------------------------- the rank side
 
 
-def _run_case(rank: int, world: int, case: Case) -> str | None:
+def run_case(rank: int, world: int, case: Case) -> str | None:
     """Run one case on this rank; None if it passed, else what went wrong."""
     if case.kind in ("plain",) + VIEW_KINDS:
         shape, view_of = _view_of(case.kind, case.numel)
@@ -359,68 +362,26 @@ def _run_case(rank: int, world: int, case: Case) -> str | None:
     raise ValueError(f"unknown case kind {case.kind}")
 
 
-def run_cases(rank: int, world: int, cases: list[Case]) -> dict[str, str | None]:
-    results: dict[str, str | None] = {}
-    for case in cases:
-        print(f"case {case.id}", flush=True)  # in the rank's log, should it hang
-        try:
-            results[case.id] = _run_case(rank, world, case)
-        except Exception as exc:  # noqa: BLE001 - reported per case
-            results[case.id] = f"{type(exc).__name__}: {exc}"
-    return results
-
-
 # ----------------------------------------------------------------- the pytest side
 
 JOB_SHAPES = ("2x2", "3x1", "1x3", "interleaved")
-CASES: dict[str, list[Case]] = {shape: build_cases(shape) for shape in JOB_SHAPES}
-_JOBS: dict[str, dict[str, list[tuple[int, str]]] | RankFailure] = {}
-_JOB_FAILURE_SHOWN: set[str] = set()
-
-
-def _job(shape: str) -> dict[str, list[tuple[int, str]]] | RankFailure:
-    """Run (once) the job of one shape: case id -> [(rank, error)] over all ranks."""
-    if shape not in _JOBS:
-        ids = SHAPES[shape]
-        try:
-            per_rank = run_ranks(
-                run_cases,
-                len(ids),
-                ids,
-                backend=BACKEND,
-                env=JOB_ENV,
-                timeout_s=JOB_TIMEOUT_S,
-                cases=CASES[shape],
-            )
-        except RankFailure as exc:
-            _JOBS[shape] = exc
-        else:
-            merged: dict[str, list[tuple[int, str]]] = {c.id: [] for c in CASES[shape]}
-            for rank, results in enumerate(per_rank):
-                assert set(results) == set(merged), f"rank {rank} skipped cases"
-                for case_id, err in results.items():
-                    if err is not None:
-                        merged[case_id].append((rank, err))
-            _JOBS[shape] = merged
-    return _JOBS[shape]
+JOBS = {
+    shape: CaseJob(
+        f"allreduce {shape}",
+        run_case,
+        build_cases(shape),
+        SHAPES[shape],
+        backend=BACKEND,
+        env=SCALED_ENV if shape == "interleaved" else JOB_ENV,
+        timeout_s=JOB_TIMEOUT_S,
+    )
+    for shape in JOB_SHAPES
+}
 
 
 @pytest.mark.parametrize(
     ("shape", "case_id"),
-    [pytest.param(s, c.id, id=f"{s}-{c.id}") for s in JOB_SHAPES for c in CASES[s]],
+    [pytest.param(s, i, id=f"{s}-{i}") for s, job in JOBS.items() for i in job.case_ids],
 )
 def test_allreduce(shape: str, case_id: str) -> None:
-    result = _job(shape)
-    if isinstance(result, RankFailure):
-        if shape in _JOB_FAILURE_SHOWN:
-            pytest.fail(
-                f"the {shape} job failed (see its first case): {str(result).splitlines()[0]}"
-            )
-        _JOB_FAILURE_SHOWN.add(shape)
-        pytest.fail(f"the {shape} job failed:\n{result}")
-    errors = result[case_id]
-    if errors:
-        pytest.fail(
-            f"{case_id} on {BACKEND} {shape}:\n"
-            + "\n".join(f"  rank {rank}: {err}" for rank, err in errors)
-        )
+    JOBS[shape].check(case_id)
