@@ -262,7 +262,6 @@ void AllreduceEngine::advance(Op& op, Slice& slice, Actions& actions) {
   const int l = layout_.localRank();
   const int m = layout_.machine();
   const int64_t s = slice.index;
-  const uint64_t seq = op.seq;
   const int64_t maxChunkBytes = op.plan.maxChunkElems() * static_cast<int64_t>(op.elemSize);
   const int64_t maxShardBytes = op.plan.maxShardElems() * static_cast<int64_t>(op.elemSize);
 
