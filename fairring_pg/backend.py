@@ -55,7 +55,7 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
 
     cpu_delegate = make_gloo_delegate(store, rank, size, timeout, config, dist_backend_opts)
     # CUDA (fairring_pg/cuda.py): NCCL, or Gloo where ranks share a GPU.
-    cuda_kind = cuda_delegate_kind(topology)
+    cuda_kind = cuda_delegate_kind(topology, config.cuda_delegate)
     cuda_delegate = (
         make_nccl_delegate(store, rank, size, timeout, dist_backend_opts)
         if cuda_kind == "nccl"

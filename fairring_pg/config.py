@@ -29,6 +29,8 @@ DEFAULT_TOTAL_MEMORY = 50 * MIB
 # Smallest shard slice scaling aims for: below about this, fixed per-message costs
 # (headers, wake-ups, a loop iteration per peer) outweigh the bytes moved.
 MIN_SHARD_BYTES = 1 * MIB
+# Who runs the collectives other than allreduce on CUDA tensors (see fairring_pg/cuda.py).
+CUDA_DELEGATES = ("auto", "nccl", "gloo")
 MAX_BYTES = TIB  # anything larger is a typo, not a configuration
 
 _SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?|\.\d+)\s*([kmg]?)(i?b)?$", re.IGNORECASE)
@@ -50,6 +52,7 @@ _ENV_NAME = {
     "machine_id": "FAIRRING_MACHINE_ID",
     "socket_ifname": "TP_SOCKET_IFNAME",
     "timeline": "FAIRRING_TIMELINE",
+    "cuda_delegate": "FAIRRING_CUDA_DELEGATE",
 }
 _STORE_KEY = "fairring/config/{rank}"
 
@@ -130,6 +133,7 @@ class Config:
     socket_ifname: str | None = None
     slice_scaling: bool = True
     timeline: str | None = None
+    cuda_delegate: str = "auto"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> Config:
@@ -147,6 +151,8 @@ class Config:
             values["slice_scaling"] = _switch("FAIRRING_SLICE_SCALING", raw)
         if (raw := environ.get("FAIRRING_TIMELINE")) is not None:
             values["timeline"] = _check_timeline("FAIRRING_TIMELINE", raw)
+        if (raw := environ.get("FAIRRING_CUDA_DELEGATE")) is not None:
+            values["cuda_delegate"] = _choice("FAIRRING_CUDA_DELEGATE", raw, CUDA_DELEGATES)
         return cls(**values)
 
     def effective_slice_size(self, num_machines: int, local_size: int) -> int:
@@ -219,6 +225,13 @@ class Config:
                         f"{_show(field, theirs.get(field))}; expected the same value on "
                         "every rank"
                     )
+
+
+def _choice(name: str, raw: str, accepted: tuple[str, ...]) -> str:
+    value = raw.strip().lower()
+    if value not in accepted:
+        raise ValueError(f"{name}={raw!r} is not valid: expected one of {', '.join(accepted)}")
+    return value
 
 
 def _check_timeline(name: str, raw: str) -> str:

@@ -13,7 +13,6 @@ overrides the guess: ``nccl`` (e.g. ranks each restricted to a different GPU wit
 
 from __future__ import annotations
 
-import os
 import warnings
 from datetime import timedelta
 from typing import Any
@@ -24,17 +23,11 @@ import torch.distributed as dist
 from fairring_pg.topology import Topology
 
 DELEGATE_VARIABLE = "FAIRRING_CUDA_DELEGATE"
-_DELEGATE_CHOICES = ("auto", "nccl", "gloo")
 
 
-def cuda_delegate_kind(topology: Topology) -> str:
-    """``"nccl"``, ``"gloo"`` or ``"none"`` (no CUDA or no NCCL in this process)."""
-    choice = os.environ.get(DELEGATE_VARIABLE, "auto").strip().lower()
-    if choice not in _DELEGATE_CHOICES:
-        raise ValueError(
-            f"{DELEGATE_VARIABLE}={os.environ[DELEGATE_VARIABLE]!r} is not valid; "
-            f"accepted: {', '.join(_DELEGATE_CHOICES)}"
-        )
+def cuda_delegate_kind(topology: Topology, choice: str = "auto") -> str:
+    """``"nccl"``, ``"gloo"`` or ``"none"`` (no CUDA or no NCCL in this process), from
+    the validated ``FAIRRING_CUDA_DELEGATE`` (``Config.cuda_delegate``)."""
     if not torch.cuda.is_available():
         return "none"
     if choice == "gloo":

@@ -30,7 +30,7 @@ SIZE_VARS = ["FAIRRING_SLICE_SIZE", "FAIRRING_TOTAL_MEMORY"]
 
 def test_defaults() -> None:
     cfg = Config.from_env({})
-    assert cfg == Config(DEFAULT_SLICE_SIZE, DEFAULT_TOTAL_MEMORY, None, None, True, None)
+    assert cfg == Config(DEFAULT_SLICE_SIZE, DEFAULT_TOTAL_MEMORY, None, None, True, None, "auto")
     assert cfg.slice_size == 25 * MIB and cfg.total_memory == 50 * MIB
 
 
@@ -282,3 +282,11 @@ def test_timeline(tmp_path: Any) -> None:
         Config.from_env({"FAIRRING_TIMELINE": str(tmp_path / "missing" / "t.json")})
     with pytest.raises(ValueError, match=r"FAIRRING_TIMELINE"):
         Config.from_env({"FAIRRING_TIMELINE": "  "})
+
+
+def test_cuda_delegate() -> None:
+    assert Config.from_env({}).cuda_delegate == "auto"
+    assert Config.from_env({"FAIRRING_CUDA_DELEGATE": " Gloo "}).cuda_delegate == "gloo"
+    for raw in ("", "mpi", "ncclx"):
+        with pytest.raises(ValueError, match=r"FAIRRING_CUDA_DELEGATE=.*expected one of auto"):
+            Config.from_env({"FAIRRING_CUDA_DELEGATE": raw})
