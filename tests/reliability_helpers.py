@@ -186,6 +186,17 @@ def settle(
         time.sleep(0.05)
 
 
+def fd_targets() -> dict[int, str]:
+    """What each open descriptor of this process refers to."""
+    out = {}
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            out[int(fd.name)] = os.readlink(fd)
+        except OSError:
+            continue
+    return out
+
+
 def shm_entries() -> set[str]:
     try:
         return set(os.listdir("/dev/shm"))
@@ -211,9 +222,10 @@ def wait_key(store: Any, key: str, timeout_s: float) -> bytes:
 
 @dataclasses.dataclass
 class BareOutcome:
-    """One bare rank. status: "ok", "error" (fn raised), "crashed" (no result),
-    "killed" (still running at the deadline; ``returned`` says whether fn had
-    returned, i.e. the process hung at exit)."""
+    """One bare rank. status: "ok", "error" (fn raised), "crashed" (died without a
+    result), "killed" (still in fn at the deadline), "hung_at_exit" (fn returned but
+    the process was still alive at the deadline), "crashed_at_exit" (fn returned, then
+    the process exited with a non-zero code or a signal)."""
 
     rank: int
     status: str
@@ -367,7 +379,12 @@ def _bare_outcome(
         out.returned_at = returned.get(rank)
         if kind == "ok":
             out.value = payload
-            out.status = "ok" if proc.returncode == 0 and not killed else "killed"
+            if killed:
+                out.status = "hung_at_exit"
+            elif proc.returncode != 0:
+                out.status = "crashed_at_exit"
+            else:
+                out.status = "ok"
         else:
             out.error = payload
             out.status = "error"
