@@ -291,7 +291,7 @@ def _run_case_list(
     """Rank side of a CaseJob: run every case in order, report each one's error."""
     results: dict[str, str | None] = {}
     for case in cases:
-        print(f"case {case.id}", flush=True)  # in the rank's log, should it hang
+        print(f"case {case.id} at {time.time():.2f}", flush=True)  # in the log, if it hangs
         try:
             results[case.id] = runner(rank, world_size, case)
         except Exception as exc:  # noqa: BLE001 - reported per case
@@ -359,6 +359,15 @@ class CaseJob:
                 elif results[case_id] is not None:
                     errors[case_id].append((rank, results[case_id]))
         self._errors = errors
+
+    def errors(self) -> dict[str, list[tuple[int, str]]]:
+        """Case id -> [(rank, error)] (empty if the case passed on every rank); runs the
+        job if it has not run. Raises RankFailure if the job as a whole failed."""
+        self._run()
+        if self._failure is not None:
+            raise self._failure
+        assert self._errors is not None
+        return self._errors
 
     def check(self, case_id: str) -> None:
         import pytest
