@@ -85,6 +85,12 @@ def driver(args: argparse.Namespace) -> int:
     forwarded = ["--sizes", ",".join(str(s) for s in sizes_of(args)),
                  "--iters", str(args.iters), "--warmup", str(args.warmup)]
     runs = {}
+    goodput = None
+    if netns:
+        # What one TCP stream gets through such a link: the practical ceiling.
+        with common.netns_cluster.running_cluster(2, args.rate) as cluster:
+            goodput = common.netns_cluster.tcp_goodput(cluster)
+        print(f"== link goodput (1 TCP stream): {goodput / 1e6:.1f} MB/s", flush=True)
     for machines, ranks in shapes:
         shape = f"{machines}x{ranks}"
         out = common.TMP / f"{name}_{shape}.json"
@@ -99,7 +105,8 @@ def driver(args: argparse.Namespace) -> int:
         runs[shape] = json.loads(out.read_text())
     config = {"where": where, "rate": args.rate, "iters": args.iters, "warmup": args.warmup,
               "shapes": args.shapes, "timing": "median over iterations of the slowest rank"}
-    data = {"benchmark": "allreduce_sizes", "stamp": common.stamp(config), "runs": runs}
+    data = {"benchmark": "allreduce_sizes", "stamp": common.stamp(config), "runs": runs,
+            "link_goodput": goodput}
     markdown, plot = render(data)
     common.save(name, data, markdown, plot)
     return 0 if all("error" not in r for r in runs.values()) else 1
@@ -129,6 +136,10 @@ def render(data: dict[str, Any]) -> tuple[str, Any]:
              report.stamp_lines(stamp), "\n",
              "Times are per allreduce; bandwidths in MB/s (10^6 B/s); algbw = S/t, "
              "busbw = 2(N-1)/N·S/t; speedup = Gloo time / fairring time.\n\n"]
+    goodput = data.get("link_goodput")
+    if goodput:
+        parts.append(f"Link: {rate} per host and direction (tc tbf); one TCP stream between two"
+                     f" hosts moves {report.mbps(goodput)} MB/s of payload.\n\n")
     panels = {}
     for shape, run in data["runs"].items():
         parts.append(f"## {shape} (machines x ranks)\n\n")
@@ -146,7 +157,9 @@ def render(data: dict[str, Any]) -> tuple[str, Any]:
         parts.append("\n")
         panels[shape] = {b: ([r["size"] for r in rows], [r[f"{b}_busbw"] / 1e6 for r in rows])
                          for b in ("gloo", "fairring")}
-    hlines = {f"link {rate}": _rate_bytes(rate) / 1e6} if rate else None
+    hlines = {f"link {rate}": _rate_bytes(rate) / 1e6} if rate else {}
+    if goodput:
+        hlines["TCP goodput"] = goodput / 1e6
 
     def plot(path: Path) -> None:
         report.line_plot(path, panels, "allreduce size (bytes)", "bus bandwidth (MB/s)",

@@ -68,6 +68,9 @@ def busbw(size: int, seconds: float, world: int) -> float:
 # --- the stamp ---------------------------------------------------------------------
 
 _CONFIG_PREFIXES = ("FAIRRING_", "TP_", "GLOO_", "OMP_")
+# Taken when a driver imports this module, i.e. as its run starts: other jobs on a small
+# shared host are the main source of noise, so the stamp shows the load before and after.
+LOAD_AT_START = os.getloadavg()
 
 
 def _cpu_model() -> str:
@@ -100,6 +103,7 @@ def stamp(config: Mapping[str, Any]) -> dict[str, Any]:
         "torch": torch.__version__,
         "git_commit": _git("rev-parse", "--short=12", "HEAD"),
         "git_dirty": dirty,  # the commit alone does not describe uncommitted sources
+        "load_avg_start": list(LOAD_AT_START),
         "load_avg": list(os.getloadavg()),
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(_CONFIG_PREFIXES)},
         "config": dict(config),

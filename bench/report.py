@@ -48,11 +48,13 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 def stamp_lines(stamp: Mapping[str, Any]) -> str:
     env = ", ".join(f"`{k}={v}`" for k, v in stamp.get("env", {}).items()) or "none"
     load = ", ".join(f"{x:.2f}" for x in stamp.get("load_avg", []))
+    start = ", ".join(f"{x:.2f}" for x in stamp.get("load_avg_start", []))
     dirty = " (uncommitted changes)" if stamp.get("git_dirty") else ""
     config = ", ".join(f"{k}={v}" for k, v in stamp.get("config", {}).items())
     return (
         f"- measured {stamp['date']} on {stamp['host']}: {stamp['cpu']}, {stamp['cores']} cores,"
-        f" kernel {stamp['kernel']}, load average {load} (at the end)\n"
+        f" kernel {stamp['kernel']}, load average (1, 5, 15 min) {start} at the start,"
+        f" {load} at the end\n"
         f"- torch {stamp['torch']}, python {stamp['python']}, commit"
         f" {stamp['git_commit']}{dirty}\n"
         f"- environment: {env}\n"
@@ -75,10 +77,11 @@ def line_plot(
     for ax, (name, series) in zip(axes[0], panels.items(), strict=True):
         for label, (xs, ys) in series.items():
             ax.plot(xs, ys, marker="o", label=label)
-        for label, y in (hlines or {}).items():
-            ax.axhline(y, linestyle="--", color="gray", label=label)
+        for (label, y), style in zip((hlines or {}).items(), ("--", ":", "-."), strict=False):
+            ax.axhline(y, linestyle=style, color="gray", label=label)
         if logx:
             ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)  # differences read honestly only against zero
         ax.set_title(name)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)

@@ -229,6 +229,39 @@ def cleanup_leftovers(force: bool = False) -> list[str]:
     return removed
 
 
+_RECEIVER = """
+import socket, sys, time
+server = socket.create_server((sys.argv[1], 7001)); server.settimeout(20)
+conn, _ = server.accept(); buf = bytearray(1 << 20); got = 0; start = None
+while True:
+    n = conn.recv_into(buf)
+    if not n: break
+    start = start or time.perf_counter(); got += n
+print(got / (time.perf_counter() - start))
+"""
+_SENDER = """
+import socket, sys, time
+for _ in range(200):
+    try: conn = socket.create_connection((sys.argv[1], 7001)); break
+    except OSError: time.sleep(0.05)
+chunk = bytes(1 << 20)
+for _ in range(int(sys.argv[2])): conn.sendall(chunk)
+conn.close()
+"""
+
+
+def tcp_goodput(cluster: Cluster, mib: int = 200) -> float:
+    """Bytes/s of one TCP stream from host 1 to host 0: what the link really carries
+    (a shaped 1gbit link moves ~119 MB/s of payload, headers take the rest)."""
+    receiver = subprocess.Popen(
+        [*cluster.hosts[0].exec_prefix(), sys.executable, "-c", _RECEIVER,
+         cluster.hosts[0].address], stdout=subprocess.PIPE, text=True)
+    subprocess.run([*cluster.hosts[1].exec_prefix(), sys.executable, "-c", _SENDER,
+                    cluster.hosts[0].address, str(mib)], check=True, timeout=120)
+    out, _ = receiver.communicate(timeout=30)
+    return float(out.strip())
+
+
 # --- running commands on the hosts -------------------------------------------------
 
 

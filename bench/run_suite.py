@@ -1,0 +1,180 @@
+"""The benchmark suite, sized for a 2-core machine (under 10 minutes), and its verdict.
+
+    python bench/run_suite.py                 # everything, then bench/results/targets.md
+    python bench/run_suite.py --targets-only  # re-judge the JSON already in bench/results
+
+Runs, in order: one-shot allreduce vs size on loopback (2x2, 4x1, 1x4); the same on
+4 namespace hosts x 1 rank with 1 Gbit/s links (only with root and iproute2); overlap
+at 2x2; scaling with machines (1, 2, 4, 8 x 1); end-to-end DDP at 2x2. Every figure
+is fairring against Gloo measured in the same run, in the same processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import report  # noqa: E402
+
+import common  # noqa: E402
+
+BENCH = Path(__file__).resolve().parent
+LINK_RATE = "1gbit"
+LINK_BYTES_PER_S = 1e9 / 8
+STEPS: list[tuple[str, list[str], bool]] = [  # (script, arguments, needs the netns cluster)
+    ("allreduce_sizes.py", ["--shapes", "2x2,4x1,1x4", "--iters", "5"], False),
+    ("allreduce_sizes.py", ["--shapes", "4x1", "--rate", LINK_RATE, "--max-size", "100M",
+                            "--iters", "3"], True),
+    ("overlap.py", ["--shape", "2x2", "--buckets", "64", "--parallelism", "1,2,4,8",
+                    "--iters", "2", "--inflight-iters", "5"], False),
+    ("scaling.py", ["--machines", "1,2,4,8", "--buckets", "16", "--iters", "2"], False),
+    ("e2e.py", ["--shape", "2x2", "--blocks", "4", "--block-steps", "5"], False),
+]
+
+
+def run_all(skip_netns: bool) -> dict[str, float]:
+    from netns_cluster import unavailable_reason
+
+    reason = unavailable_reason()
+    durations = {}
+    # Compile the C++ core up front (minutes, once per source change), outside the steps.
+    start = time.monotonic()
+    subprocess.check_call([sys.executable, "-c",
+                           "import fairring_pg._build as b; b.load_extension()"])
+    durations["build the extension (cached)"] = time.monotonic() - start
+    for script, args, needs_netns in STEPS:
+        label = " ".join([script, *args])
+        if needs_netns and (skip_netns or reason):
+            print(f"== skipping {label}: {reason or '--skip-netns'}", flush=True)
+            continue
+        start = time.monotonic()
+        code = subprocess.call([sys.executable, str(BENCH / script), *args])
+        durations[label] = time.monotonic() - start
+        if code != 0:
+            print(f"!! {label} exited with {code}", file=sys.stderr, flush=True)
+    return durations
+
+
+# --- targets -----------------------------------------------------------------------
+
+
+def _load(name: str) -> dict[str, Any] | None:
+    path = common.RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _sizes(data: dict[str, Any], shape: str) -> dict[int, dict[str, float]]:
+    from allreduce_sizes import summarize
+
+    run = data["runs"].get(shape, {"error": "not run"})
+    return {} if "error" in run else {int(r["size"]): r for r in summarize(run)}
+
+
+Row = list[str]
+
+
+def _verdict(ok: bool) -> str:
+    return "pass" if ok else "MISS"
+
+
+def target_rows() -> list[Row]:
+    rows: list[Row] = []
+    missing = "not measured"
+
+    def add(target: str, measured: str, ok: bool | None) -> None:
+        rows.append([target, measured, missing if ok is None else _verdict(ok)])
+
+    loop = _load("allreduce_sizes")
+    loop_2x2 = _sizes(loop, "2x2") if loop else {}
+    for size in (25 * common.MIB, 100 * common.MIB):
+        r = loop_2x2.get(size)
+        add(f"loopback 2x2, {common.show_size(size)}: fairring >= 1.5x Gloo throughput",
+            f"{r['speedup']:.2f}x ({report.mbps(r['fairring_algbw'])} vs "
+            f"{report.mbps(r['gloo_algbw'])} MB/s algbw)" if r else missing,
+            r["speedup"] >= 1.5 if r else None)
+
+    overlap = _load("overlap")
+    if overlap:
+        t = {k: common.median(v) for k, v in overlap["inflight"].items()}
+        add("16 x 25 MiB in flight at once (2x2 loopback): >= 1.5x Gloo",
+            f"{t['gloo'] / t['fairring']:.2f}x ({report.ms(t['fairring'])} vs "
+            f"{report.ms(t['gloo'])} ms)", t["gloo"] / t["fairring"] >= 1.5)
+    else:
+        add("16 x 25 MiB in flight at once: >= 1.5x Gloo", missing, None)
+
+    shaped = _load(f"allreduce_sizes_netns_{LINK_RATE}")
+    net = _sizes(shaped, "4x1") if shaped else {}
+    big = {s: r for s, r in net.items() if s >= 25 * common.MIB}
+    worst_big = min(big.values(), key=lambda r: r["fairring_busbw"]) if big else None
+    goodput = (shaped or {}).get("link_goodput") or float("nan")
+    add("4x1 at 1 Gbit/s (netns, tbf): busbw >= 90% of link rate from 25 MiB",
+        f"worst {report.mbps(worst_big['fairring_busbw'])} MB/s = "
+        f"{worst_big['fairring_busbw'] / LINK_BYTES_PER_S:.1%} of 125 MB/s at "
+        f"{common.show_size(int(worst_big['size']))} (TCP goodput {report.mbps(goodput)} MB/s;"
+        f" Gloo {report.mbps(worst_big['gloo_busbw'])})" if worst_big else missing,
+        worst_big["fairring_busbw"] >= 0.9 * LINK_BYTES_PER_S if worst_big else None)
+    mid = {s: r for s, r in net.items() if s >= common.MIB}
+    worst_mid = min(mid.values(), key=lambda r: r["speedup"]) if mid else None
+    add("4x1 at 1 Gbit/s: fairring >= Gloo at every size from 1 MiB",
+        f"worst {worst_mid['speedup']:.2f}x at {common.show_size(int(worst_mid['size']))}"
+        if worst_mid else missing, worst_mid["speedup"] >= 1.0 if worst_mid else None)
+
+    small: list[tuple[str, dict[str, float]]] = []
+    for data in (loop, shaped):
+        for shape in (data or {}).get("runs", {}):
+            where = data["stamp"]["config"]["where"] if data else ""
+            small += [(f"{shape} {where} {common.show_size(s)}", r)
+                      for s, r in _sizes(data, shape).items() if s <= 64 * common.KIB]
+    if small:
+        label, r = max(small, key=lambda x: x[1]["fairring_s"] / x[1]["gloo_s"])
+        worst = r["fairring_s"] / r["gloo_s"]
+        add("messages <= 64 KiB: latency <= 1.5x Gloo's (every shape measured)",
+            f"worst {worst:.2f}x Gloo's latency ({label}: {report.ms(r['fairring_s'])} vs "
+            f"{report.ms(r['gloo_s'])} ms)", worst <= 1.5)
+    else:
+        add("messages <= 64 KiB: latency <= 1.5x Gloo's", missing, None)
+
+    e2e = _load("e2e")
+    if e2e:
+        from e2e import steps_per_s
+
+        f, g = steps_per_s(e2e, "fairring"), steps_per_s(e2e, "gloo")
+        add("DDP Transformer 2x2: steps/s >= Gloo's", f"{f / g:.2f}x ({f:.3f} vs {g:.3f})",
+            f >= g)
+    else:
+        add("DDP Transformer 2x2: steps/s >= Gloo's", missing, None)
+    return rows
+
+
+def write_targets(durations: dict[str, float] | None) -> str:
+    stamp = common.stamp({"suite": "bench/run_suite.py"})
+    text = ("# Targets\n\n" + report.stamp_lines(stamp)
+            + "\nEach figure is fairring against Gloo measured in the same run, in the same"
+            " processes (see the per-benchmark .md files for every size).\n\n"
+            + report.table(["target", "measured", "verdict"], target_rows()))
+    if durations:
+        text += "\n## Suite run\n\n" + report.table(
+            ["step", "seconds"], [[k, f"{v:.0f}"] for k, v in durations.items()])
+        text += f"\ntotal: {sum(durations.values()):.0f} s\n"
+    (common.RESULTS / "targets.md").write_text(text)
+    return text
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--targets-only", action="store_true")
+    p.add_argument("--skip-netns", action="store_true")
+    args = p.parse_args(argv)
+    durations = None if args.targets_only else run_all(args.skip_netns)
+    print(write_targets(durations))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
