@@ -28,21 +28,22 @@ BENCH = Path(__file__).resolve().parent
 LINK_RATE = "1gbit"
 LINK_BYTES_PER_S = 1e9 / 8
 STEPS: list[tuple[str, list[str], bool]] = [  # (script, arguments, needs the netns cluster)
-    ("allreduce_sizes.py", ["--shapes", "2x2,4x1,1x4", "--iters", "5"], False),
+    ("allreduce_sizes.py", ["--shapes", "2x2,4x1,1x4", "--iters", "6"], False),
     ("allreduce_sizes.py", ["--shapes", "4x1", "--rate", LINK_RATE, "--max-size", "100M",
-                            "--iters", "3"], True),
+                            "--iters", "4"], True),
     ("overlap.py", ["--shape", "2x2", "--buckets", "64", "--parallelism", "1,2,4,8",
-                    "--iters", "2", "--inflight-iters", "5"], False),
+                    "--iters", "3", "--inflight-iters", "6"], False),
     ("scaling.py", ["--machines", "1,2,4,8", "--buckets", "16", "--iters", "2"], False),
-    ("e2e.py", ["--shape", "2x2", "--blocks", "4", "--block-steps", "5"], False),
+    ("e2e.py", ["--shape", "2x2", "--blocks", "6", "--block-steps", "4"], False),
 ]
 
 
-def run_all(skip_netns: bool) -> dict[str, float]:
+def run_all(skip_netns: bool) -> tuple[dict[str, float], list[str]]:
     from netns_cluster import unavailable_reason
 
     reason = unavailable_reason()
     durations = {}
+    failed = []
     # Compile the C++ core up front (minutes, once per source change), outside the steps.
     start = time.monotonic()
     subprocess.check_call([sys.executable, "-c",
@@ -58,7 +59,8 @@ def run_all(skip_netns: bool) -> dict[str, float]:
         durations[label] = time.monotonic() - start
         if code != 0:
             print(f"!! {label} exited with {code}", file=sys.stderr, flush=True)
-    return durations
+            failed.append(label)
+    return durations, failed
 
 
 # --- targets -----------------------------------------------------------------------
@@ -171,9 +173,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--targets-only", action="store_true")
     p.add_argument("--skip-netns", action="store_true")
     args = p.parse_args(argv)
-    durations = None if args.targets_only else run_all(args.skip_netns)
+    durations, failed = (None, []) if args.targets_only else run_all(args.skip_netns)
     print(write_targets(durations))
-    return 0
+    for label in failed:
+        print(f"!! failed: {label}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
