@@ -193,14 +193,38 @@ def destroy(cluster: Cluster) -> list[str]:
     return errors
 
 
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+@contextmanager
+def signals_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise KeyboardInterrupt meanwhile, as Ctrl-C does.
+
+    Python's default for them is to die without running finally blocks, which would
+    leave namespaces and rank processes (each in a session of its own) behind.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers; its caller's apply
+        return
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 @contextmanager
 def running_cluster(num_hosts: int, rate: str | None = None) -> Iterator[Cluster]:
-    cluster = create(num_hosts, rate)
-    try:
-        yield cluster
-    finally:
-        for error in destroy(cluster):
-            print(f"[netns] cleanup: {error}", file=sys.stderr, flush=True)
+    """The cluster, torn down on leaving, whatever the way out."""
+    with signals_interrupt():
+        cluster = create(num_hosts, rate)
+        try:
+            yield cluster
+        finally:
+            for error in destroy(cluster):
+                print(f"[netns] cleanup: {error}", file=sys.stderr, flush=True)
 
 
 def our_namespaces() -> list[str]:
@@ -308,38 +332,43 @@ def run_processes(
     The first failure, or the timeout, stops all of them, so that a hung collective
     never hangs the caller.
     """
-    lock = threading.Lock()
     procs: list[Proc] = []
     pumps: list[threading.Thread] = []
-    try:
-        for label, argv, env in specs:
-            popen = subprocess.Popen(argv, env=dict(env), stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-            procs.append(Proc(label, popen))
-            pumps.append(threading.Thread(target=_pump, args=(procs[-1], lock, sink),
-                                          daemon=True))
-            pumps[-1].start()
-        deadline = time.monotonic() + timeout
-        while True:
-            codes = [p.popen.poll() for p in procs]
-            failed = [(p.label, c) for p, c in zip(procs, codes, strict=True)
-                      if c not in (None, 0)]
-            if failed:
-                print(f"[launch] {failed[0][0]} exited with {failed[0][1]}; stopping the rest",
-                      file=sys.stderr, flush=True)
-                return failed[0][1] if failed[0][1] > 0 else 128 - failed[0][1]
-            if all(c == 0 for c in codes):
-                return 0
-            if time.monotonic() > deadline:
-                print(f"[launch] timed out after {timeout:.0f} s; stopping all",
-                      file=sys.stderr, flush=True)
-                return TIMEOUT_EXIT
-            time.sleep(0.05)
-    finally:
-        _stop(procs)
-        for t in pumps:
-            t.join(timeout=2.0)
+    lock = threading.Lock()
+    with signals_interrupt():
+        try:
+            for label, argv, env in specs:
+                popen = subprocess.Popen(argv, env=dict(env), stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+                procs.append(Proc(label, popen))
+                pumps.append(threading.Thread(target=_pump, args=(procs[-1], lock, sink),
+                                              daemon=True))
+                pumps[-1].start()
+            return _wait(procs, timeout)
+        finally:
+            _stop(procs)
+            for t in pumps:
+                t.join(timeout=2.0)
+
+
+def _wait(procs: Sequence[Proc], timeout: float) -> int:
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [p.popen.poll() for p in procs]
+        failed = [(p.label, c) for p, c in zip(procs, codes, strict=True) if c not in (None, 0)]
+        if failed:
+            label, code = failed[0]
+            print(f"[launch] {label} exited with {code}; stopping the rest",
+                  file=sys.stderr, flush=True)
+            return code if code > 0 else 128 - code  # killed by a signal: 128 + its number
+        if all(c == 0 for c in codes):
+            return 0
+        if time.monotonic() > deadline:
+            print(f"[launch] timed out after {timeout:.0f} s; stopping all",
+                  file=sys.stderr, flush=True)
+            return TIMEOUT_EXIT
+        time.sleep(0.05)
 
 
 def host_specs(
@@ -399,12 +428,6 @@ def main(argv: list[str]) -> int:
               f"{' '.join(removed)}")
         return 0
 
-    def on_signal(signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    # Every way out must pass through the finally of running_cluster.
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, on_signal)
     try:
         with running_cluster(args.hosts, args.rate) as cluster:
             shaped = f", {args.rate} per host" if args.rate else ""
