@@ -277,12 +277,19 @@ MISMATCHES: dict[str, tuple[dict[str, Any], tuple[str, str]]] = {
     "size_slices": ({"numel": 70_000, "base": 100_000}, ("100000 elements", "70000 elements")),
     "dtype": ({"dtype": torch.int32}, ("of Float", "of Int")),
     "op": ({"op": dist.ReduceOp.MAX}, ("ReduceOp.SUM", "ReduceOp.MAX")),
+    # An empty tensor on one rank (say, an empty bucket): that rank has nothing to
+    # send, yet it too must learn that the others disagree.
+    "size_zero": ({"numel": 0}, ("1000 elements", "0 elements")),
 }
+# The group timeout of a mismatch case: detection must come well before it (see
+# MISMATCH_DETECT_S), so a rank that only times out is told apart.
+MISMATCH_GROUP_TIMEOUT_S = 12.0
+MISMATCH_DETECT_S = 6.0
 
 
 def _mismatch_case(rank: int, world: int, kind: str) -> dict[str, Any]:
     change, _ = MISMATCHES[kind]
-    group = dist.new_group(backend="fairring", timeout=timedelta(seconds=30))
+    group = dist.new_group(backend="fairring", timeout=timedelta(seconds=MISMATCH_GROUP_TIMEOUT_S))
     earlier = torch.arange(1000, dtype=torch.float32) * (rank + 1)
     dist.all_reduce(earlier, group=group)
     # Completed on every rank, not only on this one, before anything goes wrong.
@@ -394,8 +401,11 @@ def test_mismatch_every_rank_raises_naming_the_difference(kind: str) -> None:
         for word in ("differs between ranks", mine, theirs):
             if word not in v["message"]:
                 problems.append(f"rank {o.rank}: error lacks {word!r}: {v['message']}")
-        if v["elapsed_s"] > 10.0:  # detected, not timed out (the group's timeout is 30 s)
-            problems.append(f"rank {o.rank}: raised only after {v['elapsed_s']:.1f} s")
+        if v["elapsed_s"] > MISMATCH_DETECT_S:  # detected, not timed out
+            problems.append(
+                f"rank {o.rank}: raised only after {v['elapsed_s']:.1f} s (group timeout "
+                f"{MISMATCH_GROUP_TIMEOUT_S:.0f} s): {v['message']}"
+            )
         if v["after_message"] is None or v["after_s"] > 1.0:
             problems.append(
                 f"rank {o.rank}: the next call took {v['after_s']:.2f} s and raised "
