@@ -241,16 +241,37 @@ void AllreduceEngine::activate(Op& op, Slice& slice, Actions& actions) {
 
 void AllreduceEngine::sendPiece(Op& op, Slice& slice, int peer, Phase phase, Range range, Actions& actions) {
   ++slice.sendsInFlight;
-  std::string header = encode(op.header(slice.index, phase));
-  uint8_t* data = op.at(range);
-  const size_t bytes = static_cast<size_t>(range.size()) * op.elemSize;
-  const uint64_t seq = op.seq;
-  const int64_t s = slice.index;
-  actions.push_back([this, peer, phase, header = std::move(header), data, bytes, seq, s]() mutable {
-    mesh_->send(peer, laneOf(phase), std::move(header), data, bytes, [this, seq, s, peer](Status status) {
+  const Lane lane = laneOf(phase);
+  Outbox& box = outboxes_[{peer, lane}];
+  box.queue.push_back(Outgoing{
+      encode(op.header(slice.index, phase)), op.at(range), static_cast<size_t>(range.size()) * op.elemSize, op.seq,
+      slice.index});
+  if (!box.draining) {
+    box.draining = true;
+    actions.push_back([this, peer, lane] { drain(peer, lane); });
+  }
+}
+
+void AllreduceEngine::drain(int peer, Lane lane) {
+  for (;;) {
+    Outgoing next;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      Outbox& box = outboxes_[{peer, lane}];
+      if (box.queue.empty() || !failure_.empty()) {
+        box.queue.clear();
+        box.draining = false;
+        return;
+      }
+      next = std::move(box.queue.front());
+      box.queue.pop_front();
+    }
+    const uint64_t seq = next.seq;
+    const int64_t s = next.slice;
+    mesh_->send(peer, lane, std::move(next.header), next.data, next.bytes, [this, seq, s, peer](Status status) {
       onSent(seq, s, peer, std::move(status));
     });
-  });
+  }
 }
 
 void AllreduceEngine::advance(Op& op, Slice& slice, Actions& actions) {

@@ -74,6 +74,22 @@ class AllreduceEngine {
     DataHeader header;
     size_t bytes;
   };
+  struct Outgoing {
+    std::string header;
+    void* data;
+    size_t bytes;
+    uint64_t seq;
+    int64_t slice;
+  };
+  // Messages to one (peer, lane), in the order the state machine decided them.
+  // The deadlock argument needs each pipe to carry reduce messages in global
+  // slice order; decisions are made under the lock, but the sends happen
+  // after it on whichever thread made them, so one drainer at a time issues
+  // them in queue order.
+  struct Outbox {
+    std::deque<Outgoing> queue;
+    bool draining{false};
+  };
   using Actions = std::vector<std::function<void()>>;
 
   void admitLocked(
@@ -93,6 +109,7 @@ class AllreduceEngine {
   void advance(Op& op, Slice& slice, Actions& actions);
   void sendPiece(Op& op, Slice& slice, int peer, Phase phase, Range range, Actions& actions);
   void finishSlice(Op& op, Slice& slice, Actions& actions);
+  void drain(int peer, Lane lane);
   // Reduces `numPieces` staged pieces into `mine` on the reduction thread
   // (and applies AVG's division if `last`), then runs `then` under the lock.
   void reduceLater(
@@ -145,6 +162,7 @@ class AllreduceEngine {
   std::vector<std::unique_ptr<Op>> graveyard_;
   std::deque<std::pair<uint64_t, int64_t>> waitingForSlot_;
   std::map<std::pair<uint64_t, int64_t>, std::vector<Parked>> parked_;
+  std::map<std::pair<int, Lane>, Outbox> outboxes_;
   StagingPool staging_;
   std::thread watchdog_;
 };
