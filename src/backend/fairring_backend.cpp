@@ -125,8 +125,8 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce_coalesced(
     const std::string name = "tensor " + std::to_string(i) + " of allreduce_coalesced";
     checkCpuTensor(tensors[i], name);
     TORCH_CHECK(
-        tensors[i].scalar_type() == tensors[0].scalar_type(), "fairring: ", name, " has dtype ",
-        tensors[i].scalar_type(), " but tensor 0 has ", tensors[0].scalar_type(),
+        tensors[i].scalar_type() == tensors[0].scalar_type(), "fairring: ", name, " has dtype torch.",
+        dtypeName(tensors[i].scalar_type()), " but tensor 0 has torch.", dtypeName(tensors[0].scalar_type()),
         "; coalesced tensors must share a dtype");
     flat.push_back(tensors[i].reshape({-1}));
   }

@@ -19,6 +19,28 @@ std::string opName(Op op) {
   }
 }
 
+std::string dtypeName(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kChar: return "int8";
+    case at::kShort: return "int16";
+    case at::kInt: return "int32";
+    case at::kLong: return "int64";
+    case at::kByte: return "uint8";
+    case at::kBool: return "bool";
+    case at::kComplexHalf: return "complex32";
+    case at::kComplexFloat: return "complex64";
+    case at::kComplexDouble: return "complex128";
+    case at::kUInt16: return "uint16";
+    case at::kUInt32: return "uint32";
+    case at::kUInt64: return "uint64";
+    default: return c10::toString(t);
+  }
+}
+
 static bool isSupportedDtype(at::ScalarType t) {
   switch (t) {
     case at::kFloat:
@@ -38,7 +60,7 @@ static bool isSupportedDtype(at::ScalarType t) {
 }
 
 Status checkReducible(Op op, at::ScalarType dtype) {
-  const std::string what = "ReduceOp." + opName(op) + " on dtype " + std::string(c10::toString(dtype));
+  const std::string what = "ReduceOp." + opName(op) + " on dtype torch." + dtypeName(dtype);
   if (!isSupportedDtype(dtype)) {
     return Status::error(
         "fairring: allreduce does not support " + what +

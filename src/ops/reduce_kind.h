@@ -20,4 +20,7 @@ void finishReduction(const at::Tensor& values, c10d::ReduceOp::RedOpType op, int
 
 std::string opName(c10d::ReduceOp::RedOpType op);
 
+// The name a Python user knows the dtype by ("int8", not c10's "Char").
+std::string dtypeName(at::ScalarType dtype);
+
 } // namespace fairring

@@ -466,13 +466,13 @@ void AllreduceEngine::recordOp(const Op& op) {
   timeline_.span(
       "ops", "allreduce #" + std::to_string(op.seq), op.tEnqueued, Timeline::now(),
       "{\"elements\":" + std::to_string(h.numel) + ",\"dtype\":\"" +
-          std::string(c10::toString(op.work.scalar_type())) + "\",\"op\":\"" + opName(op.op) +
+          dtypeName(op.work.scalar_type()) + "\",\"op\":\"" + opName(op.op) +
           "\",\"slices\":" + std::to_string(op.slices.size()) + "}");
 }
 
 std::string AllreduceEngine::describeOp(const DataHeader& h) const {
   return std::to_string(h.numel) + " elements of " +
-      std::string(c10::toString(static_cast<at::ScalarType>(h.dtype))) + " with ReduceOp." +
+      dtypeName(static_cast<at::ScalarType>(h.dtype)) + " with ReduceOp." +
       opName(static_cast<RedOp>(h.op));
 }
 
