@@ -278,7 +278,7 @@ MISMATCHES: dict[str, tuple[dict[str, Any], tuple[str | tuple[str, ...], ...]]] 
     "size_slices": ({"numel": 70_000, "base": 100_000}, ("100000 elements", "70000 elements")),
     "dtype": (
         {"dtype": torch.int32},
-        (("of Float", "of torch.float32"), ("of Int", "of torch.int32")),
+        (("of Float", "float32"), ("of Int", "int32")),
     ),
     "op": ({"op": dist.ReduceOp.MAX}, ("ReduceOp.SUM", "ReduceOp.MAX")),
     # An empty tensor on one rank (say, an empty bucket): that rank has nothing to
