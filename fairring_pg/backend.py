@@ -7,8 +7,10 @@ topology, job token, delegate process groups) and hands the results to the C++ c
 
 from __future__ import annotations
 
+import atexit
 import os
 import secrets
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -68,13 +70,30 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
         opts.local_reduce_group, opts.local_gather_group = local_groups
     core_store = dist.PrefixStore("fairring/core/", store)
     try:
-        return factory(core_store, rank, size, opts, cpu_delegate, cuda_delegate)
+        backend = factory(core_store, rank, size, opts, cpu_delegate, cuda_delegate)
     except Exception as exc:
         raise RuntimeError(
             f"fairring: rank {rank} of {size} could not start the allreduce core "
             f"(listening on {address}, {topology.num_machines} machine(s) x "
             f"{topology.local_size} rank(s)): {type(exc).__name__}: {exc}"
         ) from exc
+    _live_backends.add(backend)
+    return backend
+
+
+# Backends to stop before the interpreter finalizes: after that, a core thread that
+# drops the last reference to a Python-owned tensor must take the GIL, and CPython ends
+# such threads in a way that aborts the process ("terminate called without an active
+# exception").
+_live_backends: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_backends() -> None:
+    for backend in list(_live_backends):
+        shutdown = getattr(backend, "_fairring_shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
 
 def job_token(store: Any, rank: int, timeout: timedelta) -> str:

@@ -269,7 +269,7 @@ uint64_t FairringBackend::getSequenceNumberForGroup() {
   return cpu_->getSequenceNumberForGroup();
 }
 
-void FairringBackend::shutdown() {
+void FairringBackend::shutdownCore() {
 #ifdef FAIRRING_WITH_CUDA
   if (cudaEngine_) {
     cudaEngine_->shutdown();
@@ -278,6 +278,10 @@ void FairringBackend::shutdown() {
   if (engine_) {
     engine_->shutdown();
   }
+}
+
+void FairringBackend::shutdown() {
+  shutdownCore();
   cpu_->shutdown();
   if (cuda_) {
     cuda_->shutdown();

@@ -122,6 +122,9 @@ class FairringBackend : public c10d::Backend {
   void setSequenceNumberForGroup() override;
   uint64_t getSequenceNumberForGroup() override;
   void shutdown() override;
+  // Stops fairring's own threads and connections (not the delegates'), so
+  // that nothing of ours runs while the interpreter finalizes.
+  void shutdownCore();
   void abort() override;
 
  private:

@@ -148,41 +148,36 @@ void AllreduceEngine::admitLocked(
     std::function<void()> finish,
     const c10::intrusive_ptr<Future>& future,
     Actions& actions) {
-  {
-    auto o = std::make_unique<Op>();
-    o->seq = nextSeq_++;
-    o->work = work.view({-1});
-    o->op = op;
-    o->elemSize = work.element_size();
-    o->plan = SlicePlan(
-        work.numel(), static_cast<int64_t>(options_.sliceBytes / o->elemSize), layout_.localSize(),
-        layout_.numMachines());
-    o->deadline = Clock::now() + options_.timeout;
-    o->future = future;
-    o->outputs = std::move(outputs);
-    o->finish = std::move(finish);
-    o->slicesLeft = o->plan.numSlices();
-    o->firstSliceId = nextSliceId_;
-    nextSliceId_ += o->slicesLeft;
-    stamp(timeline_, o->tEnqueued);
-    if (o->slicesLeft == 0) {
-      // Nothing to exchange, but the sequence number is spent on every rank alike.
-      actions.push_back([future, outs = o->outputs]() { future->markCompleted(c10::IValue(outs)); });
-    } else {
-      o->slices.resize(o->slicesLeft);
-      for (int64_t s = 0; s < o->slicesLeft; ++s) {
-        Slice& slice = o->slices[s];
-        slice.index = s;
-        slice.announced[static_cast<int>(Phase::kReduceScatter)].assign(layout_.localSize(), 0);
-        slice.announced[static_cast<int>(Phase::kAllGather)].assign(layout_.localSize(), 0);
-        slice.announced[static_cast<int>(Phase::kCollect)].assign(layout_.numMachines(), 0);
-        slice.announced[static_cast<int>(Phase::kDiffuse)].assign(layout_.numMachines(), 0);
-        waitingForSlot_.emplace_back(o->seq, s);
-      }
-      ops_[o->seq] = std::move(o);
-      pump(actions);
-    }
+  auto o = std::make_unique<Op>();
+  o->seq = nextSeq_++;
+  o->work = work.view({-1});
+  o->op = op;
+  o->elemSize = work.element_size();
+  o->plan = SlicePlan(
+    work.numel(), static_cast<int64_t>(options_.sliceBytes / o->elemSize), layout_.localSize(),
+    layout_.numMachines());
+  o->deadline = Clock::now() + options_.timeout;
+  o->future = future;
+  o->outputs = std::move(outputs);
+  o->finish = std::move(finish);
+  // An empty tensor still takes one (empty) slice: its headers must travel so
+  // that a rank calling with 0 elements where others have more is caught.
+  o->slicesLeft = std::max<int64_t>(1, o->plan.numSlices());
+  o->firstSliceId = nextSliceId_;
+  nextSliceId_ += o->slicesLeft;
+  stamp(timeline_, o->tEnqueued);
+  o->slices.resize(o->slicesLeft);
+  for (int64_t s = 0; s < o->slicesLeft; ++s) {
+    Slice& slice = o->slices[s];
+    slice.index = s;
+    slice.announced[static_cast<int>(Phase::kReduceScatter)].assign(layout_.localSize(), 0);
+    slice.announced[static_cast<int>(Phase::kAllGather)].assign(layout_.localSize(), 0);
+    slice.announced[static_cast<int>(Phase::kCollect)].assign(layout_.numMachines(), 0);
+    slice.announced[static_cast<int>(Phase::kDiffuse)].assign(layout_.numMachines(), 0);
+    waitingForSlot_.emplace_back(o->seq, s);
   }
+  ops_[o->seq] = std::move(o);
+  pump(actions);
 }
 
 void AllreduceEngine::run(Actions& actions) {

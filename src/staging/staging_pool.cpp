@@ -1,5 +1,6 @@
 #include "staging/staging_pool.h"
 
+#include <new>
 #include <stdexcept>
 #include <string>
 
@@ -32,7 +33,12 @@ StagingPool::StagingPool(size_t totalBytes, size_t slotBytes) : slotBytes_(slotB
           "fairring: FAIRRING_TOTAL_MEMORY=" + std::to_string(totalBytes) +
           " cannot hold one staging slot of " + std::to_string(slotBytes_) + " bytes");
     }
-    memory_.reset(new uint8_t[numSlots_ * slotBytes_ + kAlign]);
+    memory_.reset(new (std::nothrow) uint8_t[numSlots_ * slotBytes_ + kAlign]);
+    if (!memory_) {
+      throw std::invalid_argument(
+          "fairring: cannot allocate FAIRRING_TOTAL_MEMORY=" + std::to_string(totalBytes) +
+          " bytes of staging memory on this machine; set a smaller FAIRRING_TOTAL_MEMORY");
+    }
   }
   for (size_t i = numSlots_; i > 0; --i) {
     free_.push_back(static_cast<int>(i - 1));

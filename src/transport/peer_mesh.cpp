@@ -131,7 +131,31 @@ Status PeerMesh::start(c10d::Store& store) {
         "fairring: " + layout_.describe(layout_.rank()) + " timed out after " +
         std::to_string(options_.timeout.count()) + " ms waiting for " + missing + " to connect");
   }
+  lock.unlock();
+  closeListeners();
   return Status();
+}
+
+void PeerMesh::closeListeners() {
+  // Every peer is connected, so nothing needs to listen any more. TensorPipe's
+  // listener cannot face strangers: an error while reading any one incoming
+  // handshake fails the whole listener, and a forged length makes it
+  // allocate without bound. Closed, the port refuses them instead.
+  for (Endpoint& ep : endpoints_) {
+    if (ep.listener) {
+      ep.listener->close();
+    }
+  }
+  // Connections that never said who they are (a stranger, or a half-open
+  // socket from start-up) have nothing left to wait for.
+  std::vector<std::shared_ptr<tensorpipe::Pipe>> strangers;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    strangers.swap(unidentified_);
+  }
+  for (auto& pipe : strangers) {
+    pipe->close();
+  }
 }
 
 void PeerMesh::accept(Reach reach) {

@@ -46,7 +46,8 @@ class PeerMesh {
   ~PeerMesh();
 
   // Listens, publishes the address in the store, connects to every peer and
-  // waits until every peer has connected back, all within the timeout.
+  // waits until every peer has connected back, all within the timeout; then
+  // stops listening.
   Status start(c10d::Store& store);
 
   // Queues a message; `done` runs on a TensorPipe thread when it is sent.
@@ -69,6 +70,7 @@ class PeerMesh {
   };
 
   Reach reachOf(int peer) const;
+  void closeListeners();
   void openEndpoint(Reach reach);
   void accept(Reach reach);
   void onAccepted(Reach reach, std::shared_ptr<tensorpipe::Pipe> pipe);
