@@ -224,11 +224,16 @@ void AllreduceEngine::activate(Op& op, Slice& slice, Actions& actions) {
   if (parked != parked_.end()) {
     std::vector<Parked> waiting = std::move(parked->second);
     parked_.erase(parked);
-    for (const Parked& p : waiting) {
-      deliver(op, slice, p.peer, p.header, p.bytes, actions);
-      if (!failure_.empty()) {
-        return;
+    for (size_t i = 0; i < waiting.size(); ++i) {
+      if (op.seq >= failSeq_) {
+        // The operation failed while delivering: drop the rest unread.
+        discard(waiting[i].peer, laneOf(waiting[i].header.phase), waiting[i].bytes, actions);
+      } else {
+        deliver(op, slice, waiting[i].peer, waiting[i].header, waiting[i].bytes, actions);
       }
+    }
+    if (op.seq >= failSeq_) {
+      return;
     }
   }
   advance(op, slice, actions);
@@ -253,7 +258,11 @@ void AllreduceEngine::drain(int peer, Lane lane) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       Outbox& box = outboxes_[{peer, lane}];
-      if (box.queue.empty() || !failure_.empty()) {
+      // Messages of failed operations are dropped; earlier ones still go.
+      while (!box.queue.empty() && box.queue.front().seq >= failSeq_) {
+        box.queue.pop_front();
+      }
+      if (box.queue.empty() || meshClosed_) {
         box.queue.clear();
         box.draining = false;
         return;
@@ -487,7 +496,7 @@ void AllreduceEngine::onMessage(int peer, Lane lane, Status status, std::string 
   Actions actions;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!failure_.empty() || stopping_) {
+    if (stopping_ || meshClosed_) {
       return;
     }
     if (!status.ok()) {
@@ -501,15 +510,19 @@ void AllreduceEngine::onMessage(int peer, Lane lane, Status status, std::string 
     } else if (auto abort = decodeAbort(header)) {
       failLocked(abort->reason + " (reported to " + layout_.describe(layout_.rank()) + " by " +
                      layout_.describe(peer) + ")",
-                 actions);
+                 actions, abort->fromSeq);
+      // Finish reading it: earlier operations' messages queue behind it.
+      discard(peer, lane, bytes, actions);
     } else if (auto h = decodeData(header); !h || laneOf(h->phase) != lane) {
       failLocked("fairring: malformed message from " + layout_.describe(peer), actions);
+    } else if (h->opSeq >= failSeq_) {
+      discard(peer, lane, bytes, actions);
     } else {
       auto it = ops_.find(h->opSeq);
       if (it != ops_.end()) {
         Op& op = *it->second;
         if (!sameOp(op, *h)) {
-          failLocked(describeMismatch(op, peer, *h), actions);
+          failLocked(describeMismatch(op, peer, *h), actions, op.seq);
         } else if (!op.slices[h->slice].active) {
           parked_[{h->opSeq, h->slice}].push_back(Parked{peer, *h, bytes});
         } else {
@@ -520,7 +533,7 @@ void AllreduceEngine::onMessage(int peer, Lane lane, Status status, std::string 
             "fairring: allreduce #" + std::to_string(h->opSeq) + " differs between ranks: " +
                 layout_.describe(peer) + " sent " + describeOp(*h) + " but it has already finished on " +
                 layout_.describe(layout_.rank()) + " (with fewer elements)",
-            actions);
+            actions, h->opSeq);
       } else {
         // The peer is ahead of us; the pipe waits until we post this operation.
         parked_[{h->opSeq, h->slice}].push_back(Parked{peer, *h, bytes});
@@ -532,7 +545,7 @@ void AllreduceEngine::onMessage(int peer, Lane lane, Status status, std::string 
 
 void AllreduceEngine::deliver(Op& op, Slice& slice, int peer, const DataHeader& h, size_t bytes, Actions& actions) {
   if (!sameOp(op, h)) {
-    failLocked(describeMismatch(op, peer, h), actions);
+    failLocked(describeMismatch(op, peer, h), actions, op.seq);
     return;
   }
   const int L = layout_.localSize();
@@ -596,7 +609,7 @@ void AllreduceEngine::onReceived(uint64_t seq, int64_t s, Phase phase, int /*fro
   Actions actions;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!failure_.empty() || stopping_) {
+    if (stopping_ || meshClosed_) {
       return;
     }
     if (!status.ok()) {
@@ -615,7 +628,7 @@ void AllreduceEngine::onSent(uint64_t seq, int64_t s, int peer, Status status) {
   Actions actions;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!failure_.empty() || stopping_) {
+    if (stopping_ || meshClosed_) {
       return;
     }
     // A failed send does not make this rank's result wrong: only data it still
@@ -630,9 +643,8 @@ void AllreduceEngine::onSent(uint64_t seq, int64_t s, int peer, Status status) {
         departed_ = status.message();
       }
     }
-    if (!failure_.empty()) {
-      // failLocked already failed this operation.
-    } else if (auto it = ops_.find(seq); it != ops_.end()) {
+    // An operation that failed is gone from ops_; earlier ones carry on.
+    if (auto it = ops_.find(seq); it != ops_.end()) {
       Slice& slice = it->second->slices[s];
       --slice.sendsInFlight;
       advance(*it->second, slice, actions);
@@ -641,17 +653,20 @@ void AllreduceEngine::onSent(uint64_t seq, int64_t s, int peer, Status status) {
   run(actions);
 }
 
-void AllreduceEngine::failLocked(const std::string& message, Actions& actions) {
-  if (!failure_.empty()) {
-    return;
+void AllreduceEngine::failLocked(const std::string& message, Actions& actions, uint64_t fromSeq) {
+  if (failure_.empty()) {
+    failure_ = message;
+    failedAt_ = Clock::now();
   }
-  failure_ = message;
-  failedAt_ = Clock::now();
+  if (fromSeq >= failSeq_) {
+    return; // those operations have failed already
+  }
+  failSeq_ = fromSeq;
   if (!stopping_) {
     for (int peer : layout_.peers()) {
       ++abortsInFlight_;
-      actions.push_back([this, peer, message] {
-        mesh_->send(peer, Lane::kGather, encode(Abort{message}), nullptr, 0, [this](Status) {
+      actions.push_back([this, peer, message, fromSeq] {
+        mesh_->send(peer, Lane::kGather, encode(Abort{message, fromSeq}), nullptr, 0, [this](Status) {
           std::lock_guard<std::mutex> lock(mu_);
           --abortsInFlight_;
           cv_.notify_all();
@@ -659,15 +674,26 @@ void AllreduceEngine::failLocked(const std::string& message, Actions& actions) {
       });
     }
   }
-  for (auto& [seq, op] : ops_) {
-    auto future = op->future;
+  for (auto it = ops_.lower_bound(fromSeq); it != ops_.end();) {
+    auto future = it->second->future;
     actions.push_back([future, message] { future->setError(makeError(message)); });
-    graveyard_.push_back(std::move(op));
+    graveyard_.push_back(std::move(it->second));
+    it = ops_.erase(it);
   }
-  ops_.clear();
-  waitingForSlot_.clear();
-  parked_.clear();
+  for (auto it = parked_.lower_bound({fromSeq, 0}); it != parked_.end();) {
+    for (const Parked& p : it->second) {
+      discard(p.peer, laneOf(p.header.phase), p.bytes, actions);
+    }
+    it = parked_.erase(it);
+  }
   cv_.notify_all();
+}
+
+void AllreduceEngine::discard(int peer, Lane lane, size_t bytes, Actions& actions) {
+  auto sink = std::make_shared<std::vector<uint8_t>>(bytes);
+  actions.push_back([this, peer, lane, sink] {
+    mesh_->receive(peer, lane, sink->data(), sink->size(), [sink](Status) {});
+  });
 }
 
 bool AllreduceEngine::needsFrom(int peer, Lane lane) const {
@@ -736,7 +762,7 @@ void AllreduceEngine::watchdog() {
     }
     // Close once the aborts are out (or after a grace period if a peer does
     // not take them): closing the pipes earlier would drop them.
-    if (!failure_.empty() && !meshClosed_ &&
+    if (!failure_.empty() && !meshClosed_ && ops_.empty() &&
         (abortsInFlight_ == 0 || Clock::now() - failedAt_ > std::chrono::seconds(2))) {
       // Closing the pipes tells every peer at once that this rank has failed.
       meshClosed_ = true;

@@ -122,9 +122,14 @@ class AllreduceEngine {
       bool last,
       std::function<void(Slice&, Actions&)> then);
 
-  // Records the first failure, fails every operation in flight and asks the
-  // watchdog to close the connections. Must be called with mu_ held.
-  void failLocked(const std::string& message, Actions& actions);
+  // Records the failure (the first one is what later calls report), fails
+  // every operation from `fromSeq` on, tells the peers, and lets the
+  // watchdog close the connections once no earlier operation is left.
+  // Must be called with mu_ held.
+  void failLocked(const std::string& message, Actions& actions, uint64_t fromSeq = 0);
+  // Reads and drops the body of a message for an operation that failed, so
+  // that what queues behind it on the pipe still arrives.
+  void discard(int peer, Lane lane, size_t bytes, Actions& actions);
   // Whether an operation in flight still waits for a message on (peer, lane).
   bool needsFrom(int peer, Lane lane) const;
   void run(Actions& actions);
@@ -147,6 +152,7 @@ class AllreduceEngine {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::string failure_; // empty while healthy
+  uint64_t failSeq_{UINT64_MAX}; // operations from here on have failed
   // A peer whose connection closed while nothing in flight needed it: not yet
   // an error, but the next operation (which needs every peer) fails with it.
   std::string departed_;

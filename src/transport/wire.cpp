@@ -66,6 +66,7 @@ std::optional<DataHeader> decodeData(const std::string& in) {
 std::string encode(const Abort& a) {
   std::string out;
   put(out, kAbortMagic);
+  put(out, a.fromSeq);
   out.append(a.reason.substr(0, kMaxReasonBytes));
   return out;
 }
@@ -73,10 +74,12 @@ std::string encode(const Abort& a) {
 std::optional<Abort> decodeAbort(const std::string& in) {
   size_t pos = 0;
   uint32_t magic = 0;
-  if (!take(in, pos, magic) || magic != kAbortMagic || in.size() - pos > kMaxReasonBytes) {
+  uint64_t fromSeq = 0;
+  if (!take(in, pos, magic) || magic != kAbortMagic || !take(in, pos, fromSeq) ||
+      in.size() - pos > kMaxReasonBytes) {
     return std::nullopt;
   }
-  return Abort{in.substr(pos)};
+  return Abort{in.substr(pos), fromSeq};
 }
 
 std::string encode(const Hello& h) {

@@ -52,6 +52,9 @@ std::optional<DataHeader> decodeData(const std::string& bytes);
 // never talked to the culprit still learn who it was.
 struct Abort {
   std::string reason;
+  // Operations from this sequence number on fail; earlier ones may finish
+  // (a mismatch in one allreduce says nothing about the ones before it).
+  uint64_t fromSeq{0};
 };
 
 std::string encode(const Abort& a);
