@@ -21,6 +21,7 @@ import torch.distributed as dist
 from fairring_pg.config import Config
 from fairring_pg.cuda import cuda_delegate_kind, make_local_nccl_groups
 from fairring_pg.network import listen_address
+from fairring_pg.startup import publish_failure, wait_for
 from fairring_pg.topology import Topology, discover
 
 _TOKEN_KEY = "fairring/job_token"
@@ -37,21 +38,27 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
     size = int(dist_backend_opts.group_size)
     timeout: timedelta = dist_backend_opts.timeout
 
-    config = Config.from_env()
-    # Compile/load before any rendezvous: a first build takes minutes, and it must not
-    # eat into the store timeouts below (all ranks of a machine wait on the same build).
-    if _core_factory is None:
-        from fairring_pg._build import load_extension
+    try:
+        config = Config.from_env()
+        # Compile/load before any rendezvous: a first build takes minutes, and it must
+        # not eat into the store timeouts below (a machine's ranks wait on one build).
+        if _core_factory is None:
+            from fairring_pg._build import load_extension
 
-        ext = load_extension()
-        factory, opts = ext.FairringBackend, ext.Options()
-    else:
-        factory, opts = _core_factory, _PlainOptions()
+            ext = load_extension()
+            factory, opts = ext.FairringBackend, ext.Options()
+        else:
+            factory, opts = _core_factory, _PlainOptions()
 
-    config.check_consistent_across_ranks(store, rank, size, timeout)
-    topology = discover(store, rank, size, config.machine_id, timeout)
-    config.check_staging_fits(topology.num_machines, topology.local_size)
-    token = job_token(store, rank, timeout)
+        config.check_consistent_across_ranks(store, rank, size, timeout)
+        topology = discover(store, rank, size, config.machine_id, timeout)
+        config.check_staging_fits(topology.num_machines, topology.local_size)
+        token = job_token(store, rank, timeout)
+    except Exception as exc:
+        # The others are waiting on the store for this rank: tell them, so they raise
+        # now rather than at the init timeout.
+        publish_failure(store, rank, exc)
+        raise
     address = listen_address(config, single_host=len(set(topology.hostnames)) == 1)
     _fill_options(opts, config, topology, address, token, timeout)
 
@@ -100,7 +107,7 @@ def job_token(store: Any, rank: int, timeout: timedelta) -> str:
     """A secret shared by the ranks of this group; peers present it when they connect."""
     if rank == 0:
         store.set(_TOKEN_KEY, secrets.token_hex(16))
-    store.wait([_TOKEN_KEY], timeout)
+    wait_for(store, [_TOKEN_KEY], timeout, "waiting for rank 0's job token")
     return store.get(_TOKEN_KEY).decode()
 
 

@@ -213,7 +213,9 @@ class Config:
             return
         keys = [_STORE_KEY.format(rank=r) for r in others]
         if timeout is not None:
-            store.wait(keys, timeout)
+            from fairring_pg.startup import wait_for
+
+            wait_for(store, keys, timeout, "waiting to compare FAIRRING_* settings")
         mine = dataclasses.asdict(self)
         for other, key in zip(others, keys, strict=True):
             theirs = json.loads(store.get(key))

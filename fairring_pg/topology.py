@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from fairring_pg.startup import wait_for
+
 _STORE_KEY = "fairring/topology/{rank}"
 
 
@@ -92,13 +94,14 @@ def discover(
     store.set(_STORE_KEY.format(rank=rank), json.dumps(mine))
     keys = [_STORE_KEY.format(rank=r) for r in range(world_size)]
     try:
-        store.wait(keys, timeout)
-    except Exception as exc:
+        wait_for(store, keys, timeout, "waiting for every rank's machine id")
+    except RuntimeError as exc:
+        if "another rank failed" in str(exc):
+            raise
         missing = [r for r, key in enumerate(keys) if not store.check([key])]
         raise RuntimeError(
             f"fairring: rank {rank} timed out after {timeout} waiting for ranks {missing} to "
-            "publish their machine id; did they start, and did they fail during "
-            "initialisation?"
+            "publish their machine id; did they start?"
         ) from exc
     entries = [json.loads(store.get(key)) for key in keys]
     return build_topology(

@@ -1,0 +1,43 @@
+"""Start-up waits that fail fast when another rank has already failed.
+
+Every rank of a group waits on the store for the others (configuration, topology, job
+token). A rank whose own start fails (a bad ``FAIRRING_*`` value on that machine, a
+failed build) publishes its error under one key, and every wait here watches that key,
+so the other ranks raise at once, naming the rank and its error, instead of sitting out
+the whole init timeout and then blaming a store timeout.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+FAILURE_KEY = "fairring/startup_failed"
+_POLL_S = 0.05
+
+
+def publish_failure(store: Any, rank: int, exc: BaseException) -> None:
+    """Tell the other ranks why this one cannot start (best effort: never raises)."""
+    try:
+        store.set(FAILURE_KEY, f"rank {rank}: {type(exc).__name__}: {exc}")
+    except Exception:  # noqa: BLE001 - the original error is what matters
+        pass
+
+
+def wait_for(store: Any, keys: Sequence[str], timeout: timedelta, what: str) -> None:
+    """Wait until every key exists; raise at once if another rank failed to start."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not store.check(list(keys)):
+        if store.check([FAILURE_KEY]):
+            raise RuntimeError(
+                f"fairring: another rank failed to start this process group, so this one "
+                f"stops too ({what}): {store.get(FAILURE_KEY).decode()}"
+            )
+        if time.monotonic() > deadline:
+            missing = [key for key in keys if not store.check([key])]
+            raise RuntimeError(
+                f"fairring: timed out after {timeout} {what}; still missing: {missing}"
+            )
+        time.sleep(_POLL_S)
