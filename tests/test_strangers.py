@@ -1,30 +1,40 @@
 """Strangers: what listens, and what happens when something that is not a rank of
 the job connects.
 
-One 2x2 job. Every rank checks its own listening sockets (/proc/net/tcp against the
-socket descriptors it holds): on a loopback job none may be on 0.0.0.0 or a
-non-loopback address. Then, while all ranks run allreduces checked exactly, rank 0
-attacks every listener of a fairring group (addresses from the group's store,
-``addr/{rail,local}/<rank>``):
+fairring listens only during start-up (docs/design.md, Transport): once every peer has
+connected, both TensorPipe listeners (rail and local) are closed, and any accepted
+connection that never said hello is dropped. TensorPipe's listener cannot face
+strangers (one bad handshake fails it as a whole; a forged length makes it allocate
+without bound), so after init the ports must refuse them.
 
-* (a small job each) random bytes, an HTTP request, a header claiming 2^64 bytes, a
-  real handshake followed by garbage: each sent to a rank, which must survive it;
-* a connect/close storm; half-open connections: one that sends nothing, one that
-  sends half of a real TensorPipe handshake (captured from a TensorPipe client that
-  fairring's own extension starts against a Python socket);
-* a real TensorPipe peer with a wrong job token (a second ``FairringBackend`` built
-  from the extension, reading the real addresses from the store), and an impostor
-  with the right token claiming a rank that is already connected.
+One 2x2 job checks it all:
 
-Every allreduce must stay exact, the impostors must fail to join, connections must
-not accumulate in the ranks, and a connection that never says who it is must not be
-held open forever (it is closed within the group's timeout).
+* start-up: rank 3 builds its core only after rank 0 has opened, to every address
+  ranks 0-2 advertised (``addr/{rail,local}/<rank>`` in the group's store), a silent
+  connection and one that sent half of a real TensorPipe handshake. No rank can finish
+  start-up before rank 3 connects, so these connections deterministically reach open
+  listeners; once init is over each must have been closed by the rank (recv gives b''
+  or ECONNRESET), and no listener may have logged that it stopped accepting;
+* after init: every rank checks its listening sockets (/proc/net/tcp against the
+  descriptors it holds): none beyond loopback, and none at an advertised address; a
+  connect to every advertised address is refused (ECONNREFUSED);
+* while all ranks run allreduces checked exactly, rank 0 throws at every advertised
+  address random bytes, an HTTP request, a header claiming 2^64 bytes, a real
+  handshake followed by garbage, silent and half-open connections and a connect/close
+  storm (each attempt must be refused at connect), plus two real TensorPipe peers (a
+  second ``FairringBackend`` from the extension): one with a wrong job token, one with
+  the right token claiming rank 3, which is connected already. Both must fail to join,
+  no rank may crash, and the ranks' socket descriptors must not grow.
+
+A port scan during start-up (a connect and close) still breaks the group's start: a
+known limitation, kept as a strict xfail so that it alerts if it ever changes.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import select
 import socket
 import struct
 import threading
@@ -51,6 +61,9 @@ WORLD = len(SHAPE)
 GROUP_TIMEOUT_S = 8.0
 ENV = fairring_env(slice_size=16 * 1024, total_memory=128 * 1024)
 STRANGER_TIMEOUT_S = 3.0
+# How long after init a start-up connection may take to see its close (the rank's
+# TensorPipe loop closes it; this side waits for the FIN or RST to arrive).
+CLOSE_GRACE_S = 5.0
 
 
 # ---------------------------------------------------------------- TensorPipe strangers
@@ -131,150 +144,93 @@ def _connect(address: tuple[str, int]) -> socket.socket:
     return socket.create_connection(address, timeout=2.0)
 
 
-def _send_and_close(address: tuple[str, int], payload: bytes) -> None:
-    with _connect(address) as s:
-        try:
-            s.sendall(payload)
-        except OSError:
-            pass  # the listener may close first; that is a refusal too
-
-
-def _http(address: tuple[str, int]) -> bytes | str:
-    with _connect(address) as s:
-        s.sendall(b"GET / HTTP/1.1\r\nHost: fairring\r\nConnection: keep-alive\r\n\r\n")
-        s.settimeout(1.0)
-        try:
-            return s.recv(4096)
-        except TimeoutError:
-            return "no answer within 1 s"
-        except OSError as exc:
-            return f"{type(exc).__name__}"
-
-
-def _closed_by_peer(s: socket.socket) -> bool:
-    s.setblocking(False)
+def _refused(address: tuple[str, int]) -> str:
+    """Gives "refused" when a connect to ``address`` gets ECONNREFUSED, else what happened."""
     try:
-        return s.recv(1) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True  # reset
+        s = _connect(address)
+    except ConnectionRefusedError:
+        return "refused"
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    s.close()
+    return "accepted"
 
 
-def _attack(group: Any, results: dict[str, Any]) -> None:
-    """Rank 0's protocol-level strangers against the group's listeners (on a thread)."""
-    addrs = listener_addresses(WORLD, group)
-    targets = {name: parse_uv(url) for name, url in addrs.items()}
-    results["targets"] = addrs
-    real = group_store(group)
-    core = dist.PrefixStore("fairring/core/", real)
-    token = real.get("fairring/job_token").decode()
-    outcomes: dict[str, str] = {}
-    # TensorPipe strangers, in parallel (each waits STRANGER_TIMEOUT_S to be admitted).
-    threads = [
-        threading.Thread(
-            target=lambda: outcomes.__setitem__(
-                "wrong_token", _stranger_backend(_RedirectStore(core.get), 3, "ff" * 16)
-            )
-        ),
-        threading.Thread(
-            target=lambda: outcomes.__setitem__(
-                "impostor_rank3", _stranger_backend(_RedirectStore(core.get), 3, token)
-            )
-        ),
-    ]
-    for t in threads:
-        t.start()
-    handshake = _capture_handshake()
-    held: dict[str, socket.socket] = {}
-    t0 = time.monotonic()
-    for name, addr in targets.items():
-        held[f"silent {name}"] = _connect(addr)
-        half = _connect(addr)
-        half.sendall(handshake[: len(handshake) // 2])
-        held[f"half handshake {name}"] = half
-    refused = 0
-    for i in range(200):  # connect/close storm
-        addr = list(targets.values())[i % len(targets)]
-        try:
-            _connect(addr).close()
-        except OSError:
-            refused += 1
-    results["storm_refused"] = refused
-    for t in threads:
-        t.join(timeout=STRANGER_TIMEOUT_S + 30)
-    results["tensorpipe_strangers"] = dict(outcomes)
-    # A connection that never identifies itself must not be held open for ever.
-    time.sleep(max(0.0, t0 + GROUP_TIMEOUT_S + 3.0 - time.monotonic()))
-    results["held_closed_by_rank"] = {name: _closed_by_peer(s) for name, s in held.items()}
-    for s in held.values():
-        s.close()
-    # After all that, every listener still takes connections (a rank whose listener
-    # died could never be reached by a peer that reconnects, or joins late).
-    accepting = {}
-    for name, addr in targets.items():
-        try:
-            _connect(addr).close()
-            accepting[name] = True
-        except OSError:
-            accepting[name] = False
-    results["still_accepting"] = accepting
-    time.sleep(0.5)  # let the ranks see the closes
-
-
-def _sizes(round_: int) -> list[int]:
-    return [0, 1, 7, 1000, 5000, 40_000, 100_003][round_ % 7 :] + [3 * round_ + 1]
-
-
-GARBAGE = ("http", "random_bytes", "length_2^64", "handshake_then_garbage")
-
-
-def _payload(kind: str) -> bytes:
+def _payload(kind: str, handshake: bytes) -> bytes:
     if kind == "random_bytes":
         return os.urandom(4096)
+    if kind == "http":
+        return b"GET / HTTP/1.1\r\nHost: fairring\r\nConnection: keep-alive\r\n\r\n"
     if kind == "length_2^64":
         return struct.pack("<Q", 2**64 - 1) + os.urandom(64)
     if kind == "handshake_then_garbage":
-        return _capture_handshake() + os.urandom(1024)
+        return handshake + os.urandom(1024)
+    if kind == "half_handshake":
+        return handshake[: len(handshake) // 2]
+    if kind == "silent":
+        return b""
     raise ValueError(kind)
 
 
-def _garbage_job(rank: int, world: int, kind: str) -> dict[str, Any]:
-    """Two machines of one rank: rank 0 sends ``kind`` to rank 1's listener, then both
-    run exact allreduces. One small job per payload, so that each payload meets a
-    healthy rank (a crash would take the whole group down)."""
-    group = dist.new_group(backend="fairring", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
-    group_store(group).set(f"strangers/pid/{rank}", str(os.getpid()))
-    dist.all_reduce(torch.ones(10), group=group)  # every pipe is up
-    result: dict[str, Any] = {}
-    if rank == 0:
-        pid = int(group_store(group).get("strangers/pid/1"))
-        addr = parse_uv(listener_addresses(world, group)["rail/1"])
-        if kind == "http":
-            result["http_answer"] = repr(_http(addr))
-        else:
-            _send_and_close(addr, _payload(kind))
-        time.sleep(1.0)
-        result["target_alive"] = _is_alive(pid)
-    exact = True
-    try:
-        for i in range(50):
-            t = torch.arange(1000 + i, dtype=torch.float32) * (rank + 1) + i
-            dist.all_reduce(t, group=group)
-            want = torch.arange(1000 + i, dtype=torch.float32) * 3 + world * i
-            exact &= torch.equal(t, want)
-        result["allreduces"] = "exact" if exact else "wrong"
-    except Exception as exc:  # noqa: BLE001 - the result
-        result["allreduces"] = f"raised: {exc}"
-    return result
+STRANGERS = (
+    "random_bytes",
+    "http",
+    "length_2^64",
+    "handshake_then_garbage",
+    "half_handshake",
+    "silent",
+)
 
 
-def _is_alive(pid: int) -> bool:
+def _try_stranger(address: tuple[str, int], kind: str, handshake: bytes) -> str:
+    """One stranger at ``address``: "refused" at connect, or what it got through to."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
+        s = _connect(address)
+    except ConnectionRefusedError:
+        return "refused"
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    with s:
+        try:
+            s.sendall(_payload(kind, handshake))
+            s.settimeout(0.5)
+            answer = s.recv(4096)
+        except OSError as exc:
+            answer = type(exc).__name__.encode()
+    return f"connected, then got {answer[:80]!r}"
+
+
+def _closed_by_peer(sockets: dict[str, socket.socket], timeout_s: float) -> dict[str, str]:
+    """Waits up to ``timeout_s`` for the other end to close each socket: "closed" (recv
+    gave b''), "reset" (ECONNRESET), or "open" / what it sent."""
+    out: dict[str, str] = {}
+    pending = dict(sockets)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        readable, _, _ = select.select(list(pending.values()), [], [], left)
+        for name, s in list(pending.items()):
+            if s not in readable:
+                continue
+            try:
+                data = s.recv(4096)
+            except ConnectionResetError:
+                out[name] = "reset"
+            except OSError as exc:
+                out[name] = f"{type(exc).__name__}: {exc}"
+            else:
+                if data:
+                    continue  # e.g. a handshake answer; wait for the close itself
+                out[name] = "closed"
+            del pending[name]
+    for name in pending:
+        out[name] = f"still open {timeout_s:.0f} s after init"
+    return out
+
+
+# ---------------------------------------------------------------- start-up
 
 
 def _next_group_core_store() -> Any:
@@ -288,55 +244,71 @@ def _next_group_core_store() -> Any:
     )
 
 
-def _scan_at_startup(rank: int, world: int) -> dict[str, Any]:
-    """A port scanner touches the listeners of a group that is still starting: ranks
-    0-2 have published their addresses, rank 3 connects only after the scan. The
-    group must still form."""
+def _new_group_after(rank: int, act: Any) -> Any:
+    """``dist.new_group`` where rank 0 runs ``act(core_store)`` on a thread once ranks
+    0-2 have published every address, and rank 3 builds its core only after that (so
+    no rank's listeners can close before ``act`` is over: each waits for rank 3).
+    Returns the group, or raises what new_group raised."""
     core = _next_group_core_store()
-    scan: dict[str, Any] = {}
-    scanner = None
+    worker = None
     if rank == 0:
 
-        def run_scan() -> None:
-            keys = [f"addr/{reach}/{r}" for r in range(3) for reach in ("rail", "local")]
-            # Poll: Store.wait holds the GIL, and this rank's main thread needs it.
-            deadline = time.monotonic() + 60
-            while not core.check(keys) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            for key in keys:
-                addr = parse_uv(core.get(key).decode())
-                for _ in range(3):
-                    try:
-                        _connect(addr).close()
-                    except OSError as exc:
-                        scan[key] = f"refused: {exc}"
-            core.set("scan/done", "1")
+        def run() -> None:
+            try:
+                keys = [f"addr/{reach}/{r}" for r in range(3) for reach in ("rail", "local")]
+                # Poll: Store.wait holds the GIL, and this rank's main thread needs it.
+                deadline = time.monotonic() + 60
+                while not core.check(keys) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                act(core, keys)
+            finally:
+                core.set("startup/done", "1")
 
-        scanner = threading.Thread(target=run_scan, daemon=True)
-        scanner.start()
-    ext = None
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+    ext = real_backend = None
     if rank == 3:
-        # Rank 3 is slow to start its core: it publishes its address and connects only
-        # after the scan (everything before, the config and topology exchange and the
-        # Gloo delegate, needs all ranks, so the delay has to sit right here).
+        # Everything before the core (config and topology exchange, the Gloo delegate)
+        # needs all ranks, so the delay has to sit right here.
         from fairring_pg._build import load_extension
 
         ext = load_extension()
         real_backend = ext.FairringBackend
 
-        def after_the_scan(*args: Any, **kwargs: Any) -> Any:
-            core.wait(["scan/done"], timedelta(seconds=60))
+        def after_rank0(*args: Any, **kwargs: Any) -> Any:
+            core.wait(["startup/done"], timedelta(seconds=60))
             return real_backend(*args, **kwargs)
 
-        ext.FairringBackend = after_the_scan
-    t0 = time.monotonic()
+        ext.FairringBackend = after_rank0
     try:
-        group = dist.new_group(backend="fairring", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
-    except Exception as exc:  # noqa: BLE001 - the result
-        return {"error": f"new_group failed after {time.monotonic() - t0:.1f} s: {exc}"}
+        return dist.new_group(backend="fairring", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     finally:
         if ext is not None:
             ext.FairringBackend = real_backend
+        if worker is not None:
+            worker.join(timeout=60)
+
+
+def _scan_at_startup(rank: int, world: int) -> dict[str, Any]:
+    """A port scanner touches the listeners of a group that is still starting: ranks
+    0-2 have published their addresses, rank 3 connects only after the scan. The
+    group must still form."""
+    scan: dict[str, Any] = {}
+
+    def run_scan(core: Any, keys: list[str]) -> None:
+        for key in keys:
+            addr = parse_uv(core.get(key).decode())
+            for _ in range(3):
+                try:
+                    _connect(addr).close()
+                except OSError as exc:
+                    scan[key] = f"refused: {exc}"
+
+    t0 = time.monotonic()
+    try:
+        group = _new_group_after(rank, run_scan)
+    except Exception as exc:  # noqa: BLE001 - the result
+        return {"error": f"new_group failed after {time.monotonic() - t0:.1f} s: {exc}"}
     exact = True
     try:
         for i in range(20):
@@ -345,14 +317,47 @@ def _scan_at_startup(rank: int, world: int) -> dict[str, Any]:
             exact &= torch.equal(t, torch.arange(1000 + i, dtype=torch.float32) * 10)
     except Exception as exc:  # noqa: BLE001 - the result
         return {"error": f"allreduce after new_group failed: {exc}"}
-    if scanner is not None:
-        scanner.join()
     return {"error": None, "exact": exact, "scan": scan}
 
 
-def _run_attack(group: Any, results: dict[str, Any]) -> None:
+# ---------------------------------------------------------------- the job
+
+
+def _attack(group: Any, handshake: bytes, results: dict[str, Any]) -> None:
+    """Rank 0's strangers against the group's advertised addresses (on a thread)."""
+    targets = {name: parse_uv(url) for name, url in listener_addresses(WORLD, group).items()}
+    real = group_store(group)
+    core = dist.PrefixStore("fairring/core/", real)
+    token = real.get("fairring/job_token").decode()
+    outcomes: dict[str, str] = {}
+
+    def tensorpipe_stranger(who: str, token: str) -> None:
+        outcomes[who] = _stranger_backend(_RedirectStore(core.get), 3, token)
+
+    threads = [
+        threading.Thread(target=tensorpipe_stranger, args=("wrong_token", "ff" * 16)),
+        threading.Thread(target=tensorpipe_stranger, args=("impostor_rank3", token)),
+    ]
+    for t in threads:
+        t.start()
+    results["strangers"] = {
+        kind: {name: _try_stranger(addr, kind, handshake) for name, addr in targets.items()}
+        for kind in STRANGERS
+    }
+    storm: dict[str, int] = {}
+    for i in range(200):  # connect/close storm
+        name = sorted(targets)[i % len(targets)]
+        outcome = _refused(targets[name])
+        storm[outcome] = storm.get(outcome, 0) + 1
+    results["storm"] = storm
+    for t in threads:
+        t.join(timeout=STRANGER_TIMEOUT_S + 30)
+    results["tensorpipe_strangers"] = dict(outcomes)
+
+
+def _run_attack(group: Any, handshake: bytes, results: dict[str, Any]) -> None:
     try:
-        _attack(group, results)
+        _attack(group, handshake, results)
     except BaseException as exc:  # noqa: BLE001 - reported by the tests
         import traceback
 
@@ -360,23 +365,42 @@ def _run_attack(group: Any, results: dict[str, Any]) -> None:
         raise exc
 
 
-def _attack_results(outcomes: tuple[RankOutcome, ...]) -> dict[str, Any]:
-    value = outcomes[0].value
-    assert value is not None, outcomes[0].describe()
-    assert "attack_error" not in value, value["attack_error"]
-    return value
+def _sizes(round_: int) -> list[int]:
+    return [0, 1, 7, 1000, 5000, 40_000, 100_003][round_ % 7 :] + [3 * round_ + 1]
 
 
 def _strangers_job(rank: int, world: int) -> dict[str, Any]:
-    group = dist.new_group(backend="fairring", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
-    group_store(group).set(f"strangers/pid/{rank}", str(os.getpid()))
-    dist.all_reduce(torch.ones(10), group=group)  # every pipe of the group is up
-    listening = listening_sockets()
+    results: dict[str, Any] = {}
+    handshake = _capture_handshake() if rank == 0 else b""
+    held: dict[str, socket.socket] = {}
+
+    def open_silent_connections(core: Any, keys: list[str]) -> None:
+        for key in keys:
+            addr = parse_uv(core.get(key).decode())
+            held[f"silent {key}"] = _connect(addr)
+            half = _connect(addr)
+            half.sendall(handshake[: len(handshake) // 2])
+            held[f"half handshake {key}"] = half
+
+    group = _new_group_after(rank, open_silent_connections)
+    dist.all_reduce(torch.ones(10), group=group)  # every rank is past init
+    if rank == 0:
+        results["startup_connections"] = _closed_by_peer(held, CLOSE_GRACE_S)
+        for s in held.values():
+            s.close()
+        addrs = listener_addresses(world, group)
+        results["targets"] = addrs
+        # At once: init returns after the listeners are closed, and this allreduce
+        # went through the loop that closes them.
+        results["refused"] = {name: _refused(parse_uv(url)) for name, url in addrs.items()}
+    dist.all_reduce(torch.ones(10), group=group)  # rank 0's checks are over
+    results["listening"] = listening_sockets()
     before = count_resources()
-    results: dict[str, Any] = {"listening": listening}
     attacker = None
     if rank == 0:
-        attacker = threading.Thread(target=_run_attack, args=(group, results), daemon=True)
+        attacker = threading.Thread(
+            target=_run_attack, args=(group, handshake, results), daemon=True
+        )
         attacker.start()
     errors = []
     checked = 0
@@ -400,17 +424,9 @@ def _strangers_job(rank: int, world: int) -> dict[str, Any]:
             attacker.join(timeout=60)
     results["checked"] = checked
     results["errors"] = errors
-    after = settle(count_resources, before)
-    results["socket_growth"] = after.socket_fds - before.socket_fds
+    after_resources = settle(count_resources, before)
+    results["socket_growth"] = after_resources.socket_fds - before.socket_fds
     return results
-
-
-def test_a_port_scan_during_startup_does_not_break_the_group() -> None:
-    outcomes = launch(_scan_at_startup, WORLD, SHAPE, env=ENV, timeout_s=120, abort_grace_s=60)
-    _ok(tuple(outcomes))
-    problems = [f"rank {o.rank}: {o.value}" for o in outcomes if o.value["error"] is not None]
-    problems += [f"rank {o.rank}: not exact" for o in outcomes if not o.value.get("exact", True)]
-    assert not problems, "\n".join(problems)
 
 
 @functools.cache
@@ -423,93 +439,101 @@ def _ok(outcomes: tuple[RankOutcome, ...]) -> None:
     assert not bad, "\n".join(o.describe() for o in bad)
 
 
-def test_listeners_bind_only_loopback_on_a_loopback_job() -> None:
-    outcomes = _job()
+def _rank0(outcomes: tuple[RankOutcome, ...]) -> dict[str, Any]:
     _ok(outcomes)
+    value = outcomes[0].value
+    assert value is not None, outcomes[0].describe()
+    assert "attack_error" not in value, value["attack_error"]
+    return value
+
+
+# ---------------------------------------------------------------- the tests
+
+
+def test_nothing_listens_beyond_loopback_nor_at_an_advertised_address() -> None:
+    outcomes = _job()
+    targets = _rank0(outcomes)["targets"]
+    # A 2x2 job: every rank published a rail and a local address, on 127.0.0.1.
+    assert len(targets) == 2 * WORLD, targets
+    advertised = {parse_uv(url) for url in targets.values()}
+    assert {host for host, _ in advertised} == {"127.0.0.1"}, targets
     problems = []
     for o in outcomes:
         listening = o.value["listening"]
-        if not listening:
-            problems.append(f"rank {o.rank}: no listening socket found")
         wild = [a for a in listening if not is_loopback(a[0])]
         if wild:
             problems.append(f"rank {o.rank}: listening beyond loopback: {wild}")
-    # The group's advertised listeners are among them, on 127.0.0.1 exactly.
-    targets = outcomes[0].value["targets"]
-    for name, url in targets.items():
-        host, port = parse_uv(url)
-        rank = int(name.split("/")[1])
-        if host != "127.0.0.1" or ("127.0.0.1", port) not in outcomes[rank].value["listening"]:
-            problems.append(f"{name} advertised as {url}, listening: {outcomes[rank].value}")
-    assert len(targets) == 2 * WORLD, targets
+        still = sorted(set(listening) & advertised)
+        if still:
+            problems.append(f"rank {o.rank}: still listening at advertised {still}")
     assert not problems, "\n".join(problems)
+
+
+def test_advertised_addresses_refuse_connections_after_init() -> None:
+    results = _rank0(_job())
+    not_refused = {name: v for name, v in results["refused"].items() if v != "refused"}
+    assert not not_refused, (
+        f"advertised addresses not refusing right after init: {not_refused}"
+        f" (targets {results['targets']})"
+    )
 
 
 def test_allreduces_stay_exact_while_strangers_connect() -> None:
     outcomes = _job()
-    _ok(outcomes)
+    _rank0(outcomes)
     for o in outcomes:
         assert not o.value["errors"], o.value["errors"][:10]
         assert o.value["checked"] > 100, o.value["checked"]
 
 
+@pytest.mark.parametrize("kind", STRANGERS)
+def test_strangers_are_refused_at_connect(kind: str) -> None:
+    got = _rank0(_job())["strangers"][kind]
+    assert len(got) == 2 * WORLD, got
+    through = {name: v for name, v in got.items() if v != "refused"}
+    assert not through, f"{kind}: not refused at connect: {through}"
+
+
+def test_a_connect_close_storm_is_refused() -> None:
+    storm = _rank0(_job())["storm"]
+    assert storm == {"refused": 200}, f"200 connects: {storm}"
+
+
 @pytest.mark.parametrize("who", ["wrong_token", "impostor_rank3"])
-def test_tensorpipe_strangers_are_refused(who: str) -> None:
-    outcomes = _job()
-    _ok(outcomes)
-    ending = _attack_results(outcomes)["tensorpipe_strangers"][who]
+def test_tensorpipe_strangers_fail_to_join(who: str) -> None:
+    ending = _rank0(_job())["tensorpipe_strangers"][who]
+    # Its connects are refused and no rank connects to it: it times out.
     assert ending.startswith("refused") and "to connect" in ending, ending
-    if who == "wrong_token":
-        # The ranks it reached (the rail and local peers of rank 3) said so.
-        logs = "\n".join(o.log_tail for o in outcomes)
-        assert "refused a connection that is not from a peer of this job" in logs, logs
-
-
-def test_listeners_keep_accepting_after_strangers() -> None:
-    outcomes = _job()
-    _ok(outcomes)
-    results = _attack_results(outcomes)
-    dead = sorted(name for name, ok in results["still_accepting"].items() if not ok)
-    logs = "\n".join(
-        line for o in outcomes for line in o.log_tail.splitlines() if "stopped accepting" in line
-    )
-    assert not dead and results["storm_refused"] == 0, (
-        f"listeners no longer accepting: {dead}; {results['storm_refused']} of 200 storm "
-        f"connections refused\n{logs}"
-    )
 
 
 def test_stranger_connections_leave_nothing_behind() -> None:
     outcomes = _job()
-    _ok(outcomes)
+    _rank0(outcomes)
     growth = {o.rank: o.value["socket_growth"] for o in outcomes}
     assert all(g <= 0 for g in growth.values()), f"socket descriptors grew: {growth}"
 
 
-@pytest.mark.parametrize("kind", GARBAGE)
-def test_garbage_bytes_do_not_crash_a_rank(kind: str) -> None:
-    outcomes = launch(
-        _garbage_job, 2, ["m0", "m1"], env=ENV, timeout_s=120, abort_grace_s=30, kind=kind
-    )
-    sender, target = outcomes
-    assert sender.value is not None, sender.describe()
-    assert sender.value["target_alive"] and target.status != "crashed", (
-        f"{kind} sent to rank 1's listener killed rank 1:\n{target.describe()}"
-    )
-    _ok(tuple(outcomes))
-    for o in outcomes:
-        assert o.value["allreduces"] == "exact", f"rank {o.rank}: {o.value['allreduces']}"
-    if kind == "http":
-        answer = sender.value["http_answer"]
-        assert answer in ("b''", "'no answer within 1 s'"), f"the listener answered: {answer}"
-
-
-def test_silent_and_half_open_connections_are_closed_within_the_timeout() -> None:
+def test_startup_connections_that_never_say_hello_are_closed_at_init() -> None:
     outcomes = _job()
-    _ok(outcomes)
-    held = _attack_results(outcomes)["held_closed_by_rank"]
-    still_open = sorted(name for name, closed in held.items() if not closed)
-    assert not still_open, (
-        f"connections still held open by the ranks {GROUP_TIMEOUT_S + 3:.0f} s after they "
-        f"were made (group timeout {GROUP_TIMEOUT_S:.0f} s): {still_open}"
-    )
+    held = _rank0(outcomes)["startup_connections"]
+    # Silent and half-handshake, to the rail and local address of ranks 0-2.
+    assert len(held) == 2 * 2 * 3, held
+    still_open = {name: v for name, v in held.items() if v not in ("closed", "reset")}
+    assert not still_open, f"start-up connections the ranks did not close: {still_open}"
+    stopped = [
+        line for o in outcomes for line in o.log_tail.splitlines() if "stopped accepting" in line
+    ]
+    assert not stopped, "\n".join(stopped)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known limitation: TensorPipe's listener fails as a whole on one bad handshake "
+    "during start-up; see docs/design.md, Transport",
+)
+def test_a_port_scan_during_startup_does_not_break_the_group() -> None:
+    outcomes = launch(_scan_at_startup, WORLD, SHAPE, env=ENV, timeout_s=120, abort_grace_s=60)
+    _ok(tuple(outcomes))
+    problems = [f"rank {o.rank}: {o.value}" for o in outcomes if o.value["error"] is not None]
+    problems += [f"rank {o.rank}: not exact" for o in outcomes if not o.value.get("exact", True)]
+    assert not problems, "\n".join(problems)
