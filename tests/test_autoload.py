@@ -162,7 +162,13 @@ def test_init_process_group_without_importing_fairring_pg(tmp_path: Path) -> Non
         print(json.dumps(seen))
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("FAIRRING_")}
-    env.update(FAIRRING_MACHINE_ID="m", FAIRRING_SLICE_SIZE="1M", MASTER_ADDR="127.0.0.1")
+    # Scaling off: the test checks that the configured slice reaches the core as is.
+    env.update(
+        FAIRRING_MACHINE_ID="m",
+        FAIRRING_SLICE_SIZE="1M",
+        FAIRRING_SLICE_SCALING="off",
+        MASTER_ADDR="127.0.0.1",
+    )
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", textwrap.dedent(code), str(r)],
