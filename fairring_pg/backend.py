@@ -10,7 +10,6 @@ from __future__ import annotations
 import atexit
 import os
 import secrets
-import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -84,23 +83,26 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
             f"(listening on {address}, {topology.num_machines} machine(s) x "
             f"{topology.local_size} rank(s)): {type(exc).__name__}: {exc}"
         ) from exc
-    _live_backends.add(backend)
     return backend
 
 
-# Backends to stop before the interpreter finalizes: after that, a core thread that
-# drops the last reference to a Python-owned tensor must take the GIL, and CPython ends
-# such threads in a way that aborts the process ("terminate called without an active
-# exception").
-_live_backends: weakref.WeakSet[Any] = weakref.WeakSet()
+# How long allreduces posted but never waited for may take to finish at exit.
+_EXIT_GRACE = timedelta(seconds=3)
 
 
 @atexit.register
-def _shutdown_live_backends() -> None:
-    for backend in list(_live_backends):
-        shutdown = getattr(backend, "_fairring_shutdown", None)
-        if shutdown is not None:
-            shutdown()
+def _shutdown_engines() -> None:
+    """Stop fairring's threads before the interpreter finalizes: after that, a core
+    thread that drops the last reference to a Python-owned tensor must take the GIL,
+    and CPython ends such threads in a way that aborts the process ("terminate called
+    without an active exception"). Torch keeps only the C++ backend, so the registry of
+    live engines is in C++."""
+    from fairring_pg._build import _loaded
+
+    for module in list(_loaded.values()):
+        shutdown_all = getattr(module, "shutdown_all", None)
+        if shutdown_all is not None:
+            shutdown_all(_EXIT_GRACE)
 
 
 def job_token(store: Any, rank: int, timeout: timedelta) -> str:

@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include "backend/fairring_backend.h"
+#include "pipeline/allreduce_engine.h"
 #include "staging/staging_pool.h"
 
 namespace py = pybind11;
@@ -48,10 +49,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return c10::make_intrusive<FairringBackend>(store, rank, size, std::move(options), cpuDelegate, cuda);
           }),
           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("options"), py::arg("cpu_delegate"),
-          py::arg("cuda_delegate") = py::none())
-      // Joins the core's threads. Without the GIL: they may need it to drop the
-      // last reference to a Python-owned tensor.
-      .def("_fairring_shutdown", &FairringBackend::shutdownCore, py::call_guard<py::gil_scoped_release>());
+          py::arg("cuda_delegate") = py::none());
+
+  m.def(
+      "shutdown_all", &fairring::AllreduceEngine::shutdownAll, py::arg("grace"),
+      py::call_guard<py::gil_scoped_release>(),
+      "Stop every fairring engine of this process (run at interpreter exit), letting posted "
+      "operations finish within `grace` first.");
 
   // Same argument order as fairring_pg.config.staging_slot_bytes, which a test compares it with.
   m.def(

@@ -122,12 +122,11 @@ class FairringBackend : public c10d::Backend {
   void setSequenceNumberForGroup() override;
   uint64_t getSequenceNumberForGroup() override;
   void shutdown() override;
-  // Stops fairring's own threads and connections (not the delegates'), so
-  // that nothing of ours runs while the interpreter finalizes.
-  void shutdownCore();
   void abort() override;
 
  private:
+  // Stops fairring's own engines (not the delegates).
+  void shutdownCore();
   c10d::Backend& delegateFor(const at::Tensor& tensor);
   c10d::Backend& delegateFor(const std::vector<at::Tensor>& tensors);
   c10d::Backend& delegateFor(const std::vector<std::vector<at::Tensor>>& tensors);

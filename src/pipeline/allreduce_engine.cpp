@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <set>
 
 #include "ops/reduce_kind.h"
 
@@ -13,6 +14,12 @@ using RedOp = c10d::ReduceOp::RedOpType;
 
 namespace {
 constexpr int kNumPhases = 4;
+
+std::mutex gRegistryMu;
+std::set<AllreduceEngine*>& registry() {
+  static auto* engines = new std::set<AllreduceEngine*>(); // never destroyed: used at exit
+  return *engines;
+}
 
 // Free when the timeline is off: one branch, no clock read.
 inline void stamp(const Timeline& timeline, int64_t& at) {
@@ -97,10 +104,26 @@ AllreduceEngine::AllreduceEngine(RankLayout layout, EngineOptions options)
       [this](int peer, Lane lane, Status status, std::string header, size_t bytes) {
         onMessage(peer, lane, std::move(status), std::move(header), bytes);
       });
+  std::lock_guard<std::mutex> lock(gRegistryMu);
+  registry().insert(this);
 }
 
 AllreduceEngine::~AllreduceEngine() {
+  std::lock_guard<std::mutex> lock(gRegistryMu);
+  registry().erase(this);
   shutdown();
+}
+
+void AllreduceEngine::shutdownAll(std::chrono::milliseconds grace) {
+  std::lock_guard<std::mutex> lock(gRegistryMu);
+  const auto deadline = Clock::now() + grace;
+  for (AllreduceEngine* engine : registry()) {
+    std::unique_lock<std::mutex> engineLock(engine->mu_);
+    engine->cv_.wait_until(engineLock, deadline, [engine] { return engine->ops_.empty(); });
+  }
+  for (AllreduceEngine* engine : registry()) {
+    engine->shutdown();
+  }
 }
 
 void AllreduceEngine::start(c10d::Store& store) {
@@ -420,6 +443,7 @@ void AllreduceEngine::finishSlice(Op& op, Slice& slice, Actions& actions) {
   auto it = ops_.find(op.seq);
   std::shared_ptr<Op> finished(std::move(it->second));
   ops_.erase(it);
+  cv_.notify_all(); // shutdownAll may be waiting for ops_ to empty
   actions.push_back([this, finished] {
     tasks_.post([finished] {
       try {

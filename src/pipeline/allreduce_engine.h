@@ -64,6 +64,15 @@ class AllreduceEngine {
   // Fails what is in flight, closes the connections and joins the threads.
   void shutdown();
 
+  // Shuts down every engine of this process. Called at interpreter exit: once
+  // Python finalizes, a core thread that drops the last reference to a
+  // Python-owned tensor takes the GIL and CPython aborts the process. The
+  // Python wrappers of backends do not live that long, so the registry is here.
+  // At exit, operations already posted get up to `grace` to finish first, as
+  // Gloo's destructor lets queued work finish: ranks leave at different
+  // moments, and the first to go must not fail what the others still run.
+  static void shutdownAll(std::chrono::milliseconds grace);
+
   const RankLayout& layout() const { return layout_; }
 
  private:
