@@ -88,6 +88,36 @@ def local_ranks(machine_ids: Sequence[str]) -> list[int]:
     return out
 
 
+
+def rank_environment(
+    rank: int,
+    machine_ids: Sequence[str],
+    store_port: int,
+    *extras: Mapping[str, str | int | None] | None,
+) -> dict[str, str]:
+    """The environment of one rank process: this one's, plus the launch variables
+    (simulated machine, store address, torchrun-style ranks), then each of ``extras``
+    in order (a value of None removes the variable)."""
+    child_env = dict(os.environ)
+    child_env.setdefault("OMP_NUM_THREADS", "1")
+    child_env.update(
+        FAIRRING_MACHINE_ID=machine_ids[rank],
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(store_port),
+        RANK=str(rank),
+        WORLD_SIZE=str(len(machine_ids)),
+        LOCAL_RANK=str(local_ranks(machine_ids)[rank]),
+        LOCAL_WORLD_SIZE=str(list(machine_ids).count(machine_ids[rank])),
+        PYTHONUNBUFFERED="1",
+    )
+    for extra in extras:
+        for name, value in (extra or {}).items():
+            if value is None:
+                child_env.pop(name, None)
+            else:
+                child_env[name] = str(value)
+    return child_env
+
 @dataclasses.dataclass
 class RankOutcome:
     """What became of one rank.
@@ -182,8 +212,6 @@ def launch(
         wait_for_workers=False,
         timeout=timedelta(seconds=pg_timeout_s),
     )
-    lranks = local_ranks(machine_ids)
-    lsizes = {mid: machine_ids.count(mid) for mid in machine_ids}
     keep_under = os.environ.get("FAIRRING_TEST_KEEP_JOBS")
     if keep_under:
         # Debugging: keep every job's logs, results and phases under this folder.
@@ -208,24 +236,9 @@ def launch(
         logs = []
         try:
             for rank in range(world_size):
-                child_env = dict(os.environ)
-                child_env.setdefault("OMP_NUM_THREADS", "1")
-                child_env.update(
-                    FAIRRING_MACHINE_ID=machine_ids[rank],
-                    MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=str(store.port),
-                    RANK=str(rank),
-                    WORLD_SIZE=str(world_size),
-                    LOCAL_RANK=str(lranks[rank]),
-                    LOCAL_WORLD_SIZE=str(lsizes[machine_ids[rank]]),
-                    PYTHONUNBUFFERED="1",
+                child_env = rank_environment(
+                    rank, machine_ids, store.port, env, (rank_env or {}).get(rank, {})
                 )
-                for extra in (env or {}), (rank_env or {}).get(rank, {}):
-                    for name, value in extra.items():
-                        if value is None:
-                            child_env.pop(name, None)
-                        else:
-                            child_env[name] = str(value)
                 log = open(job_dir / f"rank{rank}.log", "wb")  # noqa: SIM115
                 logs.append(log)
                 procs.append(

@@ -266,14 +266,13 @@ def run_bare(
     whatever fn left alive is torn down by interpreter exit. Ranks still running at the
     deadline are killed (after a faulthandler stack dump into their logs)."""
     import torch.distributed as dist
-    from multiprocess import ensure_fairring_built, local_ranks
+    from multiprocess import ensure_fairring_built, rank_environment
 
     ensure_fairring_built()
     world_size = len(machine_ids)
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
     )
-    lranks = local_ranks(machine_ids)
     with tempfile.TemporaryDirectory(prefix="fairring_bare_") as tmp:
         job_dir = Path(tmp)
         spec = {
@@ -289,23 +288,9 @@ def run_bare(
         returned: dict[int, float] = {}
         try:
             for rank in range(world_size):
-                child_env = dict(os.environ)
-                child_env.setdefault("OMP_NUM_THREADS", "1")
-                child_env.update(
-                    FAIRRING_MACHINE_ID=machine_ids[rank],
-                    MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=str(store.port),
-                    RANK=str(rank),
-                    WORLD_SIZE=str(world_size),
-                    LOCAL_RANK=str(lranks[rank]),
-                    PYTHONUNBUFFERED="1",
+                child_env = rank_environment(
+                    rank, machine_ids, store.port, env, (rank_env or {}).get(rank, {})
                 )
-                for extra in (env or {}), (rank_env or {}).get(rank, {}):
-                    for name, value in extra.items():
-                        if value is None:
-                            child_env.pop(name, None)
-                        else:
-                            child_env[name] = str(value)
                 with open(job_dir / f"rank{rank}.log", "wb") as log:
                     procs.append(
                         subprocess.Popen(
