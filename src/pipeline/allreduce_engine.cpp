@@ -624,12 +624,12 @@ void AllreduceEngine::deliver(Op& op, Slice& slice, int peer, const DataHeader& 
   const Phase p = h.phase;
   actions.push_back([this, peer, p, dst, bytes, seq, s] {
     mesh_->receive(peer, laneOf(p), dst, bytes, [this, seq, s, p](Status status) {
-      onReceived(seq, s, p, 0, std::move(status));
+      onReceived(seq, s, p, std::move(status));
     });
   });
 }
 
-void AllreduceEngine::onReceived(uint64_t seq, int64_t s, Phase phase, int /*fromIndex*/, Status status) {
+void AllreduceEngine::onReceived(uint64_t seq, int64_t s, Phase phase, Status status) {
   Actions actions;
   {
     std::lock_guard<std::mutex> lock(mu_);

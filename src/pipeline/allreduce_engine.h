@@ -110,7 +110,7 @@ class AllreduceEngine {
       Actions& actions);
   void onMessage(int peer, Lane lane, Status status, std::string header, size_t bytes);
   void deliver(Op& op, Slice& slice, int peer, const DataHeader& h, size_t bytes, Actions& actions);
-  void onReceived(uint64_t seq, int64_t s, Phase phase, int fromIndex, Status status);
+  void onReceived(uint64_t seq, int64_t s, Phase phase, Status status);
   void onSent(uint64_t seq, int64_t s, int peer, Status status);
 
   void pump(Actions& actions);
