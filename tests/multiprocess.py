@@ -255,7 +255,7 @@ def launch(
         finally:
             for proc in procs:
                 if proc.poll() is None:
-                    _kill(proc, dump_stacks=False)
+                    kill_rank(proc, dump_stacks=False)
             for log in logs:
                 log.close()
             del store
@@ -451,13 +451,13 @@ def _supervise(
             abort_grace_s = None  # start the grace period only once
         if now >= deadline:
             for r in running:
-                _kill(procs[r], dump_stacks=True)
+                kill_rank(procs[r], dump_stacks=True)
                 killed.add(r)
             return killed
         time.sleep(_POLL_S)
 
 
-def _kill(proc: subprocess.Popen[bytes], dump_stacks: bool) -> None:
+def kill_rank(proc: subprocess.Popen[bytes], dump_stacks: bool) -> None:
     """SIGKILL the rank's whole session (it may have spawned helpers of its own);
     first, if asked, SIGUSR1 so that faulthandler writes its stacks into the log."""
     try:

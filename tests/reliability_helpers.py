@@ -266,7 +266,7 @@ def run_bare(
     whatever fn left alive is torn down by interpreter exit. Ranks still running at the
     deadline are killed (after a faulthandler stack dump into their logs)."""
     import torch.distributed as dist
-    from multiprocess import ensure_fairring_built, rank_environment
+    from multiprocess import ensure_fairring_built, kill_rank, rank_environment
 
     ensure_fairring_built()
     world_size = len(machine_ids)
@@ -316,7 +316,7 @@ def run_bare(
                 if now >= deadline:
                     for rank, proc in enumerate(procs):
                         if rank not in exited:
-                            _dump_and_kill(proc)
+                            kill_rank(proc, dump_stacks=True)
                             killed.add(rank)
                             exited[rank] = time.monotonic()
                     break
@@ -324,26 +324,12 @@ def run_bare(
         finally:
             for proc in procs:
                 if proc.poll() is None:
-                    _dump_and_kill(proc, dump=False)
+                    kill_rank(proc, dump_stacks=False)
             del store
         return [
             _bare_outcome(rank, procs[rank], job_dir, returned, exited, rank in killed)
             for rank in range(world_size)
         ]
-
-
-def _dump_and_kill(proc: subprocess.Popen[bytes], dump: bool = True) -> None:
-    try:
-        if dump:
-            os.kill(proc.pid, signal.SIGUSR1)
-            try:
-                proc.wait(timeout=1.0)
-            except subprocess.TimeoutExpired:
-                pass
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
 
 
 def _bare_outcome(
