@@ -55,7 +55,7 @@ def core_store(group: Any = None) -> Any:
 
 
 def listener_addresses(world_size: int, group: Any = None) -> dict[str, str]:
-    """``{"rail/0": "uv://127.0.0.1:PORT", "local/0": ..., ...}``: every listener the
+    """``{"rail/0": "tcp://127.0.0.1:PORT", "local/0": ..., ...}``: every listener the
     ranks of ``group`` published (a rank has no local listener when it is alone on its
     machine, and no rail listener when there is one machine)."""
     store = core_store(group)
@@ -68,12 +68,12 @@ def listener_addresses(world_size: int, group: Any = None) -> dict[str, str]:
     return out
 
 
-def parse_uv(url: str) -> tuple[str, int]:
-    """``uv://127.0.0.1:1234`` -> ``("127.0.0.1", 1234)``."""
-    if not url.startswith("uv://"):
-        raise ValueError(f"not a uv:// address: {url!r}")
-    host, _, port = url[len("uv://") :].rpartition(":")
-    return host, int(port)
+def parse_url(url: str) -> tuple[str, int]:
+    """``tcp://127.0.0.1:1234`` -> ``("127.0.0.1", 1234)``; ``tcp://[::1]:1234`` too."""
+    if not url.startswith("tcp://"):
+        raise ValueError(f"not a tcp:// address: {url!r}")
+    host, _, port = url[len("tcp://") :].rpartition(":")
+    return host.strip("[]"), int(port)
 
 
 def _socket_inodes(pid: int | str = "self") -> set[int]:
@@ -176,7 +176,7 @@ def settle(
     measure: Callable[[], Resources], baseline: Resources, timeout_s: float = 3.0
 ) -> Resources:
     """Re-count until no count exceeds ``baseline`` or ``timeout_s`` passes: threads
-    torch or TensorPipe are joining may take a moment to disappear from /proc."""
+    torch or the core are joining may take a moment to disappear from /proc."""
     deadline = time.monotonic() + timeout_s
     while True:
         now = measure()

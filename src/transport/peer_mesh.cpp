@@ -1,125 +1,135 @@
 #include "transport/peer_mesh.h"
 
-#include <tensorpipe/channel/basic/factory.h>
-#include <tensorpipe/channel/cma/factory.h>
-#include <tensorpipe/transport/uv/factory.h>
+#include <unistd.h>
 
 #include <algorithm>
-#include <iostream>
+#include <atomic>
+#include <random>
+
+#include "transport/frame.h"
+#include "transport/handshake.h"
+#include "transport/memory_reader.h"
 
 namespace fairring {
 
 namespace {
 
-std::string addressKey(PeerMesh::Reach reach, int rank) {
-  return std::string(reach == PeerMesh::Reach::kLocal ? "addr/local/" : "addr/rail/") + std::to_string(rank);
+// Below this a body rides in the stream: the acknowledgement a memory read
+// needs costs more than copying a small body twice.
+constexpr size_t kMemoryReadMinBytes = 64 * 1024;
+constexpr auto kDrainWait = std::chrono::milliseconds(500);
+
+std::string addressKey(Reach reach, int rank) {
+  return std::string(reach == Reach::kLocal ? "addr/local/" : "addr/rail/") + std::to_string(rank);
 }
 
-bool isClosing(const tensorpipe::Error& e) {
-  return e.isOfType<tensorpipe::PipeClosedError>() || e.isOfType<tensorpipe::ContextClosedError>() ||
-      e.isOfType<tensorpipe::ListenerClosedError>();
-}
-
-// Token comparison that takes the same time wherever the first difference is.
-bool sameToken(const std::string& a, const std::string& b) {
-  if (a.size() != b.size()) {
-    return false;
-  }
-  unsigned char diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    diff |= static_cast<unsigned char>(a[i] ^ b[i]);
-  }
-  return diff == 0;
-}
-
-tensorpipe::Message makeMessage(std::string header, void* data, size_t bytes) {
-  tensorpipe::Message message;
-  message.metadata = std::move(header);
-  if (bytes > 0) {
-    tensorpipe::Message::Tensor t;
-    t.buffer = tensorpipe::CpuBuffer{data};
-    t.length = bytes;
-    message.tensors.push_back(std::move(t));
-  }
-  return message;
+uint64_t randomProbe() {
+  std::random_device rd;
+  return (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ 1; // never 0
 }
 
 } // namespace
 
+struct PeerMesh::Inbound {
+  int peer;
+  Lane lane;
+  Socket socket;
+  bool readsMemory;
+  pid_t pid;
+  std::thread thread;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  bool stop{false};
+  std::atomic<bool> exited{false};
+  // The body destination that receive() posted for the announced message.
+  bool posted{false};
+  void* data{nullptr};
+  size_t bytes{0};
+  Done done;
+};
+
+struct PeerMesh::Outbound {
+  int peer;
+  Lane lane;
+  Socket socket;
+  bool readsMemory;
+  std::thread thread;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  bool stop{false};
+  std::deque<Outgoing> queue;
+};
+
 PeerMesh::PeerMesh(const RankLayout& layout, Options options, OnMessage onMessage)
-    : layout_(layout), options_(std::move(options)), onMessage_(std::move(onMessage)) {}
+    : layout_(layout), options_(std::move(options)), onMessage_(std::move(onMessage)), probe_(randomProbe()) {}
 
 PeerMesh::~PeerMesh() {
   close();
 }
 
-Status PeerMesh::failure(const std::string& what, int peer, const tensorpipe::Error& error) const {
+Status PeerMesh::failure(const std::string& what, int peer, const std::string& why) const {
   return Status::error(
       "fairring: " + what + " " + layout_.describe(peer) + " failed on " + layout_.describe(layout_.rank()) +
-      ": " + error.what());
+      ": " + why);
 }
 
-PeerMesh::Reach PeerMesh::reachOf(int peer) const {
+Reach PeerMesh::reachOf(int peer) const {
   return layout_.machineOf(peer) == layout_.machine() ? Reach::kLocal : Reach::kRail;
 }
 
-void PeerMesh::openEndpoint(Reach reach) {
-  Endpoint& ep = endpoints_[static_cast<int>(reach)];
-  const bool local = reach == Reach::kLocal;
-  ep.context = std::make_shared<tensorpipe::Context>(tensorpipe::ContextOptions().name(
-      "fairring-rank" + std::to_string(layout_.rank()) + (local ? "-local" : "-rail")));
-  ep.context->registerTransport(0, "uv", tensorpipe::transport::uv::create());
-  ep.context->registerChannel(0, "basic", tensorpipe::channel::basic::create());
-  if (local) {
-    // One copy straight from the sender's memory (process_vm_readv); TensorPipe
-    // falls back to "basic" where the kernel does not allow it.
-    ep.context->registerChannel(10, "cma", tensorpipe::channel::cma::create());
-  }
-  // Local peers share this machine, so their listener needs only loopback.
-  ep.listener = ep.context->listen({"uv://" + (local ? std::string("127.0.0.1") : options_.listenAddress)});
-  ep.url = ep.listener->url("uv");
-  accept(reach);
-}
-
 Status PeerMesh::start(c10d::Store& store) {
+  const std::string me = layout_.describe(layout_.rank());
+  if (options_.token.size() != Hello::kTokenBytes) {
+    return Status::error(
+        "fairring: the job token must be " + std::to_string(Hello::kTokenBytes) + " characters, got " +
+        std::to_string(options_.token.size()));
+  }
+  const auto deadline = Clock::now() + options_.timeout;
   const std::vector<int> peers = layout_.peers();
-  if (layout_.localSize() > 1) {
-    openEndpoint(Reach::kLocal);
+  if (peers.empty()) {
+    return Status();
   }
-  if (layout_.numMachines() > 1) {
-    openEndpoint(Reach::kRail);
+  gate_ = std::make_unique<Gate>(
+      me, options_.token, [this](Reach reach, const Hello& h) { return check(reach, h); },
+      [this](Reach, const Hello& h, Socket s, bool readsMemory) { adopt(h, std::move(s), readsMemory); });
+  std::string urls[2];
+  for (Reach reach : {Reach::kLocal, Reach::kRail}) {
+    const bool needed = reach == Reach::kLocal ? layout_.localSize() > 1 : layout_.numMachines() > 1;
+    if (!needed) {
+      continue;
+    }
+    // Local peers share this machine, so their listener needs only loopback.
+    const std::string host = reach == Reach::kLocal ? "127.0.0.1" : options_.listenAddress;
+    if (Status s = gate_->listen(reach, host, urls[static_cast<int>(reach)]); !s.ok()) {
+      return Status::error("fairring: " + me + ": " + s.message());
+    }
   }
+  gate_->start();
   try {
     for (int r = 0; r < 2; ++r) {
-      const Endpoint& ep = endpoints_[r];
-      if (ep.context) {
-        store.set(addressKey(static_cast<Reach>(r), layout_.rank()), std::vector<uint8_t>(ep.url.begin(), ep.url.end()));
+      if (!urls[r].empty()) {
+        store.set(addressKey(static_cast<Reach>(r), layout_.rank()), std::vector<uint8_t>(urls[r].begin(), urls[r].end()));
       }
     }
     for (int peer : peers) {
-      const Reach reach = reachOf(peer);
-      const std::vector<uint8_t> raw = store.get(addressKey(reach, peer));
-      const std::string peerUrl(raw.begin(), raw.end());
+      const std::vector<uint8_t> raw = store.get(addressKey(reachOf(peer), peer));
+      const std::string url(raw.begin(), raw.end());
       for (int l = 0; l < kNumLanes; ++l) {
-        const Lane lane = static_cast<Lane>(l);
-        auto pipe = endpoints_[static_cast<int>(reach)].context->connect(peerUrl);
-        const std::string hello = encode(Hello{layout_.rank(), lane, options_.token});
-        pipe->write(makeMessage(hello, nullptr, 0), [](const tensorpipe::Error&) {
-          // A failed hello surfaces again on the first write of data.
-        });
-        std::lock_guard<std::mutex> lock(mu_);
-        outbound_[{peer, lane}] = std::move(pipe);
+        if (Status s = connect(peer, static_cast<Lane>(l), url, deadline); !s.ok()) {
+          return s;
+        }
       }
     }
   } catch (const std::exception& e) {
     return Status::error(
-        std::string("fairring: exchanging listener addresses through the store failed on ") +
-        layout_.describe(layout_.rank()) + ": " + e.what());
+        "fairring: exchanging listener addresses through the store failed on " + me + ": " + e.what());
   }
 
   std::unique_lock<std::mutex> lock(mu_);
   const size_t expected = peers.size() * kNumLanes;
-  const bool all = cv_.wait_for(lock, options_.timeout, [&] { return closed_ || inbound_.size() == expected; });
+  const bool all = cv_.wait_until(lock, deadline, [&] { return closed_ || inbound_.size() == expected; });
   if (!all || closed_) {
     std::string missing;
     for (int peer : peers) {
@@ -128,181 +138,299 @@ Status PeerMesh::start(c10d::Store& store) {
       }
     }
     return Status::error(
-        "fairring: " + layout_.describe(layout_.rank()) + " timed out after " +
-        std::to_string(options_.timeout.count()) + " ms waiting for " + missing + " to connect");
+        "fairring: " + me + " timed out after " + std::to_string(options_.timeout.count()) + " ms waiting for " +
+        missing + " to connect");
   }
   lock.unlock();
-  closeListeners();
+  // Every peer is in: nothing needs to listen any more, and a closed port
+  // refuses strangers before they can send a byte.
+  gate_->stop();
   return Status();
 }
 
-void PeerMesh::closeListeners() {
-  // Every peer is connected, so nothing needs to listen any more. TensorPipe's
-  // listener cannot face strangers: an error while reading any one incoming
-  // handshake fails the whole listener, and a forged length makes it
-  // allocate without bound. Closed, the port refuses them instead.
-  for (Endpoint& ep : endpoints_) {
-    if (ep.listener) {
-      ep.listener->close();
-    }
+std::string PeerMesh::check(Reach reach, const Hello& hello) {
+  const std::vector<int> peers = layout_.peers();
+  if (std::find(peers.begin(), peers.end(), hello.rank) == peers.end()) {
+    return "rank " + std::to_string(hello.rank) + " is not a peer of " + layout_.describe(layout_.rank());
   }
-  // Connections that never said who they are (a stranger, or a half-open
-  // socket from start-up) have nothing left to wait for.
-  std::vector<std::shared_ptr<tensorpipe::Pipe>> strangers;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    strangers.swap(unidentified_);
+  if (reachOf(hello.rank) != reach) {
+    return layout_.describe(hello.rank) + " connected to the wrong listener";
   }
-  for (auto& pipe : strangers) {
-    pipe->close();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) {
+    return "the process group is closing";
   }
+  if (inbound_.count({hello.rank, hello.lane})) {
+    return layout_.describe(hello.rank) + " is connected already";
+  }
+  return "";
 }
 
-void PeerMesh::accept(Reach reach) {
-  endpoints_[static_cast<int>(reach)].listener->accept(
-      [this, reach](const tensorpipe::Error& error, std::shared_ptr<tensorpipe::Pipe> pipe) {
-        if (error) {
-          if (!isClosing(error)) {
-            std::cerr << "fairring: listener on " << layout_.describe(layout_.rank())
-                      << " stopped accepting: " << error.what() << std::endl;
-          }
-          return;
-        }
-        onAccepted(reach, std::move(pipe));
-        accept(reach);
-      });
-}
-
-void PeerMesh::onAccepted(Reach reach, std::shared_ptr<tensorpipe::Pipe> pipe) {
+void PeerMesh::adopt(const Hello& hello, Socket socket, bool readsMemory) {
+  auto in = std::make_unique<Inbound>();
+  in->peer = hello.rank;
+  in->lane = hello.lane;
+  in->socket = std::move(socket);
+  in->readsMemory = readsMemory;
+  in->pid = hello.pid;
+  Inbound* raw = in.get();
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) {
-      pipe->close();
       return;
     }
-    unidentified_.push_back(pipe);
+    raw->thread = std::thread([this, raw] { readLoop(*raw); });
+    inbound_[{hello.rank, hello.lane}] = std::move(in);
   }
-  std::weak_ptr<tensorpipe::Pipe> weak = pipe;
-  pipe->readDescriptor([this, weak, reach](const tensorpipe::Error& error, tensorpipe::Descriptor descriptor) {
-    auto pipe = weak.lock();
-    if (!pipe) {
-      return;
+  cv_.notify_all();
+}
+
+Status PeerMesh::connect(int peer, Lane lane, const std::string& url, Clock::time_point deadline) {
+  const std::string who = layout_.describe(peer);
+  Socket socket;
+  if (Status s = connectTo(url, deadline, socket); !s.ok()) {
+    return failure("connecting to", peer, s.message());
+  }
+  Hello hello;
+  hello.rank = layout_.rank();
+  hello.lane = lane;
+  hello.token = options_.token;
+  if (reachOf(peer) == Reach::kLocal) {
+    hello.pid = static_cast<int32_t>(::getpid());
+    hello.probeAddress = reinterpret_cast<uint64_t>(&probe_);
+    hello.probeValue = probe_;
+  }
+  const auto bytes = encode(hello);
+  if (Status s = writeFull(socket, bytes.data(), bytes.size()); !s.ok()) {
+    return failure("saying hello to", peer, s.message());
+  }
+  if (!waitReadable(socket, deadline)) {
+    return failure(
+        "connecting to", peer,
+        "no answer to its hello within " + std::to_string(options_.timeout.count()) + " ms");
+  }
+  uint8_t raw[HelloReply::kBytes];
+  bool closed = false;
+  const Status s = readFull(socket, raw, sizeof(raw), &closed);
+  const auto reply = s.ok() ? decodeHelloReply(raw) : std::nullopt;
+  if (!reply) {
+    return failure(
+        "connecting to", peer,
+        closed ? "it refused the connection (is " + url + " a listener of this job? its log says why)"
+               : "a malformed answer to its hello");
+  }
+  auto out = std::make_unique<Outbound>();
+  out->peer = peer;
+  out->lane = lane;
+  out->socket = std::move(socket);
+  out->readsMemory = reply->readsMemory;
+  Outbound* ptr = out.get();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) {
+    return Status::error("fairring: the process group was closed during start-up");
+  }
+  ptr->thread = std::thread([this, ptr] { writeLoop(*ptr); });
+  outbound_[{peer, lane}] = std::move(out);
+  return Status();
+}
+
+void PeerMesh::report(int peer, Lane lane, Status status) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) {
+      return; // our own close, not the peer's failure
     }
-    auto forget = [&] {
-      std::lock_guard<std::mutex> lock(mu_);
-      unidentified_.erase(std::remove(unidentified_.begin(), unidentified_.end(), pipe), unidentified_.end());
-    };
-    if (error) {
-      forget();
-      return;
-    }
-    const auto hello = decodeHello(descriptor.metadata);
-    const bool known = hello && sameToken(hello->token, options_.token) && hello->rank >= 0 &&
-        hello->rank < layout_.worldSize() && descriptor.tensors.empty() && descriptor.payloads.empty();
-    const std::vector<int> peers = layout_.peers();
-    if (!known || std::find(peers.begin(), peers.end(), hello->rank) == peers.end() ||
-        reachOf(hello->rank) != reach) {
-      std::cerr << "fairring: " << layout_.describe(layout_.rank())
-                << " refused a connection that is not from a peer of this job" << std::endl;
-      forget();
-      pipe->close();
-      return;
-    }
-    // The hello has no body, but TensorPipe wants the read to complete it.
-    pipe->read(tensorpipe::Allocation{}, [this, weak, hello](const tensorpipe::Error& error) {
-      auto pipe = weak.lock();
-      if (!pipe || error) {
-        return;
+  }
+  onMessage_(peer, lane, std::move(status), {}, 0);
+}
+
+void PeerMesh::readLoop(Inbound& in) {
+  const int peer = in.peer;
+  while (true) {
+    Frame frame;
+    bool closed = false;
+    Status s = readFull(in.socket, &frame, sizeof(frame), &closed);
+    std::string header;
+    if (s.ok()) {
+      if (frame.magic != Frame::kMagic || frame.headerBytes > Frame::kMaxHeaderBytes ||
+          (frame.bodyAddress != 0 && !in.readsMemory)) {
+        report(peer, in.lane, Status::error("fairring: malformed message from " + layout_.describe(peer)));
+        break;
       }
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        unidentified_.erase(std::remove(unidentified_.begin(), unidentified_.end(), pipe), unidentified_.end());
-        if (closed_ || inbound_.count({hello->rank, hello->lane})) {
-          pipe->close();
-          return;
-        }
-        inbound_[{hello->rank, hello->lane}] = pipe;
+      header.resize(frame.headerBytes);
+      s = readFull(in.socket, header.data(), header.size());
+    }
+    if (!s.ok()) {
+      report(
+          peer, in.lane,
+          closed ? Status::error(
+                       "fairring: " + layout_.describe(peer) + " closed its connection to " +
+                       layout_.describe(layout_.rank()) + " (it exited, crashed or destroyed its process group)")
+                 : failure("the connection from", peer, s.message()));
+      break;
+    }
+    onMessage_(peer, in.lane, Status(), std::move(header), frame.bodyBytes);
+
+    void* data = nullptr;
+    size_t bytes = 0;
+    Done done;
+    {
+      std::unique_lock<std::mutex> lock(in.mu);
+      in.cv.wait(lock, [&] { return in.posted || in.stop; });
+      if (!in.posted) {
+        break;
       }
-      cv_.notify_all();
-      readNext(hello->rank, hello->lane, pipe);
-    });
+      in.posted = false;
+      data = in.data;
+      bytes = in.bytes;
+      done = std::move(in.done);
+    }
+    Status body;
+    if (bytes != frame.bodyBytes) {
+      body = Status::error(
+          "its message has " + std::to_string(frame.bodyBytes) + " bytes, " + std::to_string(bytes) +
+          " were expected");
+    } else if (frame.bodyAddress != 0) {
+      body = readMemoryOf(in.pid, frame.bodyAddress, data, bytes);
+      const uint8_t ack = 1;
+      if (body.ok()) {
+        body = writeFull(in.socket, &ack, 1);
+      }
+    } else if (bytes > 0) {
+      body = readFull(in.socket, data, bytes);
+    }
+    done(body.ok() ? body : failure("receiving from", peer, body.message()));
+    if (!body.ok()) {
+      break;
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(in.mu);
+    in.exited = true;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  cv_.notify_all();
+}
+
+void PeerMesh::awaitDrained(int peer) {
+  // A peer that fails sends its reason on the gather lane, then closes. Our
+  // send to it may see the close first (a broken pipe); the reason is in the
+  // socket's buffer already, and naming it is worth a short wait.
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait_for(lock, kDrainWait, [&] {
+    auto it = inbound_.find({peer, Lane::kGather});
+    return closed_ || it == inbound_.end() || it->second->exited.load();
   });
 }
 
-void PeerMesh::readNext(int peer, Lane lane, const std::shared_ptr<tensorpipe::Pipe>& pipe) {
-  pipe->readDescriptor([this, peer, lane](const tensorpipe::Error& error, tensorpipe::Descriptor descriptor) {
-    if (error) {
-      if (isClosing(error)) {
-        return;
+void PeerMesh::writeLoop(Outbound& out) {
+  bool broken = false;
+  Status brokenStatus;
+  while (true) {
+    Outgoing msg;
+    {
+      std::unique_lock<std::mutex> lock(out.mu);
+      out.cv.wait(lock, [&] { return out.stop || !out.queue.empty(); });
+      if (out.stop) {
+        break;
       }
-      if (error.isOfType<tensorpipe::EOFError>()) {
-        onMessage_(
-            peer, lane,
-            Status::error(
-                "fairring: " + layout_.describe(peer) + " closed its connection to " +
-                layout_.describe(layout_.rank()) + " (it exited, crashed or destroyed its process group)"),
-            {}, 0);
-      } else {
-        onMessage_(peer, lane, failure("the connection from", peer, error), {}, 0);
+      msg = std::move(out.queue.front());
+      out.queue.pop_front();
+    }
+    if (!broken) {
+      Status s = transmit(out, msg);
+      if (!s.ok()) {
+        awaitDrained(out.peer);
+        broken = true;
+        brokenStatus = failure("sending to", out.peer, s.message());
       }
-      return;
     }
-    size_t bytes = 0;
-    for (const auto& t : descriptor.tensors) {
-      bytes += t.length;
+    msg.done(broken ? brokenStatus : Status());
+  }
+  // Closing: what was not sent will not be.
+  std::deque<Outgoing> left;
+  {
+    std::lock_guard<std::mutex> lock(out.mu);
+    left.swap(out.queue);
+  }
+  for (Outgoing& msg : left) {
+    msg.done(Status::error("fairring: the connection to " + layout_.describe(out.peer) + " was closed"));
+  }
+}
+
+Status PeerMesh::transmit(Outbound& out, Outgoing& msg) {
+  const bool fromMemory = out.readsMemory && msg.bytes >= kMemoryReadMinBytes;
+  Frame frame;
+  frame.headerBytes = static_cast<uint32_t>(msg.header.size());
+  frame.bodyBytes = msg.bytes;
+  frame.bodyAddress = fromMemory ? reinterpret_cast<uint64_t>(msg.data) : 0;
+  struct iovec iov[3] = {
+      {&frame, sizeof(frame)},
+      {msg.header.data(), msg.header.size()},
+      {msg.data, fromMemory ? 0 : msg.bytes},
+  };
+  if (Status s = writeFull(out.socket, iov, 3); !s.ok()) {
+    return s;
+  }
+  if (fromMemory) {
+    // The body must stay put until the peer has copied it.
+    uint8_t ack = 0;
+    if (Status s = readFull(out.socket, &ack, 1); !s.ok()) {
+      return s;
     }
-    if (descriptor.tensors.size() > 1 || !descriptor.payloads.empty()) {
-      onMessage_(
-          peer, lane,
-          Status::error("fairring: malformed message from " + layout_.describe(peer)), {}, 0);
-      return;
-    }
-    onMessage_(peer, lane, Status(), std::move(descriptor.metadata), bytes);
-  });
+  }
+  return Status();
 }
 
 void PeerMesh::send(int peer, Lane lane, std::string header, void* data, size_t bytes, Done done) {
-  std::shared_ptr<tensorpipe::Pipe> pipe;
+  Outbound* out = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = outbound_.find({peer, lane});
-    if (closed_ || it == outbound_.end()) {
-      done(Status::error("fairring: no connection to " + layout_.describe(peer) + " (closed)"));
+    if (!closed_ && it != outbound_.end()) {
+      out = it->second.get();
+    }
+  }
+  if (out == nullptr) {
+    done(Status::error("fairring: no connection to " + layout_.describe(peer) + " (closed)"));
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(out->mu);
+    if (!out->stop) {
+      out->queue.push_back(Outgoing{std::move(header), data, bytes, std::move(done)});
+      out->cv.notify_one();
       return;
     }
-    pipe = it->second;
   }
-  pipe->write(makeMessage(std::move(header), data, bytes), [this, peer, done](const tensorpipe::Error& error) {
-    done(error ? failure("sending to", peer, error) : Status());
-  });
+  done(Status::error("fairring: no connection to " + layout_.describe(peer) + " (closed)"));
 }
 
 void PeerMesh::receive(int peer, Lane lane, void* data, size_t bytes, Done done) {
-  std::shared_ptr<tensorpipe::Pipe> pipe;
+  Inbound* in = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = inbound_.find({peer, lane});
-    if (closed_ || it == inbound_.end()) {
-      done(Status::error("fairring: no connection from " + layout_.describe(peer) + " (closed)"));
+    if (!closed_ && it != inbound_.end()) {
+      in = it->second.get();
+    }
+  }
+  if (in == nullptr) {
+    done(Status::error("fairring: no connection from " + layout_.describe(peer) + " (closed)"));
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(in->mu);
+    if (!in->stop && !in->exited && !in->posted) {
+      in->posted = true;
+      in->data = data;
+      in->bytes = bytes;
+      in->done = std::move(done);
+      in->cv.notify_one();
       return;
     }
-    pipe = it->second;
   }
-  tensorpipe::Allocation allocation;
-  if (bytes > 0) {
-    allocation.tensors.push_back({tensorpipe::CpuBuffer{data}});
-  }
-  std::weak_ptr<tensorpipe::Pipe> weak = pipe;
-  pipe->read(std::move(allocation), [this, peer, lane, weak, done](const tensorpipe::Error& error) {
-    if (error) {
-      done(failure("receiving from", peer, error));
-      return;
-    }
-    done(Status());
-    if (auto pipe = weak.lock()) {
-      readNext(peer, lane, pipe);
-    }
-  });
+  done(Status::error("fairring: the connection from " + layout_.describe(peer) + " is closed"));
 }
 
 void PeerMesh::close() {
@@ -314,18 +442,50 @@ void PeerMesh::close() {
     closed_ = true;
   }
   cv_.notify_all();
-  for (Endpoint& ep : endpoints_) {
-    if (ep.context) {
-      ep.context->close();
-      ep.context->join();
-    }
+  if (gate_) {
+    gate_->stop();
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  outbound_.clear();
-  inbound_.clear();
-  unidentified_.clear();
-  for (Endpoint& ep : endpoints_) {
-    ep.listener.reset();
+  std::map<Key, std::unique_ptr<Outbound>> outbound;
+  std::map<Key, std::unique_ptr<Inbound>> inbound;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    outbound.swap(outbound_);
+    inbound.swap(inbound_);
+  }
+  for (auto& [key, out] : outbound) {
+    std::lock_guard<std::mutex> lock(out->mu);
+    out->stop = true;
+    out->socket.shutdown();
+    out->cv.notify_all();
+  }
+  for (auto& [key, in] : inbound) {
+    std::lock_guard<std::mutex> lock(in->mu);
+    in->stop = true;
+    in->socket.shutdown();
+    in->cv.notify_all();
+  }
+  const auto self = std::this_thread::get_id();
+  auto finish = [&](std::thread& t, auto& owner) {
+    if (t.get_id() == self) {
+      // Closed from one of our own callbacks: that thread is still inside
+      // this connection's loop, so the connection must outlive it.
+      t.detach();
+      owner.release();
+    } else if (t.joinable()) {
+      t.join();
+    }
+  };
+  for (auto& [key, out] : outbound) {
+    finish(out->thread, out);
+  }
+  for (auto& [key, in] : inbound) {
+    finish(in->thread, in);
+  }
+  // A receive posted but never read gets its answer (the engine may wait on it).
+  for (auto& [key, in] : inbound) {
+    if (in && in->posted && in->done) {
+      in->done(Status::error("fairring: the connection from " + layout_.describe(in->peer) + " was closed"));
+    }
   }
 }
 

@@ -2,43 +2,41 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
-#include <vector>
 
-#include <tensorpipe/tensorpipe.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "common/status.h"
 #include "topology/rank_layout.h"
+#include "transport/gate.h"
+#include "transport/socket.h"
 #include "transport/wire.h"
 
 namespace fairring {
 
-// One TensorPipe pipe per (peer, lane, direction) between this rank and the
+// One TCP connection per (peer, lane, direction) between this rank and the
 // ranks it exchanges with (its local peers and its rail peers). Outbound
-// pipes only write; inbound pipes only read, one message at a time: the
-// receiver sees a header, decides where the bytes go (or waits), then reads.
+// connections only carry messages out, inbound ones only in, one message at
+// a time: the receiver sees a header, decides where the body goes (or
+// waits), then reads it. Each connection has its own thread, blocked in the
+// kernel when idle, so a slow peer holds up only its own connection.
 class PeerMesh {
  public:
   struct Options {
-    std::string listenAddress; // IP to bind the TCP listener to
+    std::string listenAddress; // IP to bind the rail listener to
     std::string token; // secret shared through the rendezvous store
     std::chrono::milliseconds timeout;
   };
 
-  // Local peers (same machine) and rail peers (other machines) are reached
-  // through separate TensorPipe contexts: the local one may use channels that
-  // copy through memory (cma), which must never carry traffic between
-  // machines, not even simulated ones sharing a host.
-  enum class Reach : int { kRail = 0, kLocal = 1 };
-
-  // Called on a TensorPipe thread once per arriving message (header only:
-  // call receive() to read its body), or once with a failure of the pipe.
+  // Called on a connection's thread once per arriving message (header only:
+  // call receive() to read its body), or once with a failure of the connection.
   using OnMessage = std::function<void(int peer, Lane lane, Status status, std::string header, size_t bytes)>;
   using Done = std::function<void(Status)>;
 
@@ -50,45 +48,51 @@ class PeerMesh {
   // stops listening.
   Status start(c10d::Store& store);
 
-  // Queues a message; `done` runs on a TensorPipe thread when it is sent.
+  // Queues a message; `done` runs on the connection's thread once it is sent
+  // (for a body read out of this process's memory: once the peer has read it).
   void send(int peer, Lane lane, std::string header, void* data, size_t bytes, Done done);
 
   // Reads the body of the message last announced on (peer, lane) into
-  // `data`, then waits for the next message on that pipe.
+  // `data`, then waits for the next message on that connection.
   void receive(int peer, Lane lane, void* data, size_t bytes, Done done);
 
-  // Closes every pipe and joins TensorPipe's threads. Idempotent.
+  // Closes every connection and joins their threads. Idempotent.
   void close();
 
  private:
   using Key = std::pair<int, Lane>;
-
-  struct Endpoint {
-    std::shared_ptr<tensorpipe::Context> context;
-    std::shared_ptr<tensorpipe::Listener> listener;
-    std::string url;
+  struct Inbound;
+  struct Outbound;
+  struct Outgoing {
+    std::string header;
+    void* data;
+    size_t bytes;
+    Done done;
   };
 
   Reach reachOf(int peer) const;
-  void closeListeners();
-  void openEndpoint(Reach reach);
-  void accept(Reach reach);
-  void onAccepted(Reach reach, std::shared_ptr<tensorpipe::Pipe> pipe);
-  void readNext(int peer, Lane lane, const std::shared_ptr<tensorpipe::Pipe>& pipe);
-  Status failure(const std::string& what, int peer, const tensorpipe::Error& error) const;
+  std::string check(Reach reach, const Hello& hello);
+  void adopt(const Hello& hello, Socket socket, bool readsMemory);
+  Status connect(int peer, Lane lane, const std::string& url, Clock::time_point deadline);
+  void readLoop(Inbound& in);
+  void writeLoop(Outbound& out);
+  Status transmit(Outbound& out, Outgoing& msg);
+  void awaitDrained(int peer);
+  void report(int peer, Lane lane, Status status);
+  Status failure(const std::string& what, int peer, const std::string& why) const;
 
   const RankLayout& layout_;
   const Options options_;
   const OnMessage onMessage_;
-  Endpoint endpoints_[2];
+  // The memory probe: its address and value go in every local hello.
+  const uint64_t probe_;
+  std::unique_ptr<Gate> gate_;
 
   std::mutex mu_;
   std::condition_variable cv_;
   bool closed_{false};
-  std::map<Key, std::shared_ptr<tensorpipe::Pipe>> outbound_;
-  std::map<Key, std::shared_ptr<tensorpipe::Pipe>> inbound_;
-  // Accepted pipes that have not yet said who they are.
-  std::vector<std::shared_ptr<tensorpipe::Pipe>> unidentified_;
+  std::map<Key, std::unique_ptr<Outbound>> outbound_;
+  std::map<Key, std::unique_ptr<Inbound>> inbound_;
 };
 
 } // namespace fairring

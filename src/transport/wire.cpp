@@ -6,10 +6,8 @@ namespace fairring {
 
 namespace {
 constexpr uint32_t kDataMagic = 0x46524431; // "FRD1"
-constexpr uint32_t kHelloMagic = 0x46524831; // "FRH1"
 constexpr uint32_t kAbortMagic = 0x46524131; // "FRA1"
 constexpr size_t kMaxReasonBytes = 4096;
-constexpr size_t kMaxTokenBytes = 256;
 
 template <typename T>
 void put(std::string& out, T v) {
@@ -80,29 +78,6 @@ std::optional<Abort> decodeAbort(const std::string& in) {
     return std::nullopt;
   }
   return Abort{in.substr(pos), fromSeq};
-}
-
-std::string encode(const Hello& h) {
-  std::string out;
-  put(out, kHelloMagic);
-  put(out, h.rank);
-  put(out, static_cast<uint8_t>(h.lane));
-  out.append(h.token);
-  return out;
-}
-
-std::optional<Hello> decodeHello(const std::string& in) {
-  size_t pos = 0;
-  uint32_t magic = 0;
-  uint8_t lane = 0;
-  Hello h;
-  if (!take(in, pos, magic) || magic != kHelloMagic || !take(in, pos, h.rank) ||
-      !take(in, pos, lane) || lane >= kNumLanes || in.size() - pos > kMaxTokenBytes) {
-    return std::nullopt;
-  }
-  h.lane = static_cast<Lane>(lane);
-  h.token = in.substr(pos);
-  return h;
 }
 
 } // namespace fairring

@@ -6,7 +6,7 @@
 
 namespace fairring {
 
-// Traffic classes get separate pipes. A pipe delivers in order, and a
+// Traffic classes get separate connections. A connection delivers in order, and a
 // receiver may hold a "reduce" message until a staging slot frees; slots free
 // only when "gather" messages arrive, so those must never queue behind it.
 enum class Lane : uint8_t { kReduce = 0, kGather = 1 };
@@ -37,14 +37,6 @@ struct DataHeader {
   uint8_t op{0};
 };
 
-// The first message on every pipe: who the sender is, which lane, and the
-// job token that proves it belongs to this job.
-struct Hello {
-  int32_t rank{0};
-  Lane lane{Lane::kReduce};
-  std::string token;
-};
-
 std::string encode(const DataHeader& h);
 std::optional<DataHeader> decodeData(const std::string& bytes);
 // The last message a failing rank sends to each peer, on the gather lane
@@ -59,7 +51,5 @@ struct Abort {
 
 std::string encode(const Abort& a);
 std::optional<Abort> decodeAbort(const std::string& bytes);
-std::string encode(const Hello& h);
-std::optional<Hello> decodeHello(const std::string& bytes);
 
 } // namespace fairring

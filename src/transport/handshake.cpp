@@ -1,0 +1,87 @@
+#include "transport/handshake.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace fairring {
+
+namespace {
+constexpr uint32_t kHelloMagic = 0x46524832; // "FRH2"
+constexpr uint32_t kReplyMagic = 0x46525231; // "FRR1"
+constexpr uint16_t kVersion = 1;
+
+template <typename T>
+void put(uint8_t* out, size_t at, T v) {
+  std::memcpy(out + at, &v, sizeof(T));
+}
+
+template <typename T>
+T get(const uint8_t* in, size_t at) {
+  T v;
+  std::memcpy(&v, in + at, sizeof(T));
+  return v;
+}
+} // namespace
+
+std::array<uint8_t, Hello::kBytes> encode(const Hello& h) {
+  std::array<uint8_t, Hello::kBytes> out{};
+  put(out.data(), 0, kHelloMagic);
+  put(out.data(), 4, kVersion);
+  put(out.data(), 6, static_cast<uint8_t>(h.lane));
+  put(out.data(), 8, h.rank);
+  put(out.data(), 12, h.pid);
+  std::memcpy(out.data() + 16, h.token.data(), std::min(h.token.size(), Hello::kTokenBytes));
+  put(out.data(), 48, h.probeAddress);
+  put(out.data(), 56, h.probeValue);
+  return out;
+}
+
+std::optional<Hello> decodeHello(const uint8_t* in) {
+  const auto lane = get<uint8_t>(in, 6);
+  if (get<uint32_t>(in, 0) != kHelloMagic || get<uint16_t>(in, 4) != kVersion || lane >= kNumLanes ||
+      get<uint8_t>(in, 7) != 0) {
+    return std::nullopt;
+  }
+  Hello h;
+  h.lane = static_cast<Lane>(lane);
+  h.rank = get<int32_t>(in, 8);
+  h.pid = get<int32_t>(in, 12);
+  h.token.assign(reinterpret_cast<const char*>(in + 16), Hello::kTokenBytes);
+  h.probeAddress = get<uint64_t>(in, 48);
+  h.probeValue = get<uint64_t>(in, 56);
+  return h;
+}
+
+bool mayBeHello(const uint8_t* in, size_t have) {
+  uint8_t magic[sizeof(kHelloMagic)];
+  std::memcpy(magic, &kHelloMagic, sizeof(magic));
+  return std::memcmp(in, magic, std::min(have, sizeof(magic))) == 0;
+}
+
+std::array<uint8_t, HelloReply::kBytes> encode(const HelloReply& r) {
+  std::array<uint8_t, HelloReply::kBytes> out{};
+  put(out.data(), 0, kReplyMagic);
+  put(out.data(), 4, static_cast<uint8_t>(r.readsMemory ? 1 : 0));
+  return out;
+}
+
+std::optional<HelloReply> decodeHelloReply(const uint8_t* in) {
+  const auto mode = get<uint8_t>(in, 4);
+  if (get<uint32_t>(in, 0) != kReplyMagic || mode > 1) {
+    return std::nullopt;
+  }
+  return HelloReply{mode == 1};
+}
+
+bool sameToken(const std::string& a, const std::string& b) {
+  if (a.size() != b.size()) {
+    return false;
+  }
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  }
+  return diff == 0;
+}
+
+} // namespace fairring
