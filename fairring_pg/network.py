@@ -1,4 +1,5 @@
-"""Which local IPv4 address the TensorPipe listener binds to."""
+"""Which local IPv4 address the rail listener binds to (the name of the variable,
+``TP_SOCKET_IFNAME``, is the one Fairring and TensorPipe users already set)."""
 
 from __future__ import annotations
 

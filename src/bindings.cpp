@@ -14,7 +14,7 @@ using fairring::BackendOptions;
 using fairring::FairringBackend;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "fairring_pg C++ core: reduction-server allreduce over TensorPipe";
+  m.doc() = "fairring_pg C++ core: reduction-server allreduce";
 
   py::class_<BackendOptions>(m, "Options")
       .def(py::init<>())

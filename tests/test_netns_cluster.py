@@ -136,7 +136,8 @@ def test_sigterm_tears_down() -> None:
     assert prefix, first
     assert [n for n in netns_cluster.our_namespaces() if n.startswith(prefix.group(1))]
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=20) == 130
+    code = proc.wait(timeout=20)
+    assert code == 130, f"exit {code}; stderr:\n{first}{proc.stderr.read()}"
     assert not [n for n in netns_cluster.our_namespaces() if n.startswith(prefix.group(1))]
 
 

@@ -6,7 +6,7 @@
 namespace fairring {
 
 // Errors travel as values through the transport and pipeline layers, so that a
-// failure on a TensorPipe thread can be attached to the operations it affects
+// failure on a connection's thread can be attached to the operations it affects
 // instead of unwinding through a callback that has no caller to catch it.
 class Status {
  public:

@@ -657,7 +657,7 @@ void AllreduceEngine::onSent(uint64_t seq, int64_t s, int peer, Status status) {
     }
     // A failed send does not make this rank's result wrong: only data it still
     // has to receive can. (A peer that finished and exited may drop the
-    // acknowledgement of bytes it did read, e.g. on the cma channel.) So the
+    // acknowledgement of bytes it did read from its memory.) So the
     // send counts as over, the peer as gone, and work fails only if it waits
     // on that peer.
     if (!status.ok()) {

@@ -172,8 +172,8 @@ class AllreduceEngine {
   uint64_t nextSeq_{0};
   uint64_t nextSliceId_{0};
   std::map<uint64_t, std::unique_ptr<Op>> ops_;
-  // Failed operations whose memory TensorPipe may still touch until the
-  // connections are closed.
+  // Failed operations whose memory a connection may still read or write
+  // until the connections are closed.
   std::vector<std::unique_ptr<Op>> graveyard_;
   std::deque<std::pair<uint64_t, int64_t>> waitingForSlot_;
   std::map<std::pair<uint64_t, int64_t>, std::vector<Parked>> parked_;

@@ -9,7 +9,7 @@
 namespace fairring {
 
 // One thread that runs reductions and completions, so that neither the
-// caller's thread nor TensorPipe's event loop ever does arithmetic.
+// caller's thread nor a connection's thread ever does arithmetic.
 class TaskQueue {
  public:
   TaskQueue();

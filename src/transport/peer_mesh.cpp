@@ -261,6 +261,9 @@ void PeerMesh::readLoop(Inbound& in) {
       s = readFull(in.socket, header.data(), header.size());
     }
     if (!s.ok()) {
+      if (in.lane != Lane::kGather) {
+        awaitDrained(peer);
+      }
       report(
           peer, in.lane,
           closed ? Status::error(
@@ -314,8 +317,9 @@ void PeerMesh::readLoop(Inbound& in) {
 
 void PeerMesh::awaitDrained(int peer) {
   // A peer that fails sends its reason on the gather lane, then closes. Our
-  // send to it may see the close first (a broken pipe); the reason is in the
-  // socket's buffer already, and naming it is worth a short wait.
+  // send to it, or our reader of its other lane, may see the close first (a
+  // broken pipe, an EOF); the reason is in the gather lane's buffer already,
+  // and naming it is worth a short wait.
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait_for(lock, kDrainWait, [&] {
     auto it = inbound_.find({peer, Lane::kGather});
