@@ -15,8 +15,10 @@ One 2x2 job checks it all:
   token, hellos with the right token naming a rank that is no peer or a peer that
   belongs on the other listener, a port scan (connect and close, 200 times), a real
   second ``FairringBackend`` with a wrong token, and has left open a silent
-  connection and one that sent half a hello. No rank can finish start-up before
-  rank 3 connects, so all of these reach open listeners. Each one that sent bytes
+  connection and one that sent half a hello; while rank 3 connects, a storm of
+  silent connections (more than a listener lets wait) hits the listeners it needs.
+  No rank can finish start-up before rank 3 connects, so all of these reach open
+  listeners. Each one that sent bytes
   must be closed at once, without an answer; the silent ones by the end of init;
   and the group must form and compute exactly;
 * after init: every rank checks its listening sockets (/proc/net/tcp against the
@@ -315,7 +317,7 @@ def _new_group_after(rank: int, act: Any) -> Any:
 
 
 def _startup_strangers(
-    hello: bytes, held: dict[str, socket.socket], results: dict[str, Any]
+    hello: bytes, held: dict[str, socket.socket], results: dict[str, Any], storm: _SilentStorm
 ) -> Any:
     """Rank 0's strangers against listeners of a group that is still starting."""
 
@@ -343,8 +345,62 @@ def _startup_strangers(
             scan[outcome] = scan.get(outcome, 0) + 1
         results["startup_scan"] = scan
         results["startup_backend"] = _stranger_backend(_RedirectStore(core.get), 3, WRONG_TOKEN)
+        # Rank 3 starts connecting as this returns: keep a storm of silent connections
+        # going at the two listeners it needs (rank 2's local, rank 1's rail), more
+        # than a gate lets wait at once, until the group has formed.
+        storm.start([targets["local/2"], targets["rail/1"]])
 
     return act
+
+
+class _SilentStorm:
+    """Opens silent connections at ``targets`` in turn and holds every one of them
+    (so a gate's waiting list stays full: a peer gets in only if the gate evicts a
+    stranger for it), until stopped or ``MAX_OPEN`` are held."""
+
+    KEEP_OPEN = 100
+    MAX_OPEN = 4000
+
+    def __init__(self) -> None:
+        self.opened = 0
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, targets: list[tuple[str, int]]) -> None:
+        """Returns once every target has ``KEEP_OPEN`` silent connections (the gates
+        let 64 wait): they are full before rank 3 starts; the storm goes on on a
+        thread."""
+        open_: list[list[socket.socket]] = [
+            [_connect(addr) for _ in range(self.KEEP_OPEN)] for addr in targets
+        ]
+        self.opened = len(targets) * self.KEEP_OPEN
+        self._thread = threading.Thread(target=self._run, args=(targets, open_), daemon=True)
+        self._thread.start()
+
+    def _run(self, targets: list[tuple[str, int]], open_: list[list[socket.socket]]) -> None:
+        try:
+            while not self._stop.is_set():
+                for i, addr in enumerate(targets):
+                    if self.opened >= self.MAX_OPEN:
+                        self._stop.wait(0.01)
+                        continue
+                    try:
+                        open_[i].append(_connect(addr))
+                        self.opened += 1
+                    except OSError as exc:  # refused once the listener closes
+                        self.errors.append(type(exc).__name__)
+                        self._stop.wait(0.01)
+        finally:
+            for socks in open_:
+                for s in socks:
+                    s.close()
+
+    def stop(self) -> int:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        return self.opened
 
 
 # ---------------------------------------------------------------- the job
@@ -401,9 +457,11 @@ def _strangers_job(rank: int, world: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     hello = _capture_hello() if rank == 0 else b""
     held: dict[str, socket.socket] = {}
-    group = _new_group_after(rank, _startup_strangers(hello, held, results))
+    storm = _SilentStorm()
+    group = _new_group_after(rank, _startup_strangers(hello, held, results, storm))
     dist.all_reduce(torch.ones(10), group=group)  # every rank is past init
     if rank == 0:
+        results["startup_storm"] = storm.stop()
         results["startup_mutes"] = _closed_by_peer(held, CLOSE_GRACE_S)
         for s in held.values():
             s.close()
@@ -489,6 +547,17 @@ def test_a_port_scan_during_startup_does_not_break_the_group() -> None:
     # The scan met open listeners (nothing was refused: start-up was not over) ...
     assert scan == {"accepted": 200}, scan
     # ... and the group formed and computed exactly (every rank ran the job).
+    for o in outcomes:
+        assert not o.value["errors"], o.value["errors"][:10]
+
+
+def test_a_storm_of_silent_connections_does_not_keep_a_peer_out() -> None:
+    outcomes = _job()
+    opened = _rank0(outcomes)["startup_storm"]
+    # Both gates were full (100 silent connections each against a limit of 64) before
+    # rank 3 started, and new ones kept coming while it connected; the group formed
+    # (rank 0 got here) and computed exactly.
+    assert opened > 2 * 100, f"the storm opened only {opened} connections"
     for o in outcomes:
         assert not o.value["errors"], o.value["errors"][:10]
 

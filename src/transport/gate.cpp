@@ -124,12 +124,30 @@ void Gate::acceptAll(Reach reach) {
       return; // EAGAIN: nothing more; anything else is the stranger's problem
     }
     if (pending_.size() >= kMaxPending) {
-      refuse(pending_.front(), "too many connections were waiting to say hello");
-      pending_.erase(pending_.begin());
+      makeRoom();
     }
     Pending p{reach, std::move(s), Clock::now() + kHelloTimeout, {}, 0};
     pending_.push_back(std::move(p));
   }
+}
+
+void Gate::makeRoom() {
+  // A peer sends its hello the moment it connects, so by now it has arrived:
+  // take what has, then evict the oldest of those that said nothing at all.
+  std::vector<Pending> kept;
+  for (Pending& p : pending_) {
+    if (readHello(p)) {
+      kept.push_back(std::move(p));
+    }
+  }
+  pending_ = std::move(kept);
+  if (pending_.size() < kMaxPending) {
+    return;
+  }
+  auto silent = std::find_if(pending_.begin(), pending_.end(), [](const Pending& p) { return p.have == 0; });
+  auto victim = silent != pending_.end() ? silent : pending_.begin();
+  refuse(*victim, "too many connections were waiting to say hello");
+  pending_.erase(victim);
 }
 
 bool Gate::readHello(Pending& p) {

@@ -51,6 +51,7 @@ class Gate {
 
   void run();
   void acceptAll(Reach reach);
+  void makeRoom();
   // False once the connection is done with (adopted or dropped).
   bool readHello(Pending& p);
   void refuse(Pending& p, const std::string& why);

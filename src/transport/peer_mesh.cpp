@@ -210,14 +210,16 @@ Status PeerMesh::connect(int peer, Lane lane, const std::string& url, Clock::tim
         "no answer to its hello within " + std::to_string(options_.timeout.count()) + " ms");
   }
   uint8_t raw[HelloReply::kBytes];
-  bool closed = false;
-  const Status s = readFull(socket, raw, sizeof(raw), &closed);
-  const auto reply = s.ok() ? decodeHelloReply(raw) : std::nullopt;
-  if (!reply) {
+  if (Status s = readFull(socket, raw, sizeof(raw)); !s.ok()) {
+    // Closed (or reset: our hello was still unread) instead of answered.
     return failure(
         "connecting to", peer,
-        closed ? "it refused the connection (is " + url + " a listener of this job? its log says why)"
-               : "a malformed answer to its hello");
+        "it refused the connection (" + s.message() + "; is " + url +
+            " a listener of this job? its log says why)");
+  }
+  const auto reply = decodeHelloReply(raw);
+  if (!reply) {
+    return failure("connecting to", peer, "a malformed answer to its hello");
   }
   auto out = std::make_unique<Outbound>();
   out->peer = peer;
