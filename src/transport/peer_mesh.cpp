@@ -388,15 +388,15 @@ Status PeerMesh::transmit(Outbound& out, Outgoing& msg) {
   return Status();
 }
 
+template <typename Connection>
+Connection* PeerMesh::find(const std::map<Key, std::unique_ptr<Connection>>& connections, Key key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = connections.find(key);
+  return closed_ || it == connections.end() ? nullptr : it->second.get();
+}
+
 void PeerMesh::send(int peer, Lane lane, std::string header, void* data, size_t bytes, Done done) {
-  Outbound* out = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = outbound_.find({peer, lane});
-    if (!closed_ && it != outbound_.end()) {
-      out = it->second.get();
-    }
-  }
+  Outbound* out = find(outbound_, {peer, lane});
   if (out == nullptr) {
     done(Status::error("fairring: no connection to " + layout_.describe(peer) + " (closed)"));
     return;
@@ -413,14 +413,7 @@ void PeerMesh::send(int peer, Lane lane, std::string header, void* data, size_t 
 }
 
 void PeerMesh::receive(int peer, Lane lane, void* data, size_t bytes, Done done) {
-  Inbound* in = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = inbound_.find({peer, lane});
-    if (!closed_ && it != inbound_.end()) {
-      in = it->second.get();
-    }
-  }
+  Inbound* in = find(inbound_, {peer, lane});
   if (in == nullptr) {
     done(Status::error("fairring: no connection from " + layout_.describe(peer) + " (closed)"));
     return;

@@ -71,6 +71,9 @@ class PeerMesh {
   };
 
   Reach reachOf(int peer) const;
+  // The connection for `key`, or null once closed.
+  template <typename Connection>
+  Connection* find(const std::map<Key, std::unique_ptr<Connection>>& connections, Key key);
   std::string check(Reach reach, const Hello& hello);
   void adopt(const Hello& hello, Socket socket, bool readsMemory);
   Status connect(int peer, Lane lane, const std::string& url, Clock::time_point deadline);
