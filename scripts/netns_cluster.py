@@ -22,6 +22,7 @@ says so and exits with status 77 (the "skipped" convention of automake).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import secrets
 import shutil
@@ -349,7 +350,10 @@ def run_processes(
         finally:
             _stop(procs)
             for t in pumps:
-                t.join(timeout=2.0)
+                # A signal can land inside Thread.start(): such a pump never counts as
+                # started, and joining it would raise over the KeyboardInterrupt.
+                with contextlib.suppress(RuntimeError):
+                    t.join(timeout=2.0)
 
 
 def _wait(procs: Sequence[Proc], timeout: float) -> int:

@@ -88,7 +88,6 @@ def local_ranks(machine_ids: Sequence[str]) -> list[int]:
     return out
 
 
-
 def rank_environment(
     rank: int,
     machine_ids: Sequence[str],
@@ -117,6 +116,7 @@ def rank_environment(
             else:
                 child_env[name] = str(value)
     return child_env
+
 
 @dataclasses.dataclass
 class RankOutcome:

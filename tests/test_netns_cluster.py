@@ -74,16 +74,34 @@ def _outside_addresses() -> list[str]:
 
 
 def _root_links() -> set[str]:
-    return set(re.findall(r"^\d+: ([^:@]+)", subprocess.run(
-        ["ip", "-o", "link"], capture_output=True, text=True).stdout, re.M))
+    return set(
+        re.findall(
+            r"^\d+: ([^:@]+)",
+            subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout,
+            re.M,
+        )
+    )
 
 
 def test_two_hosts_env_reachability_and_teardown() -> None:
     links_before = _root_links()
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--hosts", "2", "--timeout", "45", "--",
-         sys.executable, "-c", HOST_PROGRAM, *_outside_addresses()],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--hosts",
+            "2",
+            "--timeout",
+            "45",
+            "--",
+            sys.executable,
+            "-c",
+            HOST_PROGRAM,
+            *_outside_addresses(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     prefix = re.search(r"\[netns\] (fnc-\S+):", done.stderr)
@@ -115,9 +133,23 @@ def test_two_hosts_env_reachability_and_teardown() -> None:
 
 def test_failure_still_tears_down() -> None:
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--hosts", "2", "--rate", "1gbit", "--timeout", "30",
-         "--", "sh", "-c", 'test "$NODE_RANK" = 0 || exit 3; sleep 20'],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--hosts",
+            "2",
+            "--rate",
+            "1gbit",
+            "--timeout",
+            "30",
+            "--",
+            "sh",
+            "-c",
+            'test "$NODE_RANK" = 0 || exit 3; sleep 20',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 3, done.stdout + done.stderr
     prefix = re.search(r"\[netns\] (fnc-\S+):", done.stderr)
@@ -128,7 +160,9 @@ def test_failure_still_tears_down() -> None:
 def test_sigterm_tears_down() -> None:
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), "--hosts", "2", "--", "sleep", "30"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     assert proc.stderr is not None
     first = proc.stderr.readline()  # printed once the cluster is up
@@ -147,8 +181,9 @@ def test_cleanup_removes_leftovers_of_dead_runs_only() -> None:
     for name in (dead, alive):
         subprocess.run(["ip", "netns", "add", name], check=True)
     try:
-        done = subprocess.run([sys.executable, str(SCRIPT), "--cleanup"],
-                              capture_output=True, text=True, timeout=30)
+        done = subprocess.run(
+            [sys.executable, str(SCRIPT), "--cleanup"], capture_output=True, text=True, timeout=30
+        )
         assert done.returncode == 0, done.stderr
         names = netns_cluster.our_namespaces()
         assert dead not in names
@@ -161,9 +196,47 @@ def test_cleanup_removes_leftovers_of_dead_runs_only() -> None:
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv to drop root")
 def test_without_root_says_so_and_exits_cleanly() -> None:
     done = subprocess.run(
-        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-         sys.executable, str(SCRIPT), "--hosts", "2", "--", "true"],
-        capture_output=True, text=True, timeout=60, env={**os.environ, "HOME": "/tmp"},
+        [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            sys.executable,
+            str(SCRIPT),
+            "--hosts",
+            "2",
+            "--",
+            "true",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "HOME": "/tmp"},
     )
     assert done.returncode == netns_cluster.SKIP_EXIT, done.stdout + done.stderr
     assert "need root" in done.stderr
+
+
+def test_a_signal_inside_a_pump_start_still_tears_down(monkeypatch: pytest.MonkeyPatch) -> None:
+    # SIGTERM raises KeyboardInterrupt wherever the main thread is; right after the
+    # cluster is up that is often inside Thread.start() of an output pump, before the
+    # thread counts as started. Tear-down must still stop the ranks and let the
+    # KeyboardInterrupt through (main turns it into exit 130), not fail on joining.
+    import threading
+
+    started: list[subprocess.Popen[bytes]] = []
+    real_popen = subprocess.Popen
+
+    def recording_popen(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
+        started.append(real_popen(*args, **kwargs))  # type: ignore[arg-type]
+        return started[-1]
+
+    def interrupted_start(self: threading.Thread) -> None:
+        raise KeyboardInterrupt("SIGTERM")
+
+    monkeypatch.setattr(subprocess, "Popen", recording_popen)
+    monkeypatch.setattr(threading.Thread, "start", interrupted_start)
+    with pytest.raises(KeyboardInterrupt):
+        netns_cluster.run_processes([("host0", ["sleep", "30"], dict(os.environ))], timeout=30)
+    assert len(started) == 1
+    assert started[0].poll() is not None, "the rank process was left running"
