@@ -66,6 +66,7 @@ STRANGER_TIMEOUT_S = 3.0
 CLOSE_GRACE_S = 5.0
 # Where the hello keeps the sender's rank and the job token (src/transport/handshake.cpp).
 HELLO_BYTES = 64
+HELLO_VERSION = slice(4, 6)
 HELLO_RANK = slice(8, 12)
 HELLO_TOKEN = slice(16, 48)
 WRONG_TOKEN = "00" * 16
@@ -175,6 +176,11 @@ def _payload(kind: str, hello: bytes, target: str, token: str) -> bytes:
     """What stranger ``kind`` sends to ``target`` (``"rail/0"``, ``"local/2"``...);
     ``token`` is the job's."""
     reach, rank = target.split("/")[0], int(target.split("/")[1])
+    if kind == "other_version_hello":
+        # Another fairring build: right token and rank, another wire version.
+        forged = bytearray(_forge_hello(hello, token, rank ^ (2 if reach == "rail" else 1)))
+        forged[HELLO_VERSION] = struct.pack("<H", 2)
+        return bytes(forged)
     if kind == "random_bytes":
         return os.urandom(4096)
     if kind == "http":
@@ -198,6 +204,7 @@ def _payload(kind: str, hello: bytes, target: str, token: str) -> bytes:
 
 # Strangers that say enough to be told apart from a rank: closed at once.
 TALKERS = (
+    "other_version_hello",  # first: the ranks log only their first five refusals
     "random_bytes",
     "http",
     "length_2^64",
@@ -573,6 +580,7 @@ def test_ranks_log_why_they_refused_and_keep_accepting() -> None:
     for o in outcomes[:3]:
         refusals = [line for line in o.log_tail.splitlines() if "refused a connection from" in line]
         assert refusals, f"rank {o.rank} logged no refusal:\n{o.log_tail[-2000:]}"
+        assert any("wire version 2, this rank version 1" in line for line in refusals), refusals
         assert len(refusals) <= 5, f"rank {o.rank} logged {len(refusals)} refusals (limit 5)"
     stopped = [
         line for o in outcomes for line in o.log_tail.splitlines() if "stopped accepting" in line

@@ -164,7 +164,13 @@ bool Gate::readHello(Pending& p) {
   }
   const auto hello = p.have == Hello::kBytes ? decodeHello(p.hello) : std::nullopt;
   if (!hello) {
-    refuse(p, "it is not a fairring hello");
+    const auto version = p.have == Hello::kBytes ? helloVersionOf(p.hello) : std::nullopt;
+    refuse(
+        p,
+        version && *version != helloVersion()
+            ? "it speaks fairring wire version " + std::to_string(*version) + ", this rank version " +
+                std::to_string(helloVersion()) + " (do all machines run the same fairring_pg?)"
+            : "it is not a fairring hello");
     return false;
   }
   if (!sameToken(hello->token, token_)) {

@@ -58,6 +58,17 @@ bool mayBeHello(const uint8_t* in, size_t have) {
   return std::memcmp(in, magic, std::min(have, sizeof(magic))) == 0;
 }
 
+std::optional<uint16_t> helloVersionOf(const uint8_t* in) {
+  if (get<uint32_t>(in, 0) != kHelloMagic) {
+    return std::nullopt;
+  }
+  return get<uint16_t>(in, 4);
+}
+
+uint16_t helloVersion() {
+  return kVersion;
+}
+
 std::array<uint8_t, HelloReply::kBytes> encode(const HelloReply& r) {
   std::array<uint8_t, HelloReply::kBytes> out{};
   put(out.data(), 0, kReplyMagic);

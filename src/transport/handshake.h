@@ -35,6 +35,10 @@ std::optional<Hello> decodeHello(const uint8_t* bytes);
 // Whether the first `have` bytes received could still become a hello (so
 // that an HTTP request or random bytes are turned away at once).
 bool mayBeHello(const uint8_t* bytes, size_t have);
+// The wire version of a full hello that has our magic (another fairring
+// build, perhaps), to name in the refusal; nullopt for anything else.
+std::optional<uint16_t> helloVersionOf(const uint8_t* bytes);
+uint16_t helloVersion();
 
 // The accepting side's answer to a hello it took. A refused hello gets no
 // answer: the connection is closed.
