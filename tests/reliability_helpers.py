@@ -16,6 +16,7 @@ JOB_DIR RANK``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import pickle
 import signal
@@ -394,3 +395,62 @@ def _bare_child(job_dir: Path, rank: int) -> int:
 
 if __name__ == "__main__":
     sys.exit(_bare_child(Path(sys.argv[1]), int(sys.argv[2])))
+
+
+# ---------------------------------------------------------------- second backends
+
+
+@functools.cache
+def _redirect_store_class() -> Any:
+    import torch.distributed as dist  # lazily, like every helper here
+
+    class RedirectStore(dist.Store):
+        """A store for a second FairringBackend: reads come from ``lookup``, writes stay
+        here (they must not overwrite the real ranks' addresses)."""
+
+        def __init__(self, lookup: Any) -> None:
+            super().__init__()
+            self._lookup = lookup
+            self.written: dict[str, bytes] = {}
+
+        def set(self, key: str, value: Any) -> None:
+            self.written[key] = bytes(value)
+
+        def get(self, key: str) -> bytes:
+            return self._lookup(key)
+
+    return RedirectStore
+
+
+def redirect_store(lookup: Any) -> Any:
+    """A ``dist.Store`` whose reads come from ``lookup`` and whose writes stay in it."""
+    return _redirect_store_class()(lookup)
+
+
+def second_backend(store: Any, claimed_rank: int, token: str, timeout_s: float = 3.0) -> str:
+    """Start a FairringBackend claiming ``claimed_rank`` of a 2x2 job (machines
+    0,0,1,1, all on 127.0.0.1) with job ``token``; returns how it ended: "admitted",
+    or "refused: <the error>"."""
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from fairring_pg._build import load_extension
+
+    ext = load_extension()
+    opts = ext.Options()
+    opts.slice_size = 16 * 1024
+    opts.total_memory = 128 * 1024
+    opts.machine_of = [0, 0, 1, 1]
+    opts.hostnames = [socket.gethostname()] * 4
+    opts.listen_address = "127.0.0.1"
+    opts.job_token = token
+    opts.timeout = timedelta(seconds=timeout_s)
+    delegate = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=10))
+    try:
+        backend = ext.FairringBackend(store, claimed_rank, 4, opts, delegate)
+    except Exception as exc:  # noqa: BLE001 - the expected outcome
+        return f"refused: {exc}"
+    backend.shutdown()
+    return "admitted"

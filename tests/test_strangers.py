@@ -18,9 +18,9 @@ One 2x2 job checks it all:
   connection and one that sent half a hello; while rank 3 connects, a storm of
   silent connections (more than a listener lets wait) hits the listeners it needs.
   No rank can finish start-up before rank 3 connects, so all of these reach open
-  listeners. Each one that sent bytes
-  must be closed at once, without an answer; the silent ones by the end of init;
-  and the group must form and compute exactly;
+  listeners. Each one that sent bytes must be closed at once: a hello with the
+  gate's magic after a refusal naming why, anything else without an answer; the
+  silent ones by the end of init; and the group must form and compute exactly;
 * after init: every rank checks its listening sockets (/proc/net/tcp against the
   descriptors it holds): none beyond loopback, and none at an advertised address; a
   connect to every advertised address is refused (ECONNREFUSED);
@@ -54,6 +54,8 @@ from reliability_helpers import (
     listener_addresses,
     listening_sockets,
     parse_url,
+    redirect_store,
+    second_backend,
     settle,
 )
 
@@ -73,45 +75,6 @@ WRONG_TOKEN = "00" * 16
 
 
 # ---------------------------------------------------------------- second backends
-
-
-class _RedirectStore(dist.Store):
-    """A store for a stranger FairringBackend: reads come from ``lookup``, writes stay
-    here (they must not overwrite the real ranks' addresses)."""
-
-    def __init__(self, lookup: Any) -> None:
-        super().__init__()
-        self._lookup = lookup
-        self.written: dict[str, bytes] = {}
-
-    def set(self, key: str, value: Any) -> None:
-        self.written[key] = bytes(value)
-
-    def get(self, key: str) -> bytes:
-        return self._lookup(key)
-
-
-def _stranger_backend(store: Any, claimed_rank: int, token: str) -> str:
-    """Start a FairringBackend that claims ``claimed_rank`` of this 2x2 job with
-    ``token``; returns how it ended (it should not be admitted)."""
-    from fairring_pg._build import load_extension
-
-    ext = load_extension()
-    opts = ext.Options()
-    opts.slice_size = 16 * 1024
-    opts.total_memory = 128 * 1024
-    opts.machine_of = [0, 0, 1, 1]
-    opts.hostnames = [socket.gethostname()] * WORLD
-    opts.listen_address = "127.0.0.1"
-    opts.job_token = token
-    opts.timeout = timedelta(seconds=STRANGER_TIMEOUT_S)
-    delegate = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=10))
-    try:
-        backend = ext.FairringBackend(store, claimed_rank, WORLD, opts, delegate)
-    except Exception as exc:  # noqa: BLE001 - the expected outcome
-        return f"refused: {exc}"
-    backend.shutdown()
-    return "admitted"
 
 
 def _capture_hello() -> bytes:
@@ -136,8 +99,8 @@ def _capture_hello() -> bytes:
 
     thread = threading.Thread(target=record, daemon=True)
     thread.start()
-    store = _RedirectStore(lambda key: f"tcp://127.0.0.1:{port}".encode())
-    _stranger_backend(store, 3, WRONG_TOKEN)
+    store = redirect_store(lambda key: f"tcp://127.0.0.1:{port}".encode())
+    second_backend(store, 3, WRONG_TOKEN)
     thread.join(timeout=5)
     server.close()
     assert captured and len(captured[0]) == HELLO_BYTES, f"captured {captured!r}"
@@ -237,11 +200,27 @@ def _try_stranger(
     return f"connected, then got {answer[:80]!r}"
 
 
+# The gate's answer to a hello with its magic (src/transport/handshake.h): "FRR1",
+# a verdict, whether bodies are read from memory, its wire version.
+REPLY_MAGIC = 0x46525231
+VERDICTS = {1: "wrong version", 2: "wrong token", 3: "not a peer", 4: "wrong listener"}
+
+
+def _describe_answer(data: bytes) -> str:
+    if len(data) == 8:
+        magic, verdict, _memory, _version = struct.unpack("<IBBH", data)
+        if magic == REPLY_MAGIC:
+            return f"refused: {VERDICTS.get(verdict, f'verdict {verdict}')}"
+    return f"answered {data[:40]!r}"
+
+
 def _closed_by_peer(sockets: dict[str, socket.socket], timeout_s: float) -> dict[str, str]:
     """Waits up to ``timeout_s`` for the other end to close each socket: "closed" (recv
-    gave b''), "reset" (ECONNRESET), "answered ..." (it sent bytes), or "open"."""
+    gave b''), "reset" (ECONNRESET), "refused: <why>" (a gate's refusal, then the
+    close), "answered ..." (other bytes), or "still open"."""
     out: dict[str, str] = {}
     pending = dict(sockets)
+    got: dict[str, bytes] = {name: b"" for name in sockets}
     deadline = time.monotonic() + timeout_s
     while pending:
         left = deadline - time.monotonic()
@@ -254,11 +233,14 @@ def _closed_by_peer(sockets: dict[str, socket.socket], timeout_s: float) -> dict
             try:
                 data = s.recv(4096)
             except ConnectionResetError:
-                out[name] = "reset"
+                out[name] = _describe_answer(got[name]) if got[name] else "reset"
             except OSError as exc:
                 out[name] = f"{type(exc).__name__}: {exc}"
             else:
-                out[name] = f"answered {data[:40]!r}" if data else "closed"
+                if data:
+                    got[name] += data
+                    continue  # wait for the close itself
+                out[name] = _describe_answer(got[name]) if got[name] else "closed"
             del pending[name]
     for name in pending:
         out[name] = f"still open after {timeout_s:.0f} s"
@@ -351,7 +333,7 @@ def _startup_strangers(
             outcome = _refused(targets[sorted(targets)[i % len(targets)]])
             scan[outcome] = scan.get(outcome, 0) + 1
         results["startup_scan"] = scan
-        results["startup_backend"] = _stranger_backend(_RedirectStore(core.get), 3, WRONG_TOKEN)
+        results["startup_backend"] = second_backend(redirect_store(core.get), 3, WRONG_TOKEN)
         # Rank 3 starts connecting as this returns: keep a storm of silent connections
         # going at the two listeners it needs (rank 2's local, rank 1's rail), more
         # than a gate lets wait at once, until the group has formed.
@@ -420,12 +402,12 @@ def _attack(group: Any, hello: bytes, results: dict[str, Any]) -> None:
     token = group_store(group).get("fairring/job_token").decode()
     outcomes: dict[str, str] = {}
 
-    def second_backend(who: str, token: str) -> None:
-        outcomes[who] = _stranger_backend(_RedirectStore(core.get), 3, token)
+    def join_as_rank3(who: str, token: str) -> None:
+        outcomes[who] = second_backend(redirect_store(core.get), 3, token, STRANGER_TIMEOUT_S)
 
     threads = [
-        threading.Thread(target=second_backend, args=("wrong_token", "ff" * 16)),
-        threading.Thread(target=second_backend, args=("impostor_rank3", token)),
+        threading.Thread(target=join_as_rank3, args=("wrong_token", "ff" * 16)),
+        threading.Thread(target=join_as_rank3, args=("impostor_rank3", token)),
     ]
     for t in threads:
         t.start()
@@ -531,13 +513,29 @@ def _rank0(outcomes: tuple[RankOutcome, ...]) -> dict[str, Any]:
 # ---------------------------------------------------------------- the tests: start-up
 
 
+# What each stranger must get during start-up: a hello with the gate's magic is told
+# why it is refused (so that a real rank with a wrong setting fails at once, saying
+# why); anything else is closed with no answer at all.
+STARTUP_ANSWERS = {
+    "other_version_hello": {"refused: wrong version"},
+    "random_bytes": {"closed", "reset"},
+    "http": {"closed", "reset"},
+    "length_2^64": {"closed", "reset"},
+    # Garbage follows the hello unread, so the close may be a reset that overtakes the
+    # refusal.
+    "wrong_token_hello": {"refused: wrong token", "reset"},
+    "right_token_no_peer": {"refused: not a peer"},
+    "right_token_wrong_listener": {"refused: wrong listener"},
+}
+
+
 @pytest.mark.parametrize("kind", TALKERS)
 def test_startup_strangers_that_talk_are_closed_at_once(kind: str) -> None:
     got = _rank0(_job())["startup_talkers"][kind]
     # The rail and local listener of ranks 0-2, all open (rank 3 is not in yet).
     assert len(got) == 2 * 3, got
-    wrong = {name: v for name, v in got.items() if v not in ("closed", "reset")}
-    assert not wrong, f"{kind} during start-up: not closed without an answer: {wrong}"
+    wrong = {name: v for name, v in got.items() if v not in STARTUP_ANSWERS[kind]}
+    assert not wrong, f"{kind} during start-up: expected {STARTUP_ANSWERS[kind]}, got {wrong}"
 
 
 def test_startup_connections_that_never_say_hello_are_closed_at_init() -> None:
@@ -571,7 +569,8 @@ def test_a_storm_of_silent_connections_does_not_keep_a_peer_out() -> None:
 
 def test_a_second_backend_with_a_wrong_token_is_refused_during_startup() -> None:
     ending = _rank0(_job())["startup_backend"]
-    assert ending.startswith("refused") and "it refused the connection" in ending, ending
+    # Told why at once, not left to its timeout.
+    assert ending.startswith("refused") and "the job tokens differ" in ending, ending
 
 
 def test_ranks_log_why_they_refused_and_keep_accepting() -> None:

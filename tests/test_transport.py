@@ -1,4 +1,10 @@
-"""The transport between ranks of one machine when the kernel refuses memory reads.
+"""The transport: how a rank gets past a peer's gate, and what ranks of one machine do
+when the kernel refuses memory reads.
+
+A gate closes a connection without an answer only when it had no room (a storm of
+strangers at start-up), so a rank must try again; a refusal comes with a verdict, and
+the rank must fail at once saying why. Both are checked against a fake gate in this
+process that a second FairringBackend (claiming rank 3 of a 2x2 job) connects to.
 
 Ranks of a machine copy message bodies straight out of each other's memory
 (process_vm_readv), after a probe at start-up shows the kernel allows it; where it
@@ -18,6 +24,10 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import socket
+import struct
+import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -25,6 +35,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from multiprocess import launch
+from reliability_helpers import redirect_store, second_backend
 
 CAP_SYS_PTRACE = 19
 PR_SET_DUMPABLE = 4
@@ -110,3 +121,84 @@ def test_same_machine_bodies_go_through_the_socket_when_memory_reads_are_refused
         assert v["before"] == errno.EFAULT, f"rank {o.rank}: before: {os.strerror(v['before'])}"
         assert v["after"] == errno.EPERM, f"rank {o.rank}: after: {os.strerror(v['after'])}"
         assert not v["wrong"], f"rank {o.rank}: wrong results: {v['wrong']}"
+
+
+# ---------------------------------------------------------------- getting past a gate
+
+HELLO_BYTES = 64
+REPLY = struct.Struct("<IBBH")  # magic "FRR1", verdict, reads memory, wire version
+REPLY_MAGIC = 0x46525231
+TOKEN = "ab" * 16
+
+
+class _FakeGate:
+    """Listens on 127.0.0.1, reads each connection's hello and answers it with
+    ``answer(index)``: reply bytes, or None to close without a word."""
+
+    def __init__(self, answer: Any) -> None:
+        self.hellos: list[bytes] = []
+        self._answer = answer
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self._server.settimeout(0.2)
+        self._kept: list[socket.socket] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"tcp://127.0.0.1:{self._server.getsockname()[1]}"
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._server.accept()
+            except TimeoutError:
+                continue
+            conn.settimeout(5)
+            hello = b""
+            while len(hello) < HELLO_BYTES and (chunk := conn.recv(HELLO_BYTES - len(hello))):
+                hello += chunk
+            reply = self._answer(len(self.hellos))
+            self.hellos.append(hello)
+            if reply is None:
+                conn.close()
+            else:
+                conn.sendall(reply)
+                self._kept.append(conn)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        for conn in self._kept:
+            conn.close()
+        self._server.close()
+
+
+def _join_fake(answer: Any) -> tuple[str, float, list[bytes]]:
+    gate = _FakeGate(answer)
+    try:
+        t0 = time.monotonic()
+        ending = second_backend(redirect_store(lambda key: gate.url.encode()), 3, TOKEN, 3.0)
+        return ending, time.monotonic() - t0, gate.hellos
+    finally:
+        gate.close()
+
+
+def test_a_connection_closed_without_an_answer_is_tried_again() -> None:
+    accepted = REPLY.pack(REPLY_MAGIC, 0, 0, 1)
+    ending, _, hellos = _join_fake(lambda i: None if i == 0 else accepted)
+    # Rank 3's peers are rank 2 (local) and rank 1 (rail), two lanes each: four
+    # connections, the first one twice.
+    assert len(hellos) == 5, f"{len(hellos)} hellos: {ending}"
+    assert hellos[0] == hellos[1], "the second attempt did not repeat the first hello"
+    # Past every gate, it waits for its peers to connect back, which a fake never does.
+    assert "waiting for" in ending and "to connect" in ending, ending
+
+
+def test_a_refusal_fails_at_once_naming_why() -> None:
+    wrong_version = REPLY.pack(REPLY_MAGIC, 1, 0, 7)
+    ending, seconds, hellos = _join_fake(lambda i: wrong_version)
+    assert len(hellos) == 1, f"{len(hellos)} hellos: a refusal must not be retried"
+    assert "fairring wire version 7, this rank version 1" in ending, ending
+    assert seconds < 2.0, f"took {seconds:.1f} s (its timeout is 3 s)"

@@ -165,32 +165,45 @@ bool Gate::readHello(Pending& p) {
   const auto hello = p.have == Hello::kBytes ? decodeHello(p.hello) : std::nullopt;
   if (!hello) {
     const auto version = p.have == Hello::kBytes ? helloVersionOf(p.hello) : std::nullopt;
-    refuse(
-        p,
-        version && *version != helloVersion()
-            ? "it speaks fairring wire version " + std::to_string(*version) + ", this rank version " +
-                std::to_string(helloVersion()) + " (do all machines run the same fairring_pg?)"
-            : "it is not a fairring hello");
+    if (version && *version != helloVersion()) {
+      HelloReply reply{HelloReply::Verdict::kWrongVersion, false, helloVersion()};
+      turnAway(p, reply, describeVersions(*version, helloVersion()));
+    } else {
+      refuse(p, "it is not a fairring hello");
+    }
     return false;
   }
+  HelloReply reply{HelloReply::Verdict::kAccepted, false, helloVersion()};
   if (!sameToken(hello->token, token_)) {
-    refuse(p, "its job token is not this job's");
-    return false;
+    reply.verdict = HelloReply::Verdict::kWrongToken;
+  } else {
+    reply.verdict = check_(p.reach, *hello);
   }
-  if (const std::string why = check_(p.reach, *hello); !why.empty()) {
-    refuse(p, why);
+  if (reply.verdict != HelloReply::Verdict::kAccepted) {
+    turnAway(p, reply, "claiming rank " + std::to_string(hello->rank) + ": " + describe(reply.verdict));
     return false;
   }
   const bool readsMemory =
       p.reach == Reach::kLocal && canReadMemoryOf(hello->pid, hello->probeAddress, hello->probeValue);
   setBlocking(p.socket, true);
   setNoDelay(p.socket);
-  const auto reply = encode(HelloReply{readsMemory});
-  if (!writeFull(p.socket, reply.data(), reply.size()).ok()) {
+  reply.readsMemory = readsMemory;
+  const auto bytes = encode(reply);
+  if (!writeFull(p.socket, bytes.data(), bytes.size()).ok()) {
     return false;
   }
   adopt_(p.reach, *hello, std::move(p.socket), readsMemory);
   return false;
+}
+
+void Gate::turnAway(Pending& p, HelloReply reply, const std::string& why) {
+  const auto bytes = encode(reply);
+  // Eight bytes into an empty socket buffer: this does not block. If it fails,
+  // the close still says no.
+  if (::send(p.socket.fd(), bytes.data(), bytes.size(), MSG_NOSIGNAL) < 0) {
+    // nothing more to do
+  }
+  refuse(p, why);
 }
 
 void Gate::refuse(Pending& p, const std::string& why) {

@@ -26,8 +26,8 @@ enum class Reach : int { kRail = 0, kLocal = 1 };
 // so none of them can disturb the job; a port scan is just a closed socket.
 class Gate {
  public:
-  // Why `hello`, arriving on `reach`, may not join; empty if it may.
-  using Check = std::function<std::string(Reach reach, const Hello& hello)>;
+  // Whether `hello` (with the right token), arriving on `reach`, may join.
+  using Check = std::function<HelloReply::Verdict(Reach reach, const Hello& hello)>;
   // Takes a connection that passed Check and got its reply.
   using Adopt = std::function<void(Reach reach, const Hello& hello, Socket socket, bool readsMemory)>;
 
@@ -54,6 +54,8 @@ class Gate {
   void makeRoom();
   // False once the connection is done with (adopted or dropped).
   bool readHello(Pending& p);
+  // Answers a hello that carries our magic with why it may not join; closes.
+  void turnAway(Pending& p, HelloReply reply, const std::string& why);
   void refuse(Pending& p, const std::string& why);
 
   const std::string who_;

@@ -72,16 +72,39 @@ uint16_t helloVersion() {
 std::array<uint8_t, HelloReply::kBytes> encode(const HelloReply& r) {
   std::array<uint8_t, HelloReply::kBytes> out{};
   put(out.data(), 0, kReplyMagic);
-  put(out.data(), 4, static_cast<uint8_t>(r.readsMemory ? 1 : 0));
+  put(out.data(), 4, static_cast<uint8_t>(r.verdict));
+  put(out.data(), 5, static_cast<uint8_t>(r.readsMemory ? 1 : 0));
+  put(out.data(), 6, r.version);
   return out;
 }
 
 std::optional<HelloReply> decodeHelloReply(const uint8_t* in) {
-  const auto mode = get<uint8_t>(in, 4);
-  if (get<uint32_t>(in, 0) != kReplyMagic || mode > 1) {
+  const auto verdict = get<uint8_t>(in, 4);
+  const auto mode = get<uint8_t>(in, 5);
+  if (get<uint32_t>(in, 0) != kReplyMagic || verdict > static_cast<uint8_t>(HelloReply::Verdict::kClosing) ||
+      mode > 1) {
     return std::nullopt;
   }
-  return HelloReply{mode == 1};
+  return HelloReply{static_cast<HelloReply::Verdict>(verdict), mode == 1, get<uint16_t>(in, 6)};
+}
+
+std::string describe(HelloReply::Verdict verdict) {
+  switch (verdict) {
+    case HelloReply::Verdict::kAccepted: return "accepted";
+    case HelloReply::Verdict::kWrongVersion: return "the fairring wire versions differ";
+    case HelloReply::Verdict::kWrongToken: return "the job tokens differ (another job's rank or listener?)";
+    case HelloReply::Verdict::kNotAPeer: return "the claimed rank is not a peer of the listening rank";
+    case HelloReply::Verdict::kWrongListener:
+      return "it came to the listener for the other kind of peer (same machine vs other machines)";
+    case HelloReply::Verdict::kAlreadyConnected: return "that rank and lane are connected already";
+    case HelloReply::Verdict::kClosing: return "the listening rank's process group is closing";
+  }
+  return "unknown";
+}
+
+std::string describeVersions(uint16_t theirs, uint16_t ours) {
+  return "it speaks fairring wire version " + std::to_string(theirs) + ", this rank version " +
+      std::to_string(ours) + " (do all machines run the same fairring_pg?)";
 }
 
 bool sameToken(const std::string& a, const std::string& b) {

@@ -40,15 +40,32 @@ bool mayBeHello(const uint8_t* bytes, size_t have);
 std::optional<uint16_t> helloVersionOf(const uint8_t* bytes);
 uint16_t helloVersion();
 
-// The accepting side's answer to a hello it took. A refused hello gets no
-// answer: the connection is closed.
+// The accepting side's answer to a hello that carries our magic: taken, or
+// refused and why, so that the connecting rank can say why and not retry.
+// Anything else gets no answer, and neither does a connection the gate had
+// no room for: closed, which a rank takes as "try again".
 struct HelloReply {
   static constexpr size_t kBytes = 8;
+  enum class Verdict : uint8_t {
+    kAccepted = 0,
+    kWrongVersion = 1,
+    kWrongToken = 2,
+    kNotAPeer = 3,
+    kWrongListener = 4,
+    kAlreadyConnected = 5,
+    kClosing = 6,
+  };
+  Verdict verdict{Verdict::kAccepted};
   bool readsMemory{false}; // bodies are read straight out of the sender's memory
+  uint16_t version{0}; // the answering side's wire version
 };
 
 std::array<uint8_t, HelloReply::kBytes> encode(const HelloReply& r);
 std::optional<HelloReply> decodeHelloReply(const uint8_t* bytes);
+// Why a hello was refused, in words both sides can print.
+std::string describe(HelloReply::Verdict verdict);
+// "it speaks fairring wire version 2, this rank version 1 (...)".
+std::string describeVersions(uint16_t theirs, uint16_t ours);
 
 // Token comparison that takes the same time wherever the first difference is.
 bool sameToken(const std::string& a, const std::string& b);

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <optional>
 #include <atomic>
 #include <random>
 
@@ -18,6 +19,8 @@ namespace {
 // needs costs more than copying a small body twice.
 constexpr size_t kMemoryReadMinBytes = 64 * 1024;
 constexpr auto kDrainWait = std::chrono::milliseconds(500);
+// Between attempts to get past a gate that had no room.
+constexpr auto kRetryPause = std::chrono::milliseconds(50);
 
 std::string addressKey(Reach reach, int rank) {
   return std::string(reach == Reach::kLocal ? "addr/local/" : "addr/rail/") + std::to_string(rank);
@@ -148,22 +151,22 @@ Status PeerMesh::start(c10d::Store& store) {
   return Status();
 }
 
-std::string PeerMesh::check(Reach reach, const Hello& hello) {
+HelloReply::Verdict PeerMesh::check(Reach reach, const Hello& hello) {
   const std::vector<int> peers = layout_.peers();
   if (std::find(peers.begin(), peers.end(), hello.rank) == peers.end()) {
-    return "rank " + std::to_string(hello.rank) + " is not a peer of " + layout_.describe(layout_.rank());
+    return HelloReply::Verdict::kNotAPeer;
   }
   if (reachOf(hello.rank) != reach) {
-    return layout_.describe(hello.rank) + " connected to the wrong listener";
+    return HelloReply::Verdict::kWrongListener;
   }
   std::lock_guard<std::mutex> lock(mu_);
   if (closed_) {
-    return "the process group is closing";
+    return HelloReply::Verdict::kClosing;
   }
   if (inbound_.count({hello.rank, hello.lane})) {
-    return layout_.describe(hello.rank) + " is connected already";
+    return HelloReply::Verdict::kAlreadyConnected;
   }
-  return "";
+  return HelloReply::Verdict::kAccepted;
 }
 
 void PeerMesh::adopt(const Hello& hello, Socket socket, bool readsMemory) {
@@ -186,11 +189,6 @@ void PeerMesh::adopt(const Hello& hello, Socket socket, bool readsMemory) {
 }
 
 Status PeerMesh::connect(int peer, Lane lane, const std::string& url, Clock::time_point deadline) {
-  const std::string who = layout_.describe(peer);
-  Socket socket;
-  if (Status s = connectTo(url, deadline, socket); !s.ok()) {
-    return failure("connecting to", peer, s.message());
-  }
   Hello hello;
   hello.rank = layout_.rank();
   hello.lane = lane;
@@ -201,25 +199,50 @@ Status PeerMesh::connect(int peer, Lane lane, const std::string& url, Clock::tim
     hello.probeValue = probe_;
   }
   const auto bytes = encode(hello);
-  if (Status s = writeFull(socket, bytes.data(), bytes.size()); !s.ok()) {
-    return failure("saying hello to", peer, s.message());
+  Socket socket;
+  std::optional<HelloReply> reply;
+  std::string closedWhy;
+  int attempts = 0;
+  // A gate closes a connection without an answer only when it had no room
+  // (a storm of strangers at start-up): that is worth another try. A verdict
+  // is final.
+  while (!reply) {
+    if (attempts++ > 0) {
+      if (Clock::now() + kRetryPause >= deadline) {
+        return failure(
+            "connecting to", peer,
+            "it closed the connection without answering, " + std::to_string(attempts - 1) + " times (" +
+                closedWhy + "; is " + url + " a listener of this job? its log says why)");
+      }
+      std::this_thread::sleep_for(kRetryPause);
+    }
+    if (Status s = connectTo(url, deadline, socket); !s.ok()) {
+      return failure("connecting to", peer, s.message());
+    }
+    if (Status s = writeFull(socket, bytes.data(), bytes.size()); !s.ok()) {
+      closedWhy = s.message();
+      continue;
+    }
+    if (!waitReadable(socket, deadline)) {
+      return failure(
+          "connecting to", peer,
+          "no answer to its hello within " + std::to_string(options_.timeout.count()) + " ms");
+    }
+    uint8_t raw[HelloReply::kBytes];
+    if (Status s = readFull(socket, raw, sizeof(raw)); !s.ok()) {
+      closedWhy = s.message();
+      continue;
+    }
+    reply = decodeHelloReply(raw);
+    if (!reply) {
+      return failure("connecting to", peer, "a malformed answer to its hello");
+    }
   }
-  if (!waitReadable(socket, deadline)) {
-    return failure(
-        "connecting to", peer,
-        "no answer to its hello within " + std::to_string(options_.timeout.count()) + " ms");
+  if (reply->verdict == HelloReply::Verdict::kWrongVersion) {
+    return failure("connecting to", peer, describeVersions(reply->version, helloVersion()));
   }
-  uint8_t raw[HelloReply::kBytes];
-  if (Status s = readFull(socket, raw, sizeof(raw)); !s.ok()) {
-    // Closed (or reset: our hello was still unread) instead of answered.
-    return failure(
-        "connecting to", peer,
-        "it refused the connection (" + s.message() + "; is " + url +
-            " a listener of this job? its log says why)");
-  }
-  const auto reply = decodeHelloReply(raw);
-  if (!reply) {
-    return failure("connecting to", peer, "a malformed answer to its hello");
+  if (reply->verdict != HelloReply::Verdict::kAccepted) {
+    return failure("connecting to", peer, "it refused this rank's hello: " + describe(reply->verdict));
   }
   auto out = std::make_unique<Outbound>();
   out->peer = peer;

@@ -16,6 +16,7 @@
 #include "common/status.h"
 #include "topology/rank_layout.h"
 #include "transport/gate.h"
+#include "transport/handshake.h"
 #include "transport/socket.h"
 #include "transport/wire.h"
 
@@ -74,7 +75,7 @@ class PeerMesh {
   // The connection for `key`, or null once closed.
   template <typename Connection>
   Connection* find(const std::map<Key, std::unique_ptr<Connection>>& connections, Key key);
-  std::string check(Reach reach, const Hello& hello);
+  HelloReply::Verdict check(Reach reach, const Hello& hello);
   void adopt(const Hello& hello, Socket socket, bool readsMemory);
   Status connect(int peer, Lane lane, const std::string& url, Clock::time_point deadline);
   void readLoop(Inbound& in);
