@@ -240,3 +240,60 @@ def test_a_signal_inside_a_pump_start_still_tears_down(monkeypatch: pytest.Monke
         netns_cluster.run_processes([("host0", ["sleep", "30"], dict(os.environ))], timeout=30)
     assert len(started) == 1
     assert started[0].poll() is not None, "the rank process was left running"
+
+
+# One rank of a fairring job on a namespace host (env:// from the launcher): exact
+# allreduces, and the addresses its core published for its peers.
+RANK_PROGRAM = r"""
+import json, os
+from datetime import timedelta
+import torch, torch.distributed as dist
+dist.init_process_group("fairring", timeout=timedelta(seconds=60))
+rank, world = dist.get_rank(), dist.get_world_size()
+exact = True
+for n in (0, 1, 1000, 100_003, 2_000_000):
+    t = torch.arange(n, dtype=torch.float32) * (rank + 1)
+    dist.all_reduce(t)
+    exact &= torch.equal(t, torch.arange(n, dtype=torch.float32) * (world * (world + 1) // 2))
+c10d = dist.distributed_c10d
+store = dist.PrefixStore(
+    "fairring/core/", dist.PrefixStore("cpu/", c10d._world.pg_map[c10d._get_default_group()][1]))
+published = {k: store.get(f"addr/{k}/{rank}").decode() for k in ("rail", "local")}
+report = {"rank": rank, "host_addr": os.environ["HOST_ADDR"], "exact": exact, **published}
+dist.destroy_process_group()
+print("REPORT " + json.dumps(report), flush=True)
+"""
+
+
+def test_fairring_across_namespace_hosts_uses_each_hosts_own_address() -> None:
+    # Namespaces have loopbacks of their own: ranks of different hosts can only meet
+    # over the veth addresses, so this is the rail path as between real machines.
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--hosts",
+            "2",
+            "--ranks-per-host",
+            "2",
+            "--timeout",
+            "120",
+            "--",
+            sys.executable,
+            "-c",
+            RANK_PROGRAM,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    reports = [
+        json.loads(line.split("REPORT ", 1)[1])
+        for line in done.stdout.splitlines()
+        if "REPORT " in line
+    ]
+    assert done.returncode == 0 and len(reports) == 4, done.stdout[-3000:] + done.stderr[-3000:]
+    for r in sorted(reports, key=lambda r: r["rank"]):
+        assert r["exact"], f"rank {r['rank']}: wrong results"
+        assert r["rail"].startswith(f"tcp://{r['host_addr']}:"), r
+        assert r["local"].startswith("tcp://127.0.0.1:"), r
