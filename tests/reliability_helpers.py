@@ -21,6 +21,7 @@ import os
 import pickle
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -395,6 +396,27 @@ def _bare_child(job_dir: Path, rank: int) -> int:
 
 if __name__ == "__main__":
     sys.exit(_bare_child(Path(sys.argv[1]), int(sys.argv[2])))
+
+
+# ---------------------------------------------------------------- the wire, as tests see it
+
+# The hello a rank opens every connection with (src/transport/handshake.cpp): 64 bytes,
+# the wire version, the sender's rank and the job token at these offsets.
+HELLO_BYTES = 64
+HELLO_VERSION = slice(4, 6)
+HELLO_RANK = slice(8, 12)
+HELLO_TOKEN = slice(16, 48)
+# The gate's answer to a hello with its magic: "FRR1", a verdict, whether bodies are
+# read from memory, the gate's wire version.
+REPLY = struct.Struct("<IBBH")
+REPLY_MAGIC = 0x46525231
+VERDICTS = {
+    0: "accepted",
+    1: "wrong version",
+    2: "wrong token",
+    3: "not a peer",
+    4: "wrong listener",
+}
 
 
 # ---------------------------------------------------------------- second backends

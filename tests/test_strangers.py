@@ -48,6 +48,13 @@ import torch
 import torch.distributed as dist
 from multiprocess import SHAPES, RankOutcome, fairring_env, launch
 from reliability_helpers import (
+    HELLO_BYTES,
+    HELLO_RANK,
+    HELLO_TOKEN,
+    HELLO_VERSION,
+    REPLY,
+    REPLY_MAGIC,
+    VERDICTS,
     count_resources,
     group_store,
     is_loopback,
@@ -66,11 +73,6 @@ ENV = fairring_env(slice_size=16 * 1024, total_memory=128 * 1024)
 STRANGER_TIMEOUT_S = 3.0
 # How long a stranger waits for the rank to close its connection.
 CLOSE_GRACE_S = 5.0
-# Where the hello keeps the sender's rank and the job token (src/transport/handshake.cpp).
-HELLO_BYTES = 64
-HELLO_VERSION = slice(4, 6)
-HELLO_RANK = slice(8, 12)
-HELLO_TOKEN = slice(16, 48)
 WRONG_TOKEN = "00" * 16
 
 
@@ -200,15 +202,11 @@ def _try_stranger(
     return f"connected, then got {answer[:80]!r}"
 
 
-# The gate's answer to a hello with its magic (src/transport/handshake.h): "FRR1",
-# a verdict, whether bodies are read from memory, its wire version.
-REPLY_MAGIC = 0x46525231
-VERDICTS = {1: "wrong version", 2: "wrong token", 3: "not a peer", 4: "wrong listener"}
-
-
 def _describe_answer(data: bytes) -> str:
-    if len(data) == 8:
-        magic, verdict, _memory, _version = struct.unpack("<IBBH", data)
+    if len(data) == REPLY.size:
+        magic, verdict, _memory, _version = REPLY.unpack(data)
+        if magic == REPLY_MAGIC and verdict == 0:
+            return "ACCEPTED"  # a stranger let in: never expected
         if magic == REPLY_MAGIC:
             return f"refused: {VERDICTS.get(verdict, f'verdict {verdict}')}"
     return f"answered {data[:40]!r}"

@@ -25,7 +25,6 @@ import ctypes.util
 import errno
 import os
 import socket
-import struct
 import threading
 import time
 from datetime import timedelta
@@ -35,7 +34,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from multiprocess import launch
-from reliability_helpers import redirect_store, second_backend
+from reliability_helpers import HELLO_BYTES, REPLY, REPLY_MAGIC, redirect_store, second_backend
 
 CAP_SYS_PTRACE = 19
 PR_SET_DUMPABLE = 4
@@ -125,9 +124,6 @@ def test_same_machine_bodies_go_through_the_socket_when_memory_reads_are_refused
 
 # ---------------------------------------------------------------- getting past a gate
 
-HELLO_BYTES = 64
-REPLY = struct.Struct("<IBBH")  # magic "FRR1", verdict, reads memory, wire version
-REPLY_MAGIC = 0x46525231
 TOKEN = "ab" * 16
 
 
