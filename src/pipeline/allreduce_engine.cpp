@@ -714,10 +714,7 @@ void AllreduceEngine::failLocked(const std::string& message, Actions& actions, u
 }
 
 void AllreduceEngine::discard(int peer, Lane lane, size_t bytes, Actions& actions) {
-  auto sink = std::make_shared<std::vector<uint8_t>>(bytes);
-  actions.push_back([this, peer, lane, sink] {
-    mesh_->receive(peer, lane, sink->data(), sink->size(), [sink](Status) {});
-  });
+  actions.push_back([this, peer, lane, bytes] { mesh_->receive(peer, lane, nullptr, bytes, [](Status) {}); });
 }
 
 bool AllreduceEngine::needsFrom(int peer, Lane lane) const {

@@ -319,16 +319,24 @@ void PeerMesh::readLoop(Inbound& in) {
           "its message has " + std::to_string(frame.bodyBytes) + " bytes, " + std::to_string(bytes) +
           " were expected");
     } else if (frame.bodyAddress != 0) {
-      body = readMemoryOf(in.pid, frame.bodyAddress, data, bytes);
+      if (data != nullptr) {
+        body = readMemoryOf(in.pid, frame.bodyAddress, data, bytes);
+      }
       const uint8_t ack = 1;
       if (body.ok()) {
         body = writeFull(in.socket, &ack, 1);
       }
-    } else if (bytes > 0) {
+    } else if (data != nullptr) {
       body = readFull(in.socket, data, bytes);
+    } else {
+      body = skip(in.socket, bytes);
     }
-    done(body.ok() ? body : failure("receiving from", peer, body.message()));
-    if (!body.ok()) {
+    const Status status = body.ok() ? body : failure("receiving from", peer, body.message());
+    done(status);
+    if (!status.ok()) {
+      // Also as a failure of the connection: whoever posted this read may
+      // not be waiting on it (a dropped body), but everything after it is lost.
+      report(peer, in.lane, status);
       break;
     }
   }
@@ -350,6 +358,20 @@ void PeerMesh::awaitDrained(int peer) {
     auto it = inbound_.find({peer, Lane::kGather});
     return closed_ || it == inbound_.end() || it->second->exited.load();
   });
+}
+
+Status PeerMesh::skip(const Socket& socket, size_t bytes) {
+  // A body nobody wants (its operation failed) still has to leave the stream;
+  // reading it through a small buffer costs no memory whatever it claims.
+  std::vector<uint8_t> scratch(std::min<size_t>(bytes, 64 * 1024));
+  while (bytes > 0) {
+    const size_t n = std::min(bytes, scratch.size());
+    if (Status s = readFull(socket, scratch.data(), n); !s.ok()) {
+      return s;
+    }
+    bytes -= n;
+  }
+  return Status();
 }
 
 void PeerMesh::writeLoop(Outbound& out) {

@@ -54,7 +54,8 @@ class PeerMesh {
   void send(int peer, Lane lane, std::string header, void* data, size_t bytes, Done done);
 
   // Reads the body of the message last announced on (peer, lane) into
-  // `data`, then waits for the next message on that connection.
+  // `data` (null: drops it), then waits for the next message on that
+  // connection.
   void receive(int peer, Lane lane, void* data, size_t bytes, Done done);
 
   // Closes every connection and joins their threads. Idempotent.
@@ -81,6 +82,7 @@ class PeerMesh {
   void readLoop(Inbound& in);
   void writeLoop(Outbound& out);
   Status transmit(Outbound& out, Outgoing& msg);
+  Status skip(const Socket& socket, size_t bytes);
   void awaitDrained(int peer);
   void report(int peer, Lane lane, Status status);
   Status failure(const std::string& what, int peer, const std::string& why) const;
