@@ -401,9 +401,12 @@ if __name__ == "__main__":
 # ---------------------------------------------------------------- the wire, as tests see it
 
 # The hello a rank opens every connection with (src/transport/handshake.cpp): 64 bytes,
-# the wire version, the sender's rank and the job token at these offsets.
+# magic "FRH2", the wire version, the lane, the sender's rank and the job token at
+# these offsets (then pid and memory probe, zero when unused).
 HELLO_BYTES = 64
+HELLO_MAGIC = 0x46524832
 HELLO_VERSION = slice(4, 6)
+HELLO_LANE = 6
 HELLO_RANK = slice(8, 12)
 HELLO_TOKEN = slice(16, 48)
 # The gate's answer to a hello with its magic: "FRR1", a verdict, whether bodies are
@@ -449,10 +452,9 @@ def redirect_store(lookup: Any) -> Any:
     return _redirect_store_class()(lookup)
 
 
-def second_backend(store: Any, claimed_rank: int, token: str, timeout_s: float = 3.0) -> str:
-    """Start a FairringBackend claiming ``claimed_rank`` of a 2x2 job (machines
-    0,0,1,1, all on 127.0.0.1) with job ``token``; returns how it ended: "admitted",
-    or "refused: <the error>"."""
+def make_second_backend(store: Any, claimed_rank: int, token: str, timeout_s: float = 3.0) -> Any:
+    """A FairringBackend claiming ``claimed_rank`` of a 2x2 job (machines 0,0,1,1, all on
+    127.0.0.1) with job ``token``; raises what its start raises."""
     import socket
     from datetime import timedelta
 
@@ -470,8 +472,14 @@ def second_backend(store: Any, claimed_rank: int, token: str, timeout_s: float =
     opts.job_token = token
     opts.timeout = timedelta(seconds=timeout_s)
     delegate = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=10))
+    return ext.FairringBackend(store, claimed_rank, 4, opts, delegate)
+
+
+def second_backend(store: Any, claimed_rank: int, token: str, timeout_s: float = 3.0) -> str:
+    """How a second backend (see make_second_backend) ends: "admitted", or
+    "refused: <the error>"."""
     try:
-        backend = ext.FairringBackend(store, claimed_rank, 4, opts, delegate)
+        backend = make_second_backend(store, claimed_rank, token, timeout_s)
     except Exception as exc:  # noqa: BLE001 - the expected outcome
         return f"refused: {exc}"
     backend.shutdown()

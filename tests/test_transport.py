@@ -25,6 +25,7 @@ import ctypes.util
 import errno
 import os
 import socket
+import struct
 import threading
 import time
 from datetime import timedelta
@@ -34,7 +35,19 @@ import pytest
 import torch
 import torch.distributed as dist
 from multiprocess import launch
-from reliability_helpers import HELLO_BYTES, REPLY, REPLY_MAGIC, redirect_store, second_backend
+from reliability_helpers import (
+    HELLO_BYTES,
+    HELLO_LANE,
+    HELLO_MAGIC,
+    HELLO_RANK,
+    HELLO_TOKEN,
+    HELLO_VERSION,
+    REPLY,
+    REPLY_MAGIC,
+    make_second_backend,
+    redirect_store,
+    second_backend,
+)
 
 CAP_SYS_PTRACE = 19
 PR_SET_DUMPABLE = 4
@@ -198,3 +211,64 @@ def test_a_refusal_fails_at_once_naming_why() -> None:
     assert len(hellos) == 1, f"{len(hellos)} hellos: a refusal must not be retried"
     assert "fairring wire version 7, this rank version 1" in ending, ending
     assert seconds < 2.0, f"took {seconds:.1f} s (its timeout is 3 s)"
+
+
+# ---------------------------------------------------------------- a peer that breaks the protocol
+
+
+def _hello(rank: int, lane: int, token: str) -> bytes:
+    out = bytearray(HELLO_BYTES)
+    out[0:4] = struct.pack("<I", HELLO_MAGIC)
+    out[HELLO_VERSION] = struct.pack("<H", 1)
+    out[HELLO_LANE] = lane
+    out[HELLO_RANK] = struct.pack("<i", rank)
+    out[HELLO_TOKEN] = token.encode()
+    return bytes(out)
+
+
+def test_a_malformed_frame_from_a_peer_fails_the_group_naming_it() -> None:
+    # Rank 3 of a 2x2 job (peers: rank 2 on its machine, rank 1 on the other) starts
+    # against fakes that speak the protocol: a gate that accepts its connections, and
+    # connections into its own gate as ranks 2 and 1. Then "rank 2" sends garbage where
+    # a frame belongs: the next allreduce must raise naming rank 2, and nothing crash.
+    accepted = REPLY.pack(REPLY_MAGIC, 0, 0, 1)
+    gate = _FakeGate(lambda i: accepted)
+    store = redirect_store(lambda key: gate.url.encode())
+    built: dict[str, Any] = {}
+
+    def build() -> None:
+        try:
+            built["backend"] = make_second_backend(store, 3, TOKEN, timeout_s=20.0)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            built["error"] = exc
+
+    builder = threading.Thread(target=build)
+    builder.start()
+    into: dict[tuple[int, int], socket.socket] = {}
+    try:
+        deadline = time.monotonic() + 10
+        while len(store.written) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        urls = {key: value.decode() for key, value in store.written.items()}
+        for peer, key in ((2, "addr/local/3"), (1, "addr/rail/3")):
+            host, port = urls[key][len("tcp://") :].rsplit(":", 1)
+            for lane in (0, 1):
+                s = socket.create_connection((host, int(port)), timeout=5)
+                s.sendall(_hello(peer, lane, TOKEN))
+                reply = REPLY.unpack(s.recv(REPLY.size))
+                assert reply[:2] == (REPLY_MAGIC, 0), f"rank {peer} lane {lane}: {reply}"
+                into[(peer, lane)] = s
+        builder.join(timeout=30)
+        assert "backend" in built, built.get("error")
+        backend = built["backend"]
+        into[(2, 1)].sendall(os.urandom(24))  # where a frame belongs, on the gather lane
+        t0 = time.monotonic()
+        with pytest.raises(Exception, match=r"malformed message from rank 2 ") as raised:
+            backend.allreduce([torch.ones(10)]).wait()
+        assert time.monotonic() - t0 < 5.0, f"took {time.monotonic() - t0:.1f} s: {raised.value}"
+        backend.shutdown()
+    finally:
+        builder.join(timeout=30)
+        for s in into.values():
+            s.close()
+        gate.close()
