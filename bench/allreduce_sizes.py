@@ -11,7 +11,6 @@ right after a barrier; the figure is the median over iterations of the slowest r
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -79,36 +78,26 @@ def worker(args: argparse.Namespace) -> None:
 
 def driver(args: argparse.Namespace) -> int:
     shapes = [common.parse_shape(s) for s in args.shapes.split(",")]
-    netns = bool(args.rate or args.netns)
-    where = f"netns_{args.rate}" if args.rate else ("netns" if netns else "loopback")
-    name = args.name or ("allreduce_sizes" if where == "loopback" else f"allreduce_sizes_{where}")
+    place = common.placement(args, "allreduce_sizes")
     forwarded = ["--sizes", ",".join(str(s) for s in sizes_of(args)),
                  "--iters", str(args.iters), "--warmup", str(args.warmup)]
     runs = {}
     goodput = None
-    if netns:
+    if place.netns:
         # What one TCP stream gets through such a link: the practical ceiling.
         with common.netns_cluster.running_cluster(2, args.rate) as cluster:
             goodput = common.netns_cluster.tcp_goodput(cluster)
         print(f"== link goodput (1 TCP stream): {goodput / 1e6:.1f} MB/s", flush=True)
     for machines, ranks in shapes:
         shape = f"{machines}x{ranks}"
-        out = common.TMP / f"{name}_{shape}.json"
-        out.unlink(missing_ok=True)
-        print(f"== {name}: {shape} ({where})", flush=True)
-        code = common.launch(Path(__file__), [*forwarded, "--out", str(out)], machines, ranks,
-                             rate=args.rate, netns=netns, timeout=args.timeout)
-        if code != 0:
-            print(f"!! {shape} failed with exit status {code}", file=sys.stderr, flush=True)
-            runs[shape] = {"error": f"exit status {code}"}
-            continue
-        runs[shape] = json.loads(out.read_text())
-    config = {"where": where, "rate": args.rate, "iters": args.iters, "warmup": args.warmup,
-              "shapes": args.shapes, "timing": "median over iterations of the slowest rank"}
-    data = {"benchmark": "allreduce_sizes", "stamp": common.stamp(config), "runs": runs,
-            "link_goodput": goodput}
-    markdown, plot = render(data)
-    common.save(name, data, markdown, plot)
+        code, result = common.run_workers(Path(__file__), args, place, shape, forwarded,
+                                          machines, ranks, f"{place.name}_{shape}")
+        runs[shape] = result if result is not None else {"error": f"exit status {code}"}
+    config = {"where": place.where, "rate": args.rate, "iters": args.iters,
+              "warmup": args.warmup, "shapes": args.shapes,
+              "timing": "median over iterations of the slowest rank"}
+    common.stamp_and_save("allreduce_sizes", place.name, config, render,
+                          {"runs": runs, "link_goodput": goodput})
     return 0 if all("error" not in r for r in runs.values()) else 1
 
 
@@ -183,13 +172,5 @@ def _rate_bytes(rate: str) -> float:
     raise ValueError(f"unknown rate {rate!r}")
 
 
-def main(argv: list[str]) -> int:
-    args = parse_args(argv)
-    if args.role == "worker":
-        worker(args)
-        return 0
-    return driver(args)
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(common.role_main(sys.argv[1:], parse_args, worker, driver))

@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,74 @@ def stamp(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # --- launching ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a benchmark's ranks run and the stem its results are saved under."""
+
+    netns: bool
+    where: str  # "loopback", "netns" or "netns_<rate>"
+    name: str
+
+
+def placement(args: Any, benchmark: str) -> Placement:
+    """From the --rate, --netns and --name every driver takes."""
+    netns = bool(args.rate or args.netns)
+    where = f"netns_{args.rate}" if args.rate else ("netns" if netns else "loopback")
+    name = args.name or (benchmark if where == "loopback" else f"{benchmark}_{where}")
+    return Placement(netns, where, name)
+
+
+def run_workers(
+    script: Path,
+    args: Any,
+    place: Placement,
+    label: str,
+    forwarded: Sequence[str],
+    machines: int,
+    ranks_per_machine: int,
+    stem: str,
+) -> tuple[int, dict[str, Any] | None]:
+    """One launch of ``script``'s workers as machines x ranks; (0, what rank 0 wrote to
+    TMP/<stem>.json), or (exit status, None) after saying so."""
+    out = TMP / f"{stem}.json"
+    out.unlink(missing_ok=True)
+    print(f"== {place.name}: {label} ({place.where})", flush=True)
+    code = launch(script, [*forwarded, "--out", str(out)], machines, ranks_per_machine,
+                  rate=args.rate, netns=place.netns, timeout=args.timeout)
+    if code != 0:
+        print(f"!! {place.name} {label} failed with exit status {code}", file=sys.stderr,
+              flush=True)
+        return code, None
+    return 0, json.loads(out.read_text())
+
+
+def stamp_and_save(
+    benchmark: str,
+    name: str,
+    config: Mapping[str, Any],
+    render: Callable[[dict[str, Any]], tuple[str, Callable[[Path], None]]],
+    results: Mapping[str, Any],
+) -> None:
+    data = {"benchmark": benchmark, "stamp": stamp(config), **results}
+    markdown, plot = render(data)
+    save(name, data, markdown, plot)
+
+
+def role_main(
+    argv: list[str],
+    parse_args: Callable[[list[str]], Any],
+    worker: Callable[[Any], None],
+    driver: Callable[[Any], int],
+) -> int:
+    """Every benchmark script is both the driver (launches ranks, then reports) and,
+    with --role worker, one of those ranks."""
+    args = parse_args(argv)
+    if args.role == "worker":
+        worker(args)
+        return 0
+    return driver(args)
 
 
 def worker_command(script: Path, args: Sequence[str]) -> list[str]:

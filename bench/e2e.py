@@ -14,7 +14,6 @@ weights also show how closely the two backends agree.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -111,27 +110,19 @@ def worker(args: argparse.Namespace) -> None:
 
 def driver(args: argparse.Namespace) -> int:
     machines, ranks = common.parse_shape(args.shape)
-    netns = bool(args.rate or args.netns)
-    where = f"netns_{args.rate}" if args.rate else ("netns" if netns else "loopback")
-    name = args.name or ("e2e" if where == "loopback" else f"e2e_{where}")
-    out = common.TMP / f"{name}.json"
-    out.unlink(missing_ok=True)
+    place = common.placement(args, "e2e")
     forwarded = ["--blocks", str(args.blocks), "--block-steps", str(args.block_steps),
                  "--warmup-steps", str(args.warmup_steps), "--batch", str(args.batch),
                  "--optimizer", args.optimizer, "--lr", str(args.lr),
-                 "--bucket-cap-mb", str(args.bucket_cap_mb), "--out", str(out)]
-    print(f"== {name}: {args.shape} ({where})", flush=True)
-    code = common.launch(Path(__file__), forwarded, machines, ranks, rate=args.rate,
-                         netns=netns, timeout=args.timeout)
-    if code != 0:
-        print(f"!! e2e failed with exit status {code}", file=sys.stderr)
+                 "--bucket-cap-mb", str(args.bucket_cap_mb)]
+    code, results = common.run_workers(Path(__file__), args, place, args.shape, forwarded,
+                                       machines, ranks, place.name)
+    if results is None:
         return code
-    config = {"where": where, "rate": args.rate, "shape": args.shape, "blocks": args.blocks,
-              "block_steps": args.block_steps, "batch": args.batch,
+    config = {"where": place.where, "rate": args.rate, "shape": args.shape,
+              "blocks": args.blocks, "block_steps": args.block_steps, "batch": args.batch,
               "optimizer": args.optimizer, "bucket_cap_mb": args.bucket_cap_mb}
-    data = {"benchmark": "e2e", "stamp": common.stamp(config), **json.loads(out.read_text())}
-    markdown, plot = render(data)
-    common.save(name, data, markdown, plot)
+    common.stamp_and_save("e2e", place.name, config, render, results)
     return 0
 
 
@@ -169,13 +160,5 @@ def render(data: dict[str, Any]) -> tuple[str, Any]:
     return markdown, plot
 
 
-def main(argv: list[str]) -> int:
-    args = parse_args(argv)
-    if args.role == "worker":
-        worker(args)
-        return 0
-    return driver(args)
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(common.role_main(sys.argv[1:], parse_args, worker, driver))

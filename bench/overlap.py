@@ -13,7 +13,6 @@ default configuration, against Gloo doing the same 16 async.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -91,27 +90,19 @@ def worker(args: argparse.Namespace) -> None:
 
 def driver(args: argparse.Namespace) -> int:
     machines, ranks = common.parse_shape(args.shape)
-    netns = bool(args.rate or args.netns)
-    where = f"netns_{args.rate}" if args.rate else ("netns" if netns else "loopback")
-    name = args.name or ("overlap" if where == "loopback" else f"overlap_{where}")
-    out = common.TMP / f"{name}.json"
-    out.unlink(missing_ok=True)
+    place = common.placement(args, "overlap")
     forwarded = ["--buckets", str(args.buckets), "--bucket-size", args.bucket_size,
                  "--parallelism", args.parallelism, "--inflight", str(args.inflight),
-                 "--iters", str(args.iters), "--inflight-iters", str(args.inflight_iters),
-                 "--out", str(out)]
-    print(f"== {name}: {args.shape} ({where})", flush=True)
-    code = common.launch(Path(__file__), forwarded, machines, ranks, rate=args.rate,
-                         netns=netns, timeout=args.timeout)
-    if code != 0:
-        print(f"!! overlap failed with exit status {code}", file=sys.stderr)
+                 "--iters", str(args.iters), "--inflight-iters", str(args.inflight_iters)]
+    code, results = common.run_workers(Path(__file__), args, place, args.shape, forwarded,
+                                       machines, ranks, place.name)
+    if results is None:
         return code
-    config = {"where": where, "rate": args.rate, "shape": args.shape, "buckets": args.buckets,
-              "bucket_size": args.bucket_size, "inflight": args.inflight,
-              "iters": args.iters, "inflight_iters": args.inflight_iters}
-    data = {"benchmark": "overlap", "stamp": common.stamp(config), **json.loads(out.read_text())}
-    markdown, plot = render(data)
-    common.save(name, data, markdown, plot)
+    config = {"where": place.where, "rate": args.rate, "shape": args.shape,
+              "buckets": args.buckets, "bucket_size": args.bucket_size,
+              "inflight": args.inflight, "iters": args.iters,
+              "inflight_iters": args.inflight_iters}
+    common.stamp_and_save("overlap", place.name, config, render, results)
     return 0
 
 
@@ -152,13 +143,5 @@ def render(data: dict[str, Any]) -> tuple[str, Any]:
     return markdown, plot
 
 
-def main(argv: list[str]) -> int:
-    args = parse_args(argv)
-    if args.role == "worker":
-        worker(args)
-        return 0
-    return driver(args)
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(common.role_main(sys.argv[1:], parse_args, worker, driver))

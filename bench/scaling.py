@@ -14,7 +14,6 @@ needs a slice below 8 MiB: hence the small slice, to show the over-sharding it f
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -85,26 +84,18 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def driver(args: argparse.Namespace) -> int:
-    netns = bool(args.rate or args.netns)
-    where = f"netns_{args.rate}" if args.rate else ("netns" if netns else "loopback")
-    name = args.name or ("scaling" if where == "loopback" else f"scaling_{where}")
+    place = common.placement(args, "scaling")
     forwarded = ["--buckets", str(args.buckets), "--bucket-size", args.bucket_size,
                  "--small-slice", args.small_slice, "--iters", str(args.iters)]
     runs: dict[str, Any] = {}
     for machines in (int(m) for m in args.machines.split(",")):
-        out = common.TMP / f"{name}_{machines}.json"
-        out.unlink(missing_ok=True)
-        print(f"== {name}: {machines}x1 ({where})", flush=True)
-        code = common.launch(Path(__file__), [*forwarded, "--out", str(out)], machines, 1,
-                             rate=args.rate, netns=netns, timeout=args.timeout)
-        runs[str(machines)] = (json.loads(out.read_text()) if code == 0
-                               else {"error": f"exit status {code}"})
-    config = {"where": where, "rate": args.rate, "buckets": args.buckets,
+        code, result = common.run_workers(Path(__file__), args, place, f"{machines}x1",
+                                          forwarded, machines, 1, f"{place.name}_{machines}")
+        runs[str(machines)] = result if result is not None else {"error": f"exit status {code}"}
+    config = {"where": place.where, "rate": args.rate, "buckets": args.buckets,
               "bucket_size": args.bucket_size, "small_slice": args.small_slice,
               "iters": args.iters}
-    data = {"benchmark": "scaling", "stamp": common.stamp(config), "runs": runs}
-    markdown, plot = render(data)
-    common.save(name, data, markdown, plot)
+    common.stamp_and_save("scaling", place.name, config, render, {"runs": runs})
     return 0 if all("error" not in r for r in runs.values()) else 1
 
 
@@ -143,13 +134,5 @@ def render(data: dict[str, Any]) -> tuple[str, Any]:
     return markdown, plot
 
 
-def main(argv: list[str]) -> int:
-    args = parse_args(argv)
-    if args.role == "worker":
-        worker(args)
-        return 0
-    return driver(args)
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(common.role_main(sys.argv[1:], parse_args, worker, driver))
