@@ -233,33 +233,35 @@ def launch(
         }
         (job_dir / "spec.pkl").write_bytes(pickle.dumps(spec))
         procs: list[subprocess.Popen[bytes]] = []
-        logs = []
         try:
             for rank in range(world_size):
                 child_env = rank_environment(
                     rank, machine_ids, store.port, env, (rank_env or {}).get(rank, {})
                 )
-                log = open(job_dir / f"rank{rank}.log", "wb")  # noqa: SIM115
-                logs.append(log)
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, __file__, str(job_dir), str(rank)],
-                        env=child_env,
-                        stdin=subprocess.DEVNULL,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )
+                procs.append(spawn_rank(__file__, job_dir, rank, child_env))
             killed = _supervise(procs, job_dir, timeout_s, abort_grace_s)
         finally:
             for proc in procs:
                 if proc.poll() is None:
                     kill_rank(proc, dump_stacks=False)
-            for log in logs:
-                log.close()
             del store
         return [_collect(rank, procs[rank], job_dir, rank in killed) for rank in range(world_size)]
+
+
+def spawn_rank(
+    launcher: str, job_dir: Path, rank: int, env: Mapping[str, str]
+) -> subprocess.Popen[bytes]:
+    """Start ``python launcher JOB_DIR RANK`` (the launcher's child side) in a session of
+    its own (so that killing it kills what it started), logging to rankN.log."""
+    with open(job_dir / f"rank{rank}.log", "wb") as log:
+        return subprocess.Popen(
+            [sys.executable, launcher, str(job_dir), str(rank)],
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def run_ranks(

@@ -268,7 +268,7 @@ def run_bare(
     whatever fn left alive is torn down by interpreter exit. Ranks still running at the
     deadline are killed (after a faulthandler stack dump into their logs)."""
     import torch.distributed as dist
-    from multiprocess import ensure_fairring_built, kill_rank, rank_environment
+    from multiprocess import ensure_fairring_built, kill_rank, rank_environment, spawn_rank
 
     ensure_fairring_built()
     world_size = len(machine_ids)
@@ -293,17 +293,7 @@ def run_bare(
                 child_env = rank_environment(
                     rank, machine_ids, store.port, env, (rank_env or {}).get(rank, {})
                 )
-                with open(job_dir / f"rank{rank}.log", "wb") as log:
-                    procs.append(
-                        subprocess.Popen(
-                            [sys.executable, __file__, str(job_dir), str(rank)],
-                            env=child_env,
-                            stdin=subprocess.DEVNULL,
-                            stdout=log,
-                            stderr=subprocess.STDOUT,
-                            start_new_session=True,
-                        )
-                    )
+                procs.append(spawn_rank(__file__, job_dir, rank, child_env))
             deadline = time.monotonic() + timeout_s
             killed: set[int] = set()
             while len(exited) < world_size:
