@@ -687,15 +687,19 @@ void AllreduceEngine::failLocked(const std::string& message, Actions& actions, u
   }
   failSeq_ = fromSeq;
   if (!stopping_) {
+    // On every lane: a peer may hold either one at a message it cannot take yet
+    // (parked), and must still learn the reason before it sees this rank close.
     for (int peer : layout_.peers()) {
-      ++abortsInFlight_;
-      actions.push_back([this, peer, message, fromSeq] {
-        mesh_->send(peer, Lane::kGather, encode(Abort{message, fromSeq}), nullptr, 0, [this](Status) {
-          std::lock_guard<std::mutex> lock(mu_);
-          --abortsInFlight_;
-          cv_.notify_all();
+      for (int l = 0; l < kNumLanes; ++l) {
+        ++abortsInFlight_;
+        actions.push_back([this, peer, l, message, fromSeq] {
+          mesh_->send(peer, static_cast<Lane>(l), encode(Abort{message, fromSeq}), nullptr, 0, [this](Status) {
+            std::lock_guard<std::mutex> lock(mu_);
+            --abortsInFlight_;
+            cv_.notify_all();
+          });
         });
-      });
+      }
     }
   }
   for (auto it = ops_.lower_bound(fromSeq); it != ops_.end();) {

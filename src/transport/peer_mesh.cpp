@@ -286,9 +286,6 @@ void PeerMesh::readLoop(Inbound& in) {
       s = readFull(in.socket, header.data(), header.size());
     }
     if (!s.ok()) {
-      if (in.lane != Lane::kGather) {
-        awaitDrained(peer);
-      }
       report(
           peer, in.lane,
           closed ? Status::error(
@@ -349,14 +346,22 @@ void PeerMesh::readLoop(Inbound& in) {
 }
 
 void PeerMesh::awaitDrained(int peer) {
-  // A peer that fails sends its reason on the gather lane, then closes. Our
-  // send to it, or our reader of its other lane, may see the close first (a
-  // broken pipe, an EOF); the reason is in the gather lane's buffer already,
-  // and naming it is worth a short wait.
+  // A peer that fails sends its reason on every lane, then closes. Our send
+  // to it may see the close first (a broken pipe) while the reason still sits
+  // in our readers' buffers; once one reader has reached the close, it has
+  // read the reason before it.
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait_for(lock, kDrainWait, [&] {
-    auto it = inbound_.find({peer, Lane::kGather});
-    return closed_ || it == inbound_.end() || it->second->exited.load();
+    if (closed_) {
+      return true;
+    }
+    for (int l = 0; l < kNumLanes; ++l) {
+      auto it = inbound_.find({peer, static_cast<Lane>(l)});
+      if (it == inbound_.end() || it->second->exited.load()) {
+        return true;
+      }
+    }
+    return false;
   });
 }
 

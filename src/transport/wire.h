@@ -39,9 +39,9 @@ struct DataHeader {
 
 std::string encode(const DataHeader& h);
 std::optional<DataHeader> decodeData(const std::string& bytes);
-// The last message a failing rank sends to each peer, on the gather lane
-// (which no receiver ever holds back): the first error, so that ranks that
-// never talked to the culprit still learn who it was.
+// The last message a failing rank sends to each peer, on every lane (a
+// receiver may be holding either at a parked message): the first error, so
+// that ranks that never talked to the culprit still learn who it was.
 struct Abort {
   std::string reason;
   // Operations from this sequence number on fail; earlier ones may finish
