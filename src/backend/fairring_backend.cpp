@@ -5,6 +5,7 @@
 
 #include "backend/future_work.h"
 #include "ops/reduce_kind.h"
+#include "ops/tensor_fusion.h"
 
 namespace fairring {
 
@@ -119,8 +120,6 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce_coalesced(
     return delegateFor(tensors).allreduce_coalesced(tensors, opts);
 #endif
   }
-  std::vector<at::Tensor> flat;
-  flat.reserve(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     const std::string name = "tensor " + std::to_string(i) + " of allreduce_coalesced";
     checkCpuTensor(tensors[i], name);
@@ -128,18 +127,9 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce_coalesced(
         tensors[i].scalar_type() == tensors[0].scalar_type(), "fairring: ", name, " has dtype torch.",
         dtypeName(tensors[i].scalar_type()), " but tensor 0 has torch.", dtypeName(tensors[0].scalar_type()),
         "; coalesced tensors must share a dtype");
-    flat.push_back(tensors[i].reshape({-1}));
   }
-  // Tensor Fusion: one buffer, cut into slices like any other allreduce.
-  at::Tensor fused = at::cat(flat);
-  std::function<void()> finish = [tensors, fused]() mutable {
-    int64_t offset = 0;
-    for (auto& t : tensors) {
-      t.copy_(fused.slice(0, offset, offset + t.numel()).view(t.sizes()));
-      offset += t.numel();
-    }
-  };
-  auto future = engine_->enqueue(fused, opts.reduceOp.op_, tensors, std::move(finish));
+  Fusion fusion = fuse(tensors);
+  auto future = engine_->enqueue(fusion.fused, opts.reduceOp.op_, tensors, std::move(fusion.scatterBack));
   return c10::make_intrusive<FutureWork>(
       rank_, c10d::OpType::ALLREDUCE_COALESCED, "fairring:all_reduce_coalesced", tensors, future);
 }

@@ -11,6 +11,7 @@
 #include "cuda/cuda_work.h"
 #include "cuda/stream_notify.h"
 #include "ops/reduce_kind.h"
+#include "ops/tensor_fusion.h"
 #include "staging/staging_pool.h"
 
 namespace fairring {
@@ -175,7 +176,6 @@ c10::intrusive_ptr<c10d::Work> CudaAllreduceEngine::allreduceCoalesced(
     RedOp op,
     int rank) {
   TORCH_CHECK(!tensors.empty(), "fairring: allreduce_coalesced needs at least one tensor");
-  std::vector<at::Tensor> flat;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const std::string name = "tensor " + std::to_string(i) + " of allreduce_coalesced";
     checkCudaTensor(tensors[i], name);
@@ -183,18 +183,10 @@ c10::intrusive_ptr<c10d::Work> CudaAllreduceEngine::allreduceCoalesced(
         tensors[i].scalar_type() == tensors[0].scalar_type() && tensors[i].device() == tensors[0].device(),
         "fairring: ", name, " is ", tensors[i].scalar_type(), " on ", tensors[i].device(), " but tensor 0 is ",
         tensors[0].scalar_type(), " on ", tensors[0].device(), "; coalesced tensors must share dtype and device");
-    flat.push_back(tensors[i].reshape({-1}));
   }
   c10::cuda::CUDAGuard guard(tensors[0].device());
-  at::Tensor fused = at::cat(flat);
-  std::function<void()> finish = [tensors, fused]() mutable {
-    int64_t offset = 0;
-    for (auto& t : tensors) {
-      t.copy_(fused.slice(0, offset, offset + t.numel()).view(t.sizes()));
-      offset += t.numel();
-    }
-  };
-  auto future = enqueue(fused, op, tensors, std::move(finish));
+  Fusion fusion = fuse(tensors);
+  auto future = enqueue(fusion.fused, op, tensors, std::move(fusion.scatterBack));
   return c10::make_intrusive<CudaFutureWork>(
       rank, c10d::OpType::ALLREDUCE_COALESCED, "fairring:all_reduce_coalesced", tensors, future);
 }
