@@ -125,14 +125,21 @@ def _connect(address: tuple[str, int]) -> socket.socket:
     return socket.create_connection(address, timeout=2.0)
 
 
-def _refused(address: tuple[str, int]) -> str:
-    """Gives "refused" when a connect to ``address`` gets ECONNREFUSED, else what happened."""
+def _open(address: tuple[str, int]) -> socket.socket | str:
+    """A connection to ``address``, or "refused" (ECONNREFUSED), or what else happened."""
     try:
-        s = _connect(address)
+        return _connect(address)
     except ConnectionRefusedError:
         return "refused"
     except OSError as exc:
         return f"{type(exc).__name__}: {exc}"
+
+
+def _refused(address: tuple[str, int]) -> str:
+    """Gives "refused" when a connect to ``address`` gets ECONNREFUSED, else what happened."""
+    s = _open(address)
+    if isinstance(s, str):
+        return s
     s.close()
     return "accepted"
 
@@ -186,12 +193,9 @@ def _try_stranger(
     address: tuple[str, int], kind: str, hello: bytes, target: str, token: str
 ) -> str:
     """One stranger at ``address``: "refused" at connect, or what it got through to."""
-    try:
-        s = _connect(address)
-    except ConnectionRefusedError:
-        return "refused"
-    except OSError as exc:
-        return f"{type(exc).__name__}: {exc}"
+    s = _open(address)
+    if isinstance(s, str):
+        return s
     with s:
         try:
             s.sendall(_payload(kind, hello, target, token))
