@@ -388,6 +388,17 @@ if __name__ == "__main__":
     sys.exit(_bare_child(Path(sys.argv[1]), int(sys.argv[2])))
 
 
+def store_barrier(store: Any, key: str, world: int, timeout_s: float) -> None:
+    """Every rank adds itself under ``key`` and waits for all ``world``: a barrier that
+    needs no process group (for ranks whose group is failing or being torn down)."""
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add(key, 0) < world:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"store barrier {key}")
+        time.sleep(0.005)
+
+
 # ---------------------------------------------------------------- the wire, as tests see it
 
 # The hello a rank opens every connection with (src/transport/handshake.cpp): 64 bytes,

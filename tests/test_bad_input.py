@@ -31,7 +31,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from multiprocess import SHAPES, RankOutcome, fairring_env, launch
-from reliability_helpers import BareOutcome, run_bare
+from reliability_helpers import BareOutcome, run_bare, store_barrier
 
 SHAPE = SHAPES["2x2"]
 WORLD = len(SHAPE)
@@ -94,15 +94,6 @@ CONFIG_CASES = [
 ]
 
 
-def _store_barrier(store: Any, key: str, world: int, timeout_s: float = 120) -> None:
-    store.add(key, 1)
-    deadline = time.monotonic() + timeout_s
-    while store.add(key, 0) < world:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"store barrier {key}")
-        time.sleep(0.005)
-
-
 def _config_cases(rank: int, world: int, store: Any, cases: list[ConfigCase]) -> dict[str, Any]:
     results: dict[str, Any] = {}
     pristine = dict(os.environ)
@@ -110,7 +101,7 @@ def _config_cases(rank: int, world: int, store: Any, cases: list[ConfigCase]) ->
         os.environ.clear()
         os.environ.update(pristine)
         os.environ.update(case.env.get(rank, {}))
-        _store_barrier(store, f"barrier/{i}", world)
+        store_barrier(store, f"barrier/{i}", world, timeout_s=120)
         t0 = time.monotonic()
         try:
             dist.init_process_group(

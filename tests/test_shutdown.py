@@ -25,6 +25,7 @@ from reliability_helpers import (
     run_bare,
     settle,
     shm_entries,
+    store_barrier,
 )
 
 SHAPE = SHAPES["2x2"]
@@ -35,15 +36,6 @@ DESTROY_BOUND_S = 5.0
 EXIT_BOUND_S = 6.0
 # Counts that must not grow; rss is reported but not asserted (allocators keep memory).
 LEAK_FIELDS = ("py_threads", "tasks", "fds", "socket_fds", "shm_fds", "shm_maps")
-
-
-def _store_barrier(store: Any, key: str, world: int, timeout_s: float = 60) -> None:
-    store.add(key, 1)
-    deadline = time.monotonic() + timeout_s
-    while store.add(key, 0) < world:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"store barrier {key}")
-        time.sleep(0.005)
 
 
 def _cycle(rank: int, world: int, store: Any, backend: str, name: str) -> dict[str, Any]:
@@ -63,7 +55,7 @@ def _cycle(rank: int, world: int, store: Any, backend: str, name: str) -> dict[s
     works = [dist.all_reduce(torch.ones(300_000), async_op=True) for _ in range(6)]
     # Every rank has posted before any destroys: the work is in flight everywhere
     # (a rank posting after a peer's destroy would rightly be refused at once).
-    _store_barrier(store, f"{name}/posted", world)
+    store_barrier(store, f"{name}/posted", world, timeout_s=60)
     t0 = time.monotonic()
     dist.destroy_process_group()
     destroy_s = time.monotonic() - t0
