@@ -115,9 +115,8 @@ def load_extension(source_dir: Path | str | None = None, name: str = EXTENSION_N
             module = cpp_extension.load(
                 name=name,
                 sources=[str(p) for p in sources],
-                extra_include_paths=[str(src), *cuda_include_paths()],
+                extra_include_paths=[str(src)],
                 extra_cflags=_cflags(),
-                extra_ldflags=cuda_ldflags(),
                 build_directory=str(build_dir),
                 verbose=verbose,
                 with_cuda=False,
@@ -128,65 +127,11 @@ def load_extension(source_dir: Path | str | None = None, name: str = EXTENSION_N
     return module
 
 
-# ---------------------------------------------------------------- CUDA (src/cuda/)
-# The CUDA pipeline is plain C++ against torch's CUDA headers (no .cu files), so it
-# needs no nvcc: only CUDA's headers and libcudart, from CUDA_HOME or, without a
-# toolkit, from the nvidia-cuda-runtime wheel that CUDA builds of torch depend on.
-
-
-def with_cuda() -> bool:
-    """Whether to compile the CUDA pipeline: only against a CUDA build of torch."""
-    import torch
-
-    return torch.version.cuda is not None
-
-
 def _cflags() -> list[str]:
-    return [*CFLAGS, "-DFAIRRING_WITH_CUDA"] if with_cuda() else list(CFLAGS)
-
-
-def _cuda_root() -> Path:
-    from torch.utils import cpp_extension
-
-    candidates = []
-    if cpp_extension.CUDA_HOME:
-        candidates.append(Path(cpp_extension.CUDA_HOME))
-    try:
-        import nvidia
-
-        for base in nvidia.__path__:
-            candidates += sorted(Path(base).glob("cu*")) + [Path(base) / "cuda_runtime"]
-    except ImportError:
-        pass
-    for root in candidates:
-        if (root / "include" / "cuda_runtime_api.h").is_file():
-            return root
-    raise RuntimeError(
-        "fairring_pg: torch is a CUDA build but no CUDA headers were found (looked in "
-        + ", ".join(str(c) for c in candidates)
-        + "); set CUDA_HOME to a CUDA toolkit"
-    )
-
-
-def cuda_include_paths() -> list[str]:
-    if not with_cuda():
-        return []
-    # torch's own headers (c10/cuda, ATen/cuda) come with load()'s defaults.
-    return [str(_cuda_root() / "include")]
-
-
-def cuda_ldflags() -> list[str]:
-    if not with_cuda():
-        return []
-    import torch
-
-    root = _cuda_root()
-    lib = next((d for d in (root / "lib64", root / "lib") if d.is_dir()), root / "lib")
-    # The wheel ships only libcudart.so.<major>, without the unversioned link.
-    major = str(torch.version.cuda).split(".")[0]
-    cudart = "-lcudart" if (lib / "libcudart.so").exists() else f"-l:libcudart.so.{major}"
-    torch_lib = Path(torch.__file__).resolve().parent / "lib"
-    return [f"-L{torch_lib}", "-lc10_cuda", "-ltorch_cuda", f"-L{lib}", cudart, f"-Wl,-rpath,{lib}"]
+    # The same flags for CPU and CUDA builds of torch: the core reaches CUDA only
+    # through c10's device-generic stream and event interface (src/subgroups/),
+    # so it needs neither CUDA's headers nor nvcc.
+    return list(CFLAGS)
 
 
 def _failure_message(exc: BaseException, build_dir: Path, verbose: bool) -> str:

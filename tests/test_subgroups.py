@@ -1,0 +1,251 @@
+"""The sub-group allreduce (src/subgroups/, the CUDA path's orchestration) on CPU.
+
+On CUDA tensors fairring composes each allreduce of NCCL sub-group collectives
+(reduce-scatter inside the machine, all-to-all and all-gather along the rail on one of
+several lanes, a reduction of the shards, all-gather inside the machine). The test
+switch FAIRRING_TEST_CPU_SUBGROUPS=on makes CPU tensors take that same code over Gloo
+sub-groups, so everything but the CUDA streams is checked here, without a GPU: slicing,
+lanes, the direct path for small tensors and slice tails, every op and dtype (int16
+widened, bool as bytes), views, coalescing, and order across many calls.
+
+The case list and the exact references are test_allreduce's: every rank computes the
+expected result from all ranks' known inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+from multiprocess import SHAPES, CaseJob, fairring_env, run_ranks
+from test_allreduce import (
+    DTYPES,
+    FLOAT_DTYPES,
+    OPS,
+    Case,
+    _compare,
+    _op,
+    build_cases,
+    make_input,
+    reduce_exact,
+    run_case,
+)
+
+from fairring_pg.config import Config, lane_staging_bytes
+
+SLICE_SIZE = 4 * 1024
+TOTAL_MEMORY = 64 * 1024
+TIMEOUT_S = 300
+
+
+def subgroup_env(**extra: str | int | None) -> dict[str, str | None]:
+    """The switch on, small slices (many per tensor), and no direct path unless asked:
+    every tensor of L*M elements or more goes through the five steps."""
+    env = fairring_env(
+        total_memory=TOTAL_MEMORY,
+        slice_size=SLICE_SIZE,
+        FAIRRING_SLICE_SCALING="off",
+        FAIRRING_TEST_CPU_SUBGROUPS="on",
+        FAIRRING_LANES=2,
+        FAIRRING_DIRECT_BELOW=0,
+    )
+    env.update({k: None if v is None else str(v) for k, v in extra.items()})
+    return env
+
+
+# --------------------------------------------------------------- exact results, all cases
+
+JOB_SHAPES = ("2x2", "3x1", "1x3")
+JOBS = {
+    shape: CaseJob(
+        f"subgroups {shape}",
+        run_case,
+        build_cases(shape),
+        SHAPES[shape],
+        env=subgroup_env(),
+        timeout_s=TIMEOUT_S,
+    )
+    for shape in JOB_SHAPES
+}
+
+
+@pytest.mark.parametrize(
+    ("shape", "case_id"),
+    [pytest.param(s, i, id=f"{s}-{i}") for s, job in JOBS.items() for i in job.case_ids],
+)
+def test_subgroup_allreduce(shape: str, case_id: str) -> None:
+    JOBS[shape].check(case_id)
+
+
+# ------------------------------------------------- lanes, the direct path, slice tails
+
+
+@dataclasses.dataclass(frozen=True)
+class SizeCase:
+    id: str
+    op: str
+    dtype: str
+    numel: int
+
+
+def _size_cases() -> list[SizeCase]:
+    # 2x2: L*M = 4. Slices of 4 KiB: 1024 float32, 512 float64, 4096 int8 elements.
+    sizes = (3, 4, 5, 1023, 1024, 1025, 4099, 20_003)
+    return [
+        SizeCase(f"{op}-{dtype}-n{n}", op, dtype, n)
+        for n in sizes
+        for op, dtype in (("SUM", "float32"), ("PRODUCT", "int8"), ("MAX", "float64"))
+    ]
+
+
+SIZE_CASES = _size_cases()
+
+
+def run_size_case(rank: int, world: int, case: SizeCase) -> str | None:
+    c = Case(case.id, "plain", case.op, case.dtype, case.numel)
+    inputs = [make_input(r, c, case.numel, world) for r in range(world)]
+    tensor = inputs[rank].clone()
+    dist.all_reduce(tensor, op=_op(case.op))
+    return _compare(tensor, reduce_exact(inputs, case.op, case.dtype), "result")
+
+
+# Lanes from one to three; a direct threshold above some sizes and below others.
+LANE_JOBS = {
+    name: CaseJob(
+        f"subgroups 2x2 {name}",
+        run_size_case,
+        SIZE_CASES,
+        SHAPES["2x2"],
+        env=subgroup_env(**extra),
+        timeout_s=TIMEOUT_S,
+    )
+    for name, extra in {
+        "lanes1": {"FAIRRING_LANES": 1},
+        "lanes3": {"FAIRRING_LANES": 3},
+        "direct16K": {"FAIRRING_DIRECT_BELOW": "16K"},
+    }.items()
+}
+
+
+@pytest.mark.parametrize(
+    ("job", "case_id"),
+    [pytest.param(j, c.id, id=f"{j}-{c.id}") for j in LANE_JOBS for c in SIZE_CASES],
+)
+def test_lanes_and_direct(job: str, case_id: str) -> None:
+    LANE_JOBS[job].check(case_id)
+
+
+# ------------------------------------------------------------------ many calls in order
+
+
+def many_async(rank: int, world: int, count: int) -> list[str]:
+    """`count` allreduces of varied sizes, ops and dtypes issued async, waited in
+    reverse order: every one exact."""
+    errors = []
+    pending = []
+    for i in range(count):
+        op = OPS[i % len(OPS)]
+        dtype = DTYPES[(i * 7) % len(DTYPES)]
+        if op == "AVG" and dtype not in FLOAT_DTYPES:
+            op = "SUM"
+        numel = (i * 997) % 5000
+        case = Case(f"many/{i}", "plain", op, dtype, numel)
+        inputs = [make_input(r, case, numel, world) for r in range(world)]
+        tensor = inputs[rank].clone()
+        work = dist.all_reduce(tensor, op=_op(op), async_op=True)
+        pending.append((work, tensor, reduce_exact(inputs, op, dtype), case.id))
+    for work, tensor, expected, name in reversed(pending):
+        work.wait()
+        err = _compare(tensor, expected, name)
+        if err:
+            errors.append(err)
+    return errors
+
+
+@pytest.mark.parametrize("shape", ["2x2", "3x1"])
+def test_many_async_waited_in_reverse(shape: str) -> None:
+    results = run_ranks(
+        many_async,
+        len(SHAPES[shape]),
+        SHAPES[shape],
+        env=subgroup_env(),
+        timeout_s=TIMEOUT_S,
+        count=60,
+    )
+    assert results == [[]] * len(SHAPES[shape])
+
+
+# ------------------------------------------------------------------ slice arithmetic
+
+
+@pytest.mark.parametrize(("machines", "local"), [(2, 2), (3, 1), (4, 8), (16, 8)])
+@pytest.mark.parametrize("lanes", [1, 4])
+def test_subgroup_slice_fits_staging(machines: int, local: int, lanes: int) -> None:
+    config = Config(lanes=lanes)
+    size = config.subgroup_slice_size(machines, local)
+    unit = 8 * machines * local
+    assert size % unit == 0 and size >= unit
+    assert lanes * lane_staging_bytes(size, machines, local) <= config.total_memory
+    # The largest such size: one more unit would not fit, or would exceed the wish.
+    wanted = max(config.slice_size, 1024 * 1024 * machines * local)
+    assert (
+        size + unit > wanted
+        or lanes * lane_staging_bytes(size + unit, machines, local) > config.total_memory
+    )
+
+
+def test_subgroup_slice_refuses_tiny_staging() -> None:
+    with pytest.raises(ValueError, match="FAIRRING_TOTAL_MEMORY=1000 .*FAIRRING_LANES=4"):
+        Config(total_memory=1000, lanes=4).subgroup_slice_size(4, 2)
+
+
+def test_lane_staging_bytes_match_the_core() -> None:
+    from fairring_pg._build import load_extension
+
+    core = load_extension()
+    for slice_size, machines, local in [(4096, 2, 2), (25 << 20, 4, 1), (8 * 24, 3, 8)]:
+        assert core.lane_staging_bytes(slice_size, machines, local) == lane_staging_bytes(
+            slice_size, machines, local
+        )
+
+
+def test_config_variables_are_validated() -> None:
+    for raw in ("0", "17", "x", "-1", "2.5"):
+        with pytest.raises(ValueError, match="FAIRRING_LANES"):
+            Config.from_env({"FAIRRING_LANES": raw})
+    assert Config.from_env({"FAIRRING_LANES": "3"}).lanes == 3
+    assert Config.from_env({"FAIRRING_DIRECT_BELOW": "0"}).direct_below == 0
+    assert Config.from_env({"FAIRRING_DIRECT_BELOW": "1M"}).direct_below == 1 << 20
+    with pytest.raises(ValueError, match="FAIRRING_DIRECT_BELOW"):
+        Config.from_env({"FAIRRING_DIRECT_BELOW": "-5"})
+    for name in ("FAIRRING_TEST_CPU_SUBGROUPS", "FAIRRING_TEST_LOCAL_GLOO"):
+        with pytest.raises(ValueError, match=name):
+            Config.from_env({name: "yes"})
+
+
+def test_lanes_must_agree_across_ranks() -> None:
+    outcomes = run_ranks_expecting_failure({0: {"FAIRRING_LANES": "2"}, 1: {"FAIRRING_LANES": "3"}})
+    for message in outcomes:
+        assert "FAIRRING_LANES differs across ranks" in message, message
+
+
+def _init_only(rank: int, world: int) -> None:
+    t = torch.ones(3)
+    dist.all_reduce(t)
+
+
+def run_ranks_expecting_failure(rank_env: dict[int, dict[str, str]]) -> list[str]:
+    from multiprocess import launch
+
+    outcomes = launch(
+        _init_only,
+        2,
+        ["m0", "m1"],
+        env=subgroup_env(),
+        timeout_s=60,
+        rank_env=rank_env,
+    )
+    assert all(not o.ok for o in outcomes), [o.describe() for o in outcomes]
+    return [f"{o.error_type}: {o.error_message}" for o in outcomes]
