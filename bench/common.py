@@ -218,6 +218,8 @@ def launch(
             "NODE_RANK": str(m),
             "NNODES": str(machines),
             "FAIRRING_MACHINE_ID": f"machine{m}",
+            # NCCL tells hosts apart by this: machines simulated on one GPU need their own.
+            "NCCL_HOSTID": f"machine{m}",
             "GLOO_SOCKET_IFNAME": "lo",
         }
         for local in range(ranks_per_machine):
