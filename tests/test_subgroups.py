@@ -15,6 +15,8 @@ expected result from all ranks' known inputs.
 from __future__ import annotations
 
 import dataclasses
+import time
+from typing import Any
 
 import pytest
 import torch
@@ -249,3 +251,131 @@ def run_ranks_expecting_failure(rank_env: dict[int, dict[str, str]]) -> list[str
     )
     assert all(not o.ok for o in outcomes), [o.describe() for o in outcomes]
     return [f"{o.error_type}: {o.error_message}" for o in outcomes]
+
+
+# ------------------------------------------------------------------ size mismatch
+
+MISMATCH_TIMEOUT_S = 10
+
+
+def mismatched_sizes(rank: int, world: int) -> str:
+    """Rank 1 reduces one element more than rank 0 (an extra slice tail), then both
+    reduce 10 elements."""
+    t = torch.ones(1000 + rank)
+    dist.all_reduce(t)
+    u = torch.ones(10)
+    dist.all_reduce(u)
+    return f"passed with {t[:2].tolist()} and {u[:2].tolist()}"
+
+
+@pytest.mark.parametrize("debug", ["off", "DETAIL"])
+def test_size_mismatch_never_passes(debug: str) -> None:
+    """NCCL does not compare sizes, and neither do the sub-groups: ranks that disagree
+    issue different collectives and wait for each other until the group's timeout
+    (NCCL's watchdog on CUDA). TORCH_DISTRIBUTED_DEBUG=DETAIL makes torch wrap fairring
+    as it wraps NCCL, comparing every collective's shapes first: a clear error at once."""
+    from multiprocess import launch
+
+    env = subgroup_env()
+    if debug == "DETAIL":
+        env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    start = time.monotonic()
+    outcomes = launch(
+        mismatched_sizes,
+        2,
+        ["m0", "m1"],
+        env=env,
+        timeout_s=MISMATCH_TIMEOUT_S + 60,
+        pg_timeout_s=MISMATCH_TIMEOUT_S,
+        abort_grace_s=None,
+    )
+    elapsed = time.monotonic() - start
+    for o in outcomes:
+        assert o.status == "error", o.describe()
+        if debug == "DETAIL":
+            assert "mismatch" in (o.error_message or "").lower(), o.describe()
+            assert "1000" in o.error_message and "1001" in o.error_message, o.describe()
+        else:
+            assert (
+                "timed out" in (o.error_message or "").lower()
+                or "timeout" in (o.error_message or "").lower()
+            ), o.describe()
+    assert elapsed < MISMATCH_TIMEOUT_S + 45, elapsed
+
+
+# ------------------------------------------------------------------ DDP comm hooks
+
+
+def _chained_hook(state: Any, bucket: Any) -> Any:
+    """Two allreduces in a chain: the callback of the first issues the second and waits
+    on it (as PowerSGD does), on buckets of different sizes."""
+    tensor = bucket.buffer()
+    world = dist.get_world_size()
+
+    def second(fut: Any) -> torch.Tensor:
+        summed = fut.value()[0]
+        again = summed.clone()
+        dist.all_reduce(again, async_op=True).get_future().wait()  # world * summed
+        return again / world / world
+
+    return dist.all_reduce(tensor, async_op=True).get_future().then(second)
+
+
+def train_with_hook(rank: int, world: int, hook: str, steps: int) -> dict[str, torch.Tensor]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 30), torch.nn.Linear(30, 5)
+    )
+    ddp = DDP(model, bucket_cap_mb=0.004)  # a few buckets of different sizes
+    if hook == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif hook == "powersgd":
+        state = powersgd.PowerSGDState(
+            process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2
+        )
+        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+    elif hook == "chained":
+        ddp.register_comm_hook(None, _chained_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(100 * rank + step)
+        x = torch.randn(16, 24, generator=gen)
+        y = torch.randn(16, 5, generator=gen)
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("hook", ["allreduce", "fp16", "powersgd", "chained"])
+def test_ddp_comm_hooks_match_gloo(hook: str) -> None:
+    """The futures complete before allreduce returns, as NCCL's do: hooks that chain
+    and block in their callbacks run in program order on every rank."""
+    shape = SHAPES["2x2"]
+    runs = {
+        backend: run_ranks(
+            train_with_hook,
+            len(shape),
+            shape,
+            backend=backend,
+            env=subgroup_env(),
+            timeout_s=TIMEOUT_S,
+            hook=hook,
+            steps=6,
+        )
+        for backend in ("fairring", "gloo")
+    }
+    fairring, gloo = runs["fairring"], runs["gloo"]
+    for rank in range(1, len(shape)):
+        for name, value in fairring[rank].items():
+            assert torch.equal(value, fairring[0][name]), f"rank {rank} differs in {name}"
+    # Only the order of summation differs from Gloo's (and, compressed to fp16, where
+    # fp16 rounds): a few ulps of the gradients' dtype.
+    rtol, atol = {"fp16": (2e-3, 2e-4)}.get(hook, (1e-5, 1e-6))
+    for name, value in fairring[0].items():
+        torch.testing.assert_close(value, gloo[0][name], rtol=rtol, atol=atol, msg=name)
