@@ -111,9 +111,9 @@ def load_extension(source_dir: Path | str | None = None, name: str = EXTENSION_N
 
     from torch.utils import cpp_extension
 
+    verbose = build_verbose()
     digest = build_hash(src, name)
     build_dir = build_directory(digest)
-    verbose = os.environ.get("FAIRRING_BUILD_VERBOSE") == "1"
     with _exclusive(build_dir.with_name(build_dir.name + ".lock")):
         build_dir.mkdir(parents=True, exist_ok=True)
         # Only a process holding our flock ever builds here, so a leftover torch baton
@@ -144,6 +144,16 @@ def load_extension(source_dir: Path | str | None = None, name: str = EXTENSION_N
             stamp.write_text(digest)
     _loaded[key] = module
     return module
+
+
+def build_verbose() -> bool:
+    raw = os.environ.get("FAIRRING_BUILD_VERBOSE", "")
+    if raw.strip() not in ("", "0", "1"):
+        raise ValueError(
+            f"FAIRRING_BUILD_VERBOSE={raw!r} is not valid: expected 1 (show the compiler's"
+            " output) or 0 (the default)"
+        )
+    return raw.strip() == "1"
 
 
 def _read(path: Path) -> str | None:

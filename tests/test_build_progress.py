@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fairring_pg import _build_progress
+from fairring_pg import _build, _build_progress
 
 # A module written against Python's C API alone: it compiles in about a second.
 TINY_SOURCE = """
@@ -127,3 +127,19 @@ def test_one_process_reports_the_build_and_a_cached_load_is_silent(tmp_path: Pat
     out, err = _finish(_start_load(src, name, build_dir))
     assert out == "43"
     assert err.startswith("fairring_pg: compiling the C++ core") and "compiled the C++" in err
+
+
+@pytest.mark.parametrize("value", ["yes", "true", "2", "on"])
+def test_a_bad_verbose_setting_fails_before_building(
+    value: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _tiny_extension(tmp_path / "src", "fairring_test_unbuilt", answer=1)
+    monkeypatch.setenv("FAIRRING_BUILD_DIR", str(tmp_path / "build"))
+    monkeypatch.setenv("FAIRRING_BUILD_VERBOSE", value)
+    with pytest.raises(ValueError) as info:
+        _build.load_extension(tmp_path / "src", name="fairring_test_unbuilt")
+    assert str(info.value) == (
+        f"FAIRRING_BUILD_VERBOSE={value!r} is not valid: expected 1 (show the compiler's"
+        " output) or 0 (the default)"
+    )
+    assert not (tmp_path / "build").exists()
