@@ -41,8 +41,8 @@ def compile_progress(
         " the other ranks on this machine wait for it"
     )
     say(
-        "this happens once per machine after an install or upgrade and costs about"
-        " 2 CPU-minutes, spread over the cores (about a minute on 2 idle cores);"
+        "this happens once per machine after an install or upgrade and takes about"
+        " 2 CPU-minutes, spread over the cores (minutes on a busy 2-core machine);"
         " FAIRRING_BUILD_VERBOSE=1 shows the compiler's output"
     )
     start = time.monotonic()
