@@ -5,7 +5,11 @@ binary, so an upgrade of torch, Python or the sources rebuilds, and a rerun load
 All ranks of a job start together: one takes an exclusive ``flock`` and compiles, the
 others wait on it and then load the result. The kernel drops a ``flock`` when its
 holder dies, so a killed builder never leaves the others waiting forever (torch's own
-lock file inside the build directory can; we clear it while holding ours).
+lock file inside the build directory can; we clear it while holding ours). The builder
+reports its progress (``_build_progress.py``); a load from the cache prints nothing.
+
+``FAIRRING_BUILD_DIR`` replaces the cache directory, ``FAIRRING_BUILD_VERBOSE=1`` shows
+the compiler's output.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ import hashlib
 import os
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from types import ModuleType
+
+from fairring_pg._build_progress import compile_progress
 
 EXTENSION_NAME = "fairring_pg_C"
 CFLAGS = ["-O2", "-std=c++17", "-Wall", "-Wextra", "-Wno-unused-parameter"]
@@ -72,12 +78,13 @@ def build_hash(source_dir: Path, name: str = EXTENSION_NAME) -> str:
     return digest.hexdigest()[:20]
 
 
-def build_directory(source_dir: Path, name: str = EXTENSION_NAME) -> Path:
+def build_directory(digest: str) -> Path:
+    """Where the build with this ``build_hash`` lives."""
     override = os.environ.get("FAIRRING_BUILD_DIR")
     if override:
         return Path(override).expanduser()
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "fairring_pg" / build_hash(source_dir, name)
+    return cache / "fairring_pg" / digest
 
 
 @contextmanager
@@ -104,27 +111,55 @@ def load_extension(source_dir: Path | str | None = None, name: str = EXTENSION_N
 
     from torch.utils import cpp_extension
 
-    build_dir = build_directory(src, name)
-    verbose = os.environ.get("FAIRRING_BUILD_VERBOSE") == "1"
+    verbose = build_verbose()
+    digest = build_hash(src, name)
+    build_dir = build_directory(digest)
     with _exclusive(build_dir.with_name(build_dir.name + ".lock")):
         build_dir.mkdir(parents=True, exist_ok=True)
         # Only a process holding our flock ever builds here, so a leftover torch baton
         # can only come from a builder that died: waiting on it would hang forever.
         (build_dir / "lock").unlink(missing_ok=True)
+        # The stamp names what the binary was built from; FAIRRING_BUILD_DIR is not
+        # keyed by the hash, so it can hold an older build that needs compiling again.
+        stamp = build_dir / f"{name}.build_hash"
+        built = (build_dir / f"{name}.so").is_file() and _read(stamp) == digest
+        progress: AbstractContextManager[None] = (
+            nullcontext() if built else compile_progress(name, build_dir, len(sources))
+        )
         try:
-            module = cpp_extension.load(
-                name=name,
-                sources=[str(p) for p in sources],
-                extra_include_paths=[str(src)],
-                extra_cflags=_cflags(),
-                build_directory=str(build_dir),
-                verbose=verbose,
-                with_cuda=False,
-            )
+            with progress:
+                module = cpp_extension.load(
+                    name=name,
+                    sources=[str(p) for p in sources],
+                    extra_include_paths=[str(src)],
+                    extra_cflags=_cflags(),
+                    build_directory=str(build_dir),
+                    verbose=verbose,
+                    with_cuda=False,
+                )
         except Exception as exc:
             raise RuntimeError(_failure_message(exc, build_dir, verbose)) from exc
+        if not built:
+            stamp.write_text(digest)
     _loaded[key] = module
     return module
+
+
+def build_verbose() -> bool:
+    raw = os.environ.get("FAIRRING_BUILD_VERBOSE", "")
+    if raw.strip() not in ("", "0", "1"):
+        raise ValueError(
+            f"FAIRRING_BUILD_VERBOSE={raw!r} is not valid: expected 1 (show the compiler's"
+            " output) or 0 (the default)"
+        )
+    return raw.strip() == "1"
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
 
 
 def _cflags() -> list[str]:
