@@ -171,16 +171,18 @@ def worker(args: argparse.Namespace) -> None:
     results["in_flight"] = {n: common.median(v) for n, v in times.items()}
     flight.clear()
 
-    width = 64 if args.cpu_dry_run else 512
+    # A 6-layer, 512-wide LM with an 8000-word vocabulary (~25M parameters: DDP's
+    # buckets are full 25 MiB ones); a toy in the dry run.
+    width, vocab = (32, 500) if args.cpu_dry_run else (512, 8000)
     results["ddp_steps_per_s"] = {
-        name: _ddp_rate(g, args.ddp_steps, dev, width)
+        name: _ddp_rate(g, args.ddp_steps, dev, width, vocab)
         for name, g in groups.items()
         if name != "gloo"
     }
     common.write_worker_result(args.out, results)
 
 
-def _ddp_rate(group: Any, steps: int, dev: Any, width: int) -> float:
+def _ddp_rate(group: Any, steps: int, dev: Any, width: int, vocab: int) -> float:
     """Steps/s of a small Transformer LM under DDP on ``group`` (slowest rank)."""
     import torch
     import torch.distributed as dist
@@ -188,20 +190,20 @@ def _ddp_rate(group: Any, steps: int, dev: Any, width: int) -> float:
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(width, 8, 4 * width, dropout=0.0, batch_first=True)
     model = torch.nn.Sequential(
-        torch.nn.Embedding(8000, width),
+        torch.nn.Embedding(vocab, width),
         torch.nn.TransformerEncoder(layer, 6),
-        torch.nn.Linear(width, 8000),
+        torch.nn.Linear(width, vocab),
     ).to(dev)
     ids = [0] if dev.type == "cuda" else None
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, process_group=group)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(dist.get_rank())
-    batches = [torch.randint(0, 8000, (16, 129), generator=gen).to(dev) for _ in range(4)]
+    batches = [torch.randint(0, vocab, (16, 129), generator=gen).to(dev) for _ in range(4)]
 
     def step(tokens: torch.Tensor) -> None:
         logits = ddp(tokens[:, :-1])
         loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, 8000), tokens[:, 1:].reshape(-1)
+            logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1)
         )
         opt.zero_grad()
         loss.backward()
