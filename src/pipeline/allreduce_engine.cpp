@@ -3,7 +3,6 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <set>
 
 #include "ops/reduce_kind.h"
@@ -27,13 +26,6 @@ inline void stamp(const Timeline& timeline, int64_t& at) {
   if (timeline.enabled()) {
     at = Timeline::now();
   }
-}
-
-EngineOptions devOverrides(EngineOptions o) {
-  if (const char* v = std::getenv("FAIRRING_DEV_SEGMENT")) {
-    o.segmentBytes = std::strtoull(v, nullptr, 10);
-  }
-  return o;
 }
 
 std::exception_ptr makeError(const std::string& message) {
@@ -113,7 +105,7 @@ struct AllreduceEngine::Op {
 
 AllreduceEngine::AllreduceEngine(RankLayout layout, EngineOptions options)
     : layout_(std::move(layout)),
-      options_(devOverrides(std::move(options))),
+      options_(std::move(options)),
       timeline_(options_.timelinePath, layout_.rank()),
       staging_(
           options_.totalMemory,

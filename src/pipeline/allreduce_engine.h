@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "pipeline/pipeline_chunk.h"
 #include "pipeline/slice_plan.h"
 #include "pipeline/task_queue.h"
 #include "staging/staging_pool.h"
@@ -27,10 +28,6 @@
 
 namespace fairring {
 
-// The segment of a slice that the pipeline moves (FAIRRING_PIPELINE_CHUNK):
-// see docs/design.md ("Pipelining inside a slice") for how it was chosen.
-constexpr size_t kDefaultSegmentBytes = 1 << 20;
-
 struct EngineOptions {
   size_t sliceBytes;
   size_t totalMemory;
@@ -38,7 +35,7 @@ struct EngineOptions {
   std::string listenAddress;
   std::string token;
   std::string timelinePath; // empty: no timeline
-  size_t segmentBytes{kDefaultSegmentBytes};
+  size_t segmentBytes{pipelineChunkBytes()}; // FAIRRING_PIPELINE_CHUNK
 };
 
 // The reduction-server allreduce on CPU tensors. Every operation is cut into

@@ -1,12 +1,10 @@
 #include "transport/peer_mesh.h"
 
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <optional>
 #include <atomic>
-#include <cstdlib>
 #include <random>
 
 #include "transport/frame.h"
@@ -259,14 +257,10 @@ Status PeerMesh::connect(int peer, Lane lane, const std::string& url, Clock::tim
     return failure("connecting to", peer, "it refused this rank's hello: " + describe(reply->verdict));
   }
   const bool rail = reachOf(peer) == Reach::kRail;
-  if (rail) {
-    int lowat = kRailUnsentBytes;
-    if (const char* v = std::getenv("FAIRRING_DEV_LOWAT")) {
-      lowat = std::atoi(v);
-    }
-    if (lowat > 0) {
-      setLowUnsent(socket, lowat);
-    }
+  // With one rail peer there is no order between sockets to keep, and on a
+  // fast link the extra wake-ups cost CPU.
+  if (rail && layout_.numMachines() > 2) {
+    setLowUnsent(socket, kRailUnsentBytes);
   }
   auto out = std::make_unique<Outbound>();
   out->peer = peer;

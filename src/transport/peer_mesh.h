@@ -102,17 +102,17 @@ class PeerMesh {
   bool closed_{false};
   std::map<Key, std::unique_ptr<Outbound>> outbound_;
   std::vector<std::unique_ptr<Writer>> writers_;
-  // Messages to other machines share this rank's link. Written by one
-  // thread per connection they fight for it as 2·(M-1) TCP flows, each
-  // receiver taking M-1 at once: measured on 1 Gbit/s links, that moves
-  // 5-14% less than one flow per link does. So the rail connections of one
-  // lane share one writer, which sends their messages one at a time in the
-  // order the engine queued them (segment by segment, peers in rotation: at
-  // any moment every rank sends to a different machine), each socket keeping
-  // little unsent data (setLowUnsent) so that this is also the order on the
-  // wire. A writer blocked on one peer (which holds a reduce message until it
-  // has a staging slot) delays this lane's messages to the others; the
-  // engine's order makes that safe (docs/design.md).
+  // Messages to other machines share this rank's link. The rail connections
+  // of one lane share one writer, which sends their messages one at a time in
+  // the order the engine queued them (segment by segment, peers in rotation:
+  // at any moment every rank sends to a different machine), each socket
+  // keeping little unsent data (setLowUnsent, with 2+ rail peers) so that this
+  // is also the order on the wire, rather than 2·(M-1) flows fighting for the
+  // link. On 4 × 1 at 1 Gbit/s, letting each socket buffer what the kernel
+  // allows instead cost 3-9% (docs/design.md). A writer blocked on one peer
+  // (which holds a reduce message until it has a staging slot) delays this
+  // lane's messages to the others; the engine's order makes that safe
+  // (docs/design.md, "Lanes, staging and why it does not deadlock").
   Writer* railWriters_[kNumLanes] = {nullptr, nullptr};
   std::map<Key, std::unique_ptr<Inbound>> inbound_;
 };
