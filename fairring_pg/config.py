@@ -29,6 +29,11 @@ DEFAULT_TOTAL_MEMORY = 50 * MIB
 # Smallest shard slice scaling aims for: below about this, fixed per-message costs
 # (headers, wake-ups, a loop iteration per peer) outweigh the bytes moved.
 MIN_SHARD_BYTES = 1 * MIB
+# The piece of a slice that the CPU pipeline moves through its five steps, so that the
+# reduce and diffuse of one piece overlap the collect of the next. Measured on 4x1 at
+# 1 Gbit/s (docs/design.md); the C++ core reads the same variable after this check
+# (src/pipeline/pipeline_chunk.*), so the two defaults must agree.
+DEFAULT_PIPELINE_CHUNK = 1 * MIB
 # Who runs the collectives other than allreduce on CUDA tensors (see fairring_pg/cuda.py).
 CUDA_DELEGATES = ("auto", "nccl", "gloo")
 # The sub-group allreduce (CUDA): rail communicators, so that this many slices are on
@@ -57,6 +62,7 @@ _JOB_WIDE_FIELDS = (
     "slice_scaling",
     "lanes",
     "direct_below",
+    "pipeline_chunk",
     "test_cpu_subgroups",
     "test_local_gloo",
 )
@@ -66,6 +72,7 @@ _ENV_NAME = {
     "slice_scaling": "FAIRRING_SLICE_SCALING",
     "lanes": "FAIRRING_LANES",
     "direct_below": "FAIRRING_DIRECT_BELOW",
+    "pipeline_chunk": "FAIRRING_PIPELINE_CHUNK",
     "test_cpu_subgroups": "FAIRRING_TEST_CPU_SUBGROUPS",
     "test_local_gloo": "FAIRRING_TEST_LOCAL_GLOO",
     "machine_id": "FAIRRING_MACHINE_ID",
@@ -155,6 +162,7 @@ class Config:
     cuda_delegate: str = "auto"
     lanes: int = DEFAULT_LANES
     direct_below: int = DEFAULT_DIRECT_BELOW
+    pipeline_chunk: int = DEFAULT_PIPELINE_CHUNK
     # Test switches: CPU tensors take the sub-group path over Gloo groups (so CI runs
     # the CUDA path's orchestration); CUDA's local groups are Gloo (several ranks of a
     # simulated machine on one GPU, which NCCL refuses).
@@ -185,6 +193,8 @@ class Config:
             values["direct_below"] = (
                 0 if raw.strip() == "0" else parse_byte_size("FAIRRING_DIRECT_BELOW", raw)
             )
+        if (raw := environ.get("FAIRRING_PIPELINE_CHUNK")) is not None:
+            values["pipeline_chunk"] = parse_byte_size("FAIRRING_PIPELINE_CHUNK", raw)
         if (raw := environ.get("FAIRRING_TEST_CPU_SUBGROUPS")) is not None:
             values["test_cpu_subgroups"] = _switch("FAIRRING_TEST_CPU_SUBGROUPS", raw)
         if (raw := environ.get("FAIRRING_TEST_LOCAL_GLOO")) is not None:

@@ -7,6 +7,9 @@ from all ranks' inputs (in float64/int64, then cast) and float16/bfloat16 sums a
 
 The jobs run with a 4 KiB slice and 64 KiB of staging memory, so anything above a few
 thousand elements crosses many slices, and the largest cases are ~100x the staging pool.
+Every job but the interleaved one cuts each slice into 1 KiB pipeline chunks
+(FAIRRING_PIPELINE_CHUNK), rounded to whole elements per rank, so a slice moves as
+several chunks; the interleaved job keeps the default (one chunk per slice there).
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ SLICE_SIZE = 4 * 1024
 TOTAL_MEMORY = 64 * 1024
 # Slice scaling would grow the slice to 32 KiB here; off, sizes mean what they say.
 JOB_ENV = fairring_env(
-    total_memory=TOTAL_MEMORY, slice_size=SLICE_SIZE, FAIRRING_SLICE_SCALING="off"
+    total_memory=TOTAL_MEMORY,
+    slice_size=SLICE_SIZE,
+    FAIRRING_SLICE_SCALING="off",
+    FAIRRING_PIPELINE_CHUNK="1K",
 )
 # The interleaved job keeps the default (scaling on).
 SCALED_ENV = fairring_env(total_memory=TOTAL_MEMORY, slice_size=SLICE_SIZE)

@@ -29,6 +29,10 @@ SLICE_SIZE = 4 * 1024
 ONE_SLOT = 4 * 1024
 THREE_SLOTS = 10 * 1024
 TWO_SLOTS_3X1 = 6 * 1024
+# The one-slot and 3x1 jobs cut each slice into pipeline chunks (about 4 per slice), so
+# the chunks of a slice share its slot while many allreduces wait for one; the
+# three-slot jobs keep one chunk per slice.
+CHUNK = "1K"
 JOB_TIMEOUT_S = 150
 
 SIZES = (0, 1, 7, 100, 1000, 3000, 10_000, 30_000)
@@ -191,7 +195,10 @@ JOBS = {
         SHAPES["2x2"],
         backend=BACKEND,
         env=fairring_env(
-            total_memory=ONE_SLOT, slice_size=SLICE_SIZE, FAIRRING_SLICE_SCALING="off"
+            total_memory=ONE_SLOT,
+            slice_size=SLICE_SIZE,
+            FAIRRING_SLICE_SCALING="off",
+            FAIRRING_PIPELINE_CHUNK=CHUNK,
         ),
         timeout_s=JOB_TIMEOUT_S,
     ),
@@ -224,7 +231,10 @@ JOBS = {
         SHAPES["3x1"],
         backend=BACKEND,
         env=fairring_env(
-            total_memory=TWO_SLOTS_3X1, slice_size=SLICE_SIZE, FAIRRING_SLICE_SCALING="off"
+            total_memory=TWO_SLOTS_3X1,
+            slice_size=SLICE_SIZE,
+            FAIRRING_SLICE_SCALING="off",
+            FAIRRING_PIPELINE_CHUNK=CHUNK,
         ),
         timeout_s=JOB_TIMEOUT_S,
     ),

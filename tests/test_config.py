@@ -25,13 +25,14 @@ from fairring_pg.config import (
 )
 from fairring_pg.network import listen_address
 
-SIZE_VARS = ["FAIRRING_SLICE_SIZE", "FAIRRING_TOTAL_MEMORY"]
+SIZE_VARS = ["FAIRRING_SLICE_SIZE", "FAIRRING_TOTAL_MEMORY", "FAIRRING_PIPELINE_CHUNK"]
 
 
 def test_defaults() -> None:
     cfg = Config.from_env({})
     assert cfg == Config(DEFAULT_SLICE_SIZE, DEFAULT_TOTAL_MEMORY, None, None, True, None, "auto")
     assert cfg.slice_size == 25 * MIB and cfg.total_memory == 50 * MIB
+    assert cfg.pipeline_chunk == MIB
 
 
 @pytest.mark.parametrize(
@@ -234,6 +235,7 @@ def test_consistent_across_ranks() -> None:
         ("slice_size", 4 * MIB, "FAIRRING_SLICE_SIZE", str(4 * MIB)),
         ("total_memory", 8 * MIB, "FAIRRING_TOTAL_MEMORY", str(8 * MIB)),
         ("slice_scaling", False, "FAIRRING_SLICE_SCALING", "'off'"),
+        ("pipeline_chunk", 64 * KIB, "FAIRRING_PIPELINE_CHUNK", str(64 * KIB)),
     ],
 )
 def test_mismatch_across_ranks(field: str, value: Any, var: str, shown: str) -> None:

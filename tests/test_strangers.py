@@ -55,6 +55,7 @@ from reliability_helpers import (
     REPLY,
     REPLY_MAGIC,
     VERDICTS,
+    WIRE_VERSION,
     count_resources,
     group_store,
     is_loopback,
@@ -151,7 +152,7 @@ def _payload(kind: str, hello: bytes, target: str, token: str) -> bytes:
     if kind == "other_version_hello":
         # Another fairring build: right token and rank, another wire version.
         forged = bytearray(_forge_hello(hello, token, rank ^ (2 if reach == "rail" else 1)))
-        forged[HELLO_VERSION] = struct.pack("<H", 2)
+        forged[HELLO_VERSION] = struct.pack("<H", WIRE_VERSION + 1)
         return bytes(forged)
     if kind == "random_bytes":
         return os.urandom(4096)
@@ -581,7 +582,8 @@ def test_ranks_log_why_they_refused_and_keep_accepting() -> None:
     for o in outcomes[:3]:
         refusals = [line for line in o.log_tail.splitlines() if "refused a connection from" in line]
         assert refusals, f"rank {o.rank} logged no refusal:\n{o.log_tail[-2000:]}"
-        assert any("wire version 2, this rank version 1" in line for line in refusals), refusals
+        other = f"wire version {WIRE_VERSION + 1}, this rank version {WIRE_VERSION}"
+        assert any(other in line for line in refusals), refusals
         assert len(refusals) <= 5, f"rank {o.rank} logged {len(refusals)} refusals (limit 5)"
     stopped = [
         line for o in outcomes for line in o.log_tail.splitlines() if "stopped accepting" in line

@@ -61,6 +61,38 @@ def test_timeline_records_ops_and_every_phase_of_every_slice(tmp_path: Path) -> 
     assert {e["pid"] for e in events} == {0, 1, 2, 3}
 
 
+def test_timeline_shows_each_pipeline_chunk(tmp_path: Path) -> None:
+    """FAIRRING_PIPELINE_CHUNK reaches the C++ core: a 64 KiB slice in 16 KiB chunks
+    (4096 float32, a multiple of L*M = 4) moves as 4 chunks, the short last slice as 1,
+    each chunk through all six phases, the chunks of an op covering every element once."""
+    template = str(tmp_path / "trace.json")
+    env = fairring_env(
+        slice_size=SLICE,
+        FAIRRING_TIMELINE=template,
+        FAIRRING_SLICE_SCALING="off",
+        FAIRRING_PIPELINE_CHUNK="16K",
+    )
+    results = run_ranks(_allreduce_twice, 4, SHAPES["2x2"], env=env)
+    assert results == [[10.0, 10.0]] * 4
+    for path in sorted(tmp_path.glob("trace.rank*.json")):
+        begins = [e for e in json.loads(path.read_text()) if e.get("cat") == "slice"]
+        begins = [e for e in begins if e["ph"] == "b"]
+        rows: dict[int, set[str]] = {}
+        for e in begins:
+            rows.setdefault(e["id"], set()).add(e["name"])
+        assert all(names == PHASES for names in rows.values())
+        chunks: dict[tuple[int, int, int], int] = {}
+        for e in begins:
+            a = e["args"]
+            chunks[(a["op"], a["slice"], a["segment"])] = a["elements"]
+        assert len(rows) == len(chunks) == 2 * (3 * 4 + 1)
+        for op in (0, 1):
+            mine = {k[1:]: v for k, v in chunks.items() if k[0] == op}
+            assert sorted(mine) == [(s, g) for s in range(3) for g in range(4)] + [(3, 0)]
+            assert {mine[(s, g)] for s in range(3) for g in range(4)} == {4096}
+            assert sum(mine.values()) == NUMEL
+
+
 def test_load_trace_accepts_a_trace_cut_short(tmp_path: Path) -> None:
     path = tmp_path / "cut.json"
     path.write_text(

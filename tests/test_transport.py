@@ -44,6 +44,7 @@ from reliability_helpers import (
     HELLO_VERSION,
     REPLY,
     REPLY_MAGIC,
+    WIRE_VERSION,
     make_second_backend,
     redirect_store,
     second_backend,
@@ -209,7 +210,7 @@ def test_a_refusal_fails_at_once_naming_why() -> None:
     wrong_version = REPLY.pack(REPLY_MAGIC, 1, 0, 7)
     ending, seconds, hellos = _join_fake(lambda i: wrong_version)
     assert len(hellos) == 1, f"{len(hellos)} hellos: a refusal must not be retried"
-    assert "fairring wire version 7, this rank version 1" in ending, ending
+    assert f"fairring wire version 7, this rank version {WIRE_VERSION}" in ending, ending
     assert seconds < 2.0, f"took {seconds:.1f} s (its timeout is 3 s)"
 
 
@@ -219,7 +220,7 @@ def test_a_refusal_fails_at_once_naming_why() -> None:
 def _hello(rank: int, lane: int, token: str) -> bytes:
     out = bytearray(HELLO_BYTES)
     out[0:4] = struct.pack("<I", HELLO_MAGIC)
-    out[HELLO_VERSION] = struct.pack("<H", 1)
+    out[HELLO_VERSION] = struct.pack("<H", WIRE_VERSION)
     out[HELLO_LANE] = lane
     out[HELLO_RANK] = struct.pack("<i", rank)
     out[HELLO_TOKEN] = token.encode()

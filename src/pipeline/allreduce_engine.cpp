@@ -33,11 +33,10 @@ std::exception_ptr makeError(const std::string& message) {
 }
 } // namespace
 
-struct AllreduceEngine::Slice {
-  int64_t index{0};
-  bool active{false};
-  int slot{-1};
-  uint8_t* staging{nullptr};
+// One segment of a slice on its way through the five steps.
+struct AllreduceEngine::Segment {
+  int index{0};
+  uint64_t id{0}; // its timeline row
   // Which peers' pieces have been announced, per phase, indexed by the
   // sender's local rank (intra-node phases) or machine (rail phases).
   std::vector<char> announced[kNumPhases];
@@ -53,18 +52,31 @@ struct AllreduceEngine::Slice {
   bool agSent{false};
   bool done{false};
   // Timeline stamps (microseconds), taken only when the timeline is on.
-  int64_t tActive{0};
   int64_t tRsReduced{0};
   int64_t tReduceStart{0};
   int64_t tShardReduced{0};
   int64_t tChunkFinal{0};
 };
 
+// A slice holds one staging slot for all of its segments: each segment's
+// pieces have their own place in it (SlicePlan::chunkOffset, shardOffset).
+struct AllreduceEngine::Slice {
+  int64_t index{0};
+  bool active{false};
+  int slot{-1};
+  uint8_t* staging{nullptr};
+  std::vector<Segment> segments;
+  int segmentsLeft{0}; // not yet done
+  int segmentsStaged{0}; // whose staged pieces are not yet reduced
+  bool done{false};
+  int64_t tActive{0};
+};
+
 struct AllreduceEngine::Op {
   uint64_t seq{0};
   at::Tensor work;
   RedOp op{RedOp::SUM};
-  SlicePlan plan{0, 1, 1, 1};
+  SlicePlan plan{0, 1, 1, 1, 1};
   size_t elemSize{1};
   int64_t slicesLeft{0};
   Clock::time_point deadline;
@@ -73,12 +85,12 @@ struct AllreduceEngine::Op {
   std::function<void()> finish;
   std::vector<Slice> slices;
   int64_t tEnqueued{0};
-  uint64_t firstSliceId{0};
 
-  DataHeader header(int64_t s, Phase phase) const {
+  DataHeader header(int64_t s, int g, Phase phase) const {
     DataHeader h;
     h.opSeq = seq;
     h.slice = s;
+    h.segment = g;
     h.phase = phase;
     h.numel = plan.numel();
     h.dtype = static_cast<int8_t>(work.scalar_type());
@@ -177,8 +189,8 @@ void AllreduceEngine::admitLocked(
   o->op = op;
   o->elemSize = work.element_size();
   o->plan = SlicePlan(
-    work.numel(), static_cast<int64_t>(options_.sliceBytes / o->elemSize), layout_.localSize(),
-    layout_.numMachines());
+      work.numel(), static_cast<int64_t>(options_.sliceBytes / o->elemSize),
+      static_cast<int64_t>(options_.segmentBytes / o->elemSize), layout_.localSize(), layout_.numMachines());
   o->deadline = Clock::now() + options_.timeout;
   o->future = future;
   o->outputs = std::move(outputs);
@@ -186,17 +198,22 @@ void AllreduceEngine::admitLocked(
   // An empty tensor still takes one (empty) slice: its headers must travel so
   // that a rank calling with 0 elements where others have more is caught.
   o->slicesLeft = std::max<int64_t>(1, o->plan.numSlices());
-  o->firstSliceId = nextSliceId_;
-  nextSliceId_ += o->slicesLeft;
   stamp(timeline_, o->tEnqueued);
   o->slices.resize(o->slicesLeft);
   for (int64_t s = 0; s < o->slicesLeft; ++s) {
     Slice& slice = o->slices[s];
     slice.index = s;
-    slice.announced[static_cast<int>(Phase::kReduceScatter)].assign(layout_.localSize(), 0);
-    slice.announced[static_cast<int>(Phase::kAllGather)].assign(layout_.localSize(), 0);
-    slice.announced[static_cast<int>(Phase::kCollect)].assign(layout_.numMachines(), 0);
-    slice.announced[static_cast<int>(Phase::kDiffuse)].assign(layout_.numMachines(), 0);
+    slice.segments.resize(o->plan.numSegments(s));
+    slice.segmentsLeft = slice.segmentsStaged = static_cast<int>(slice.segments.size());
+    for (size_t g = 0; g < slice.segments.size(); ++g) {
+      Segment& seg = slice.segments[g];
+      seg.index = static_cast<int>(g);
+      seg.id = nextSegmentId_++;
+      seg.announced[static_cast<int>(Phase::kReduceScatter)].assign(layout_.localSize(), 0);
+      seg.announced[static_cast<int>(Phase::kAllGather)].assign(layout_.localSize(), 0);
+      seg.announced[static_cast<int>(Phase::kCollect)].assign(layout_.numMachines(), 0);
+      seg.announced[static_cast<int>(Phase::kDiffuse)].assign(layout_.numMachines(), 0);
+    }
     waitingForSlot_.emplace_back(o->seq, s);
   }
   ops_[o->seq] = std::move(o);
@@ -237,10 +254,16 @@ void AllreduceEngine::pump(Actions& actions) {
 void AllreduceEngine::activate(Op& op, Slice& slice, Actions& actions) {
   slice.active = true;
   stamp(timeline_, slice.tActive);
+  const int L = layout_.localSize();
+  const int l = layout_.localRank();
   const int m = layout_.machine();
-  for (int j = 0; j < layout_.localSize(); ++j) {
-    if (j != layout_.localRank()) {
-      sendPiece(op, slice, layout_.rankOf(m, j), Phase::kReduceScatter, op.plan.chunk(slice.index, j), actions);
+  // Every segment's reduce-scatter at once, in segment order: the staging
+  // slot has room for all of them.
+  for (Segment& seg : slice.segments) {
+    for (int k = 1; k < L; ++k) {
+      const int j = (l + k) % L;
+      sendPiece(op, slice, seg, layout_.rankOf(m, j), Phase::kReduceScatter, op.plan.chunk(slice.index, seg.index, j),
+                actions);
     }
   }
   auto parked = parked_.find({op.seq, slice.index});
@@ -259,28 +282,42 @@ void AllreduceEngine::activate(Op& op, Slice& slice, Actions& actions) {
       return;
     }
   }
-  advance(op, slice, actions);
-}
-
-void AllreduceEngine::sendPiece(Op& op, Slice& slice, int peer, Phase phase, Range range, Actions& actions) {
-  ++slice.sendsInFlight;
-  const Lane lane = laneOf(phase);
-  Outbox& box = outboxes_[{peer, lane}];
-  box.queue.push_back(Outgoing{
-      encode(op.header(slice.index, phase)), op.at(range), static_cast<size_t>(range.size()) * op.elemSize, op.seq,
-      slice.index});
-  if (!box.draining) {
-    box.draining = true;
-    actions.push_back([this, peer, lane] { drain(peer, lane); });
+  for (Segment& seg : slice.segments) {
+    advance(op, slice, seg, actions);
   }
 }
 
-void AllreduceEngine::drain(int peer, Lane lane) {
+void AllreduceEngine::sendPiece(
+    Op& op,
+    Slice& slice,
+    Segment& seg,
+    int peer,
+    Phase phase,
+    Range range,
+    Actions& actions) {
+  ++seg.sendsInFlight;
+  const Lane lane = laneOf(phase);
+  const int key = outboxOf(peer);
+  Outbox& box = outboxes_[{key, lane}];
+  box.queue.push_back(Outgoing{
+      encode(op.header(slice.index, seg.index, phase)), op.at(range), static_cast<size_t>(range.size()) * op.elemSize,
+      op.seq, slice.index, seg.index, peer});
+  if (!box.draining) {
+    box.draining = true;
+    actions.push_back([this, key, lane] { drain(key, lane); });
+  }
+}
+
+int AllreduceEngine::outboxOf(int peer) const {
+  return layout_.machineOf(peer) == layout_.machine() ? peer : kRailPeers;
+}
+
+void AllreduceEngine::drain(int key, Lane lane) {
   for (;;) {
     Outgoing next;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      Outbox& box = outboxes_[{peer, lane}];
+      Outbox& box = outboxes_[{key, lane}];
       // Messages of failed operations are dropped; earlier ones still go.
       while (!box.queue.empty() && box.queue.front().seq >= failSeq_) {
         box.queue.pop_front();
@@ -295,14 +332,16 @@ void AllreduceEngine::drain(int peer, Lane lane) {
     }
     const uint64_t seq = next.seq;
     const int64_t s = next.slice;
-    mesh_->send(peer, lane, std::move(next.header), next.data, next.bytes, [this, seq, s, peer](Status status) {
-      onSent(seq, s, peer, std::move(status));
+    const int g = next.segment;
+    const int peer = next.peer;
+    mesh_->send(peer, lane, std::move(next.header), next.data, next.bytes, [this, seq, s, g, peer](Status status) {
+      onSent(seq, s, g, peer, std::move(status));
     });
   }
 }
 
-void AllreduceEngine::advance(Op& op, Slice& slice, Actions& actions) {
-  if (!slice.active || slice.done || slice.reducing) {
+void AllreduceEngine::advance(Op& op, Slice& slice, Segment& seg, Actions& actions) {
+  if (!slice.active || seg.done || seg.reducing) {
     return;
   }
   const int L = layout_.localSize();
@@ -310,20 +349,22 @@ void AllreduceEngine::advance(Op& op, Slice& slice, Actions& actions) {
   const int l = layout_.localRank();
   const int m = layout_.machine();
   const int64_t s = slice.index;
-  const int64_t maxChunkBytes = op.plan.maxChunkElems() * static_cast<int64_t>(op.elemSize);
-  const int64_t maxShardBytes = op.plan.maxShardElems() * static_cast<int64_t>(op.elemSize);
+  const int g = seg.index;
+  const int64_t elem = static_cast<int64_t>(op.elemSize);
+  const int64_t maxChunkBytes = op.plan.maxChunkElems() * elem;
+  const int64_t maxShardBytes = op.plan.maxShardElems() * elem;
 
-  if (!slice.rsReduced) {
-    if (slice.received[static_cast<int>(Phase::kReduceScatter)] < L - 1) {
+  if (!seg.rsReduced) {
+    if (seg.received[static_cast<int>(Phase::kReduceScatter)] < L - 1) {
       return;
     }
     if (L == 1) {
-      slice.rsReduced = true;
-      stamp(timeline_, slice.tRsReduced);
+      seg.rsReduced = true;
+      stamp(timeline_, seg.tRsReduced);
     } else {
       // Sum the other local ranks' copies of my chunk into my own.
-      reduceLater(op, slice, op.plan.chunk(s, l), slice.staging, maxChunkBytes, L - 1, false,
-                  [this](Slice& done, Actions&) {
+      reduceLater(op, slice, seg, op.plan.chunk(s, g, l), slice.staging + op.plan.chunkOffset(g) * elem,
+                  maxChunkBytes, L - 1, false, [this](Slice&, Segment& done, Actions&) {
                     done.rsReduced = true;
                     stamp(timeline_, done.tRsReduced);
                   });
@@ -331,87 +372,89 @@ void AllreduceEngine::advance(Op& op, Slice& slice, Actions& actions) {
     }
   }
 
-  if (M > 1 && !slice.collectSent) {
-    slice.collectSent = true;
-    for (int k = 0; k < M; ++k) {
-      if (k != m) {
-        sendPiece(op, slice, layout_.rankOf(k, l), Phase::kCollect, op.plan.shard(s, l, k), actions);
-      }
+  if (M > 1 && !seg.collectSent) {
+    seg.collectSent = true;
+    for (int k = 1; k < M; ++k) {
+      const int to = (m + k) % M;
+      sendPiece(op, slice, seg, layout_.rankOf(to, l), Phase::kCollect, op.plan.shard(s, g, l, to), actions);
     }
   }
 
-  if (!slice.shardReduced) {
-    if (slice.received[static_cast<int>(Phase::kCollect)] < M - 1) {
+  if (!seg.shardReduced) {
+    if (seg.received[static_cast<int>(Phase::kCollect)] < M - 1) {
       return;
     }
-    stamp(timeline_, slice.tReduceStart);
+    stamp(timeline_, seg.tReduceStart);
     // Sum the other machines' copies of my shard into mine, then finish (AVG).
-    reduceLater(op, slice, op.plan.shard(s, l, m), slice.staging + (L - 1) * maxChunkBytes, maxShardBytes, M - 1,
-                true, [this](Slice& done, Actions& actions) {
+    reduceLater(op, slice, seg, op.plan.shard(s, g, l, m),
+                slice.staging + (L - 1) * maxChunkBytes + op.plan.shardOffset(g) * elem, maxShardBytes, M - 1, true,
+                [this](Slice& sl, Segment& done, Actions& actions) {
                   done.shardReduced = true;
                   stamp(timeline_, done.tShardReduced);
-                  // Everything this slice receives from now on lands in place.
-                  staging_.release(done.slot);
-                  done.slot = -1;
-                  done.staging = nullptr;
-                  pump(actions);
+                  // Everything the slice receives once all its segments are
+                  // here lands in place: its slot can serve another slice.
+                  if (--sl.segmentsStaged == 0) {
+                    staging_.release(sl.slot);
+                    sl.slot = -1;
+                    sl.staging = nullptr;
+                    pump(actions);
+                  }
                 });
     return;
   }
 
-  if (M > 1 && !slice.diffuseSent) {
-    slice.diffuseSent = true;
-    for (int k = 0; k < M; ++k) {
-      if (k != m) {
-        sendPiece(op, slice, layout_.rankOf(k, l), Phase::kDiffuse, op.plan.shard(s, l, m), actions);
-      }
+  if (M > 1 && !seg.diffuseSent) {
+    seg.diffuseSent = true;
+    for (int k = 1; k < M; ++k) {
+      const int to = (m + k) % M;
+      sendPiece(op, slice, seg, layout_.rankOf(to, l), Phase::kDiffuse, op.plan.shard(s, g, l, m), actions);
     }
   }
 
-  if (!slice.chunkFinal) {
-    if (slice.received[static_cast<int>(Phase::kDiffuse)] < M - 1) {
+  if (!seg.chunkFinal) {
+    if (seg.received[static_cast<int>(Phase::kDiffuse)] < M - 1) {
       return;
     }
-    slice.chunkFinal = true;
-    stamp(timeline_, slice.tChunkFinal);
+    seg.chunkFinal = true;
+    stamp(timeline_, seg.tChunkFinal);
   }
 
-  if (L > 1 && !slice.agSent) {
-    slice.agSent = true;
-    for (int j = 0; j < L; ++j) {
-      if (j != l) {
-        sendPiece(op, slice, layout_.rankOf(m, j), Phase::kAllGather, op.plan.chunk(s, l), actions);
-      }
+  if (L > 1 && !seg.agSent) {
+    seg.agSent = true;
+    for (int k = 1; k < L; ++k) {
+      const int j = (l + k) % L;
+      sendPiece(op, slice, seg, layout_.rankOf(m, j), Phase::kAllGather, op.plan.chunk(s, g, l), actions);
     }
   }
 
-  if (slice.received[static_cast<int>(Phase::kAllGather)] < L - 1 || slice.sendsInFlight > 0 ||
-      slice.pendingReads > 0) {
+  if (seg.received[static_cast<int>(Phase::kAllGather)] < L - 1 || seg.sendsInFlight > 0 || seg.pendingReads > 0) {
     return;
   }
-  finishSlice(op, slice, actions);
+  finishSegment(op, slice, seg, actions);
 }
 
 void AllreduceEngine::reduceLater(
     Op& op,
     Slice& slice,
+    Segment& seg,
     Range mine,
     uint8_t* firstPiece,
     int64_t pieceStride,
     int numPieces,
     bool last,
-    std::function<void(Slice&, Actions&)> then) {
+    std::function<void(Slice&, Segment&, Actions&)> then) {
   at::Tensor dst = view(op, mine);
   std::vector<at::Tensor> pieces;
   for (int p = 0; p < numPieces; ++p) {
     pieces.push_back(at::from_blob(firstPiece + p * pieceStride, {mine.size()}, op.work.options()));
   }
-  slice.reducing = true;
+  seg.reducing = true;
   const uint64_t seq = op.seq;
   const int64_t s = slice.index;
+  const int g = seg.index;
   const RedOp redop = op.op;
   const int worldSize = layout_.worldSize();
-  tasks_.post([this, seq, s, dst, pieces, redop, worldSize, last, then = std::move(then)] {
+  tasks_.post([this, seq, s, g, dst, pieces, redop, worldSize, last, then = std::move(then)] {
     for (const auto& piece : pieces) {
       reduceInto(dst, piece, redop);
     }
@@ -424,18 +467,26 @@ void AllreduceEngine::reduceLater(
       auto it = ops_.find(seq);
       if (it != ops_.end()) {
         Slice& slice = it->second->slices[s];
-        slice.reducing = false;
-        then(slice, actions);
-        advance(*it->second, slice, actions);
+        Segment& seg = slice.segments[g];
+        seg.reducing = false;
+        then(slice, seg, actions);
+        advance(*it->second, slice, seg, actions);
       }
     }
     run(actions);
   });
 }
 
+void AllreduceEngine::finishSegment(Op& op, Slice& slice, Segment& seg, Actions& actions) {
+  seg.done = true;
+  recordSegment(op, slice, seg);
+  if (--slice.segmentsLeft == 0) {
+    finishSlice(op, slice, actions);
+  }
+}
+
 void AllreduceEngine::finishSlice(Op& op, Slice& slice, Actions& actions) {
   slice.done = true;
-  recordSlice(op, slice);
   if (--op.slicesLeft > 0) {
     return;
   }
@@ -460,29 +511,30 @@ void AllreduceEngine::finishSlice(Op& op, Slice& slice, Actions& actions) {
   });
 }
 
-void AllreduceEngine::recordSlice(const Op& op, const Slice& slice) {
+void AllreduceEngine::recordSegment(const Op& op, const Slice& slice, const Segment& seg) {
   if (!timeline_.enabled()) {
     return;
   }
   const int64_t tDone = Timeline::now();
-  const uint64_t id = op.firstSliceId + slice.index;
+  const uint64_t id = seg.id;
   const std::string args = "{\"op\":" + std::to_string(op.seq) + ",\"slice\":" + std::to_string(slice.index) +
-      ",\"elements\":" + std::to_string(op.plan.slice(slice.index).size()) + "}";
+      ",\"segment\":" + std::to_string(seg.index) +
+      ",\"elements\":" + std::to_string(op.plan.segment(slice.index, seg.index).size()) + "}";
   const bool intraNode = layout_.localSize() > 1;
   const bool rail = layout_.numMachines() > 1;
   timeline_.sliceSpan(id, "waiting for staging", op.tEnqueued, slice.tActive, args);
   if (intraNode) {
-    timeline_.sliceSpan(id, "reduce-scatter", slice.tActive, slice.tRsReduced, args);
+    timeline_.sliceSpan(id, "reduce-scatter", slice.tActive, seg.tRsReduced, args);
   }
   if (rail) {
-    timeline_.sliceSpan(id, "collect", slice.tRsReduced, slice.tReduceStart, args);
+    timeline_.sliceSpan(id, "collect", seg.tRsReduced, seg.tReduceStart, args);
   }
-  timeline_.sliceSpan(id, "reduce", slice.tReduceStart, slice.tShardReduced, args);
+  timeline_.sliceSpan(id, "reduce", seg.tReduceStart, seg.tShardReduced, args);
   if (rail) {
-    timeline_.sliceSpan(id, "diffuse", slice.tShardReduced, slice.tChunkFinal, args);
+    timeline_.sliceSpan(id, "diffuse", seg.tShardReduced, seg.tChunkFinal, args);
   }
   if (intraNode) {
-    timeline_.sliceSpan(id, "all-gather", slice.tChunkFinal, tDone, args);
+    timeline_.sliceSpan(id, "all-gather", seg.tChunkFinal, tDone, args);
   }
 }
 
@@ -490,7 +542,7 @@ void AllreduceEngine::recordOp(const Op& op) {
   if (!timeline_.enabled()) {
     return;
   }
-  const DataHeader h = op.header(0, Phase::kReduceScatter);
+  const DataHeader h = op.header(0, 0, Phase::kReduceScatter);
   timeline_.span(
       "ops", "allreduce #" + std::to_string(op.seq), op.tEnqueued, Timeline::now(),
       "{\"elements\":" + std::to_string(h.numel) + ",\"dtype\":\"" +
@@ -505,14 +557,15 @@ std::string AllreduceEngine::describeOp(const DataHeader& h) const {
 }
 
 bool AllreduceEngine::sameOp(const Op& op, const DataHeader& h) const {
-  const DataHeader mine = op.header(0, h.phase);
+  const DataHeader mine = op.header(0, 0, h.phase);
   return h.numel == mine.numel && h.dtype == mine.dtype && h.op == mine.op && h.slice >= 0 &&
-      h.slice < static_cast<int64_t>(op.slices.size());
+      h.slice < static_cast<int64_t>(op.slices.size()) && h.segment >= 0 &&
+      h.segment < static_cast<int32_t>(op.slices[h.slice].segments.size());
 }
 
 std::string AllreduceEngine::describeMismatch(const Op& op, int peer, const DataHeader& h) const {
   return "fairring: allreduce #" + std::to_string(op.seq) + " differs between ranks: " +
-      layout_.describe(layout_.rank()) + " has " + describeOp(op.header(0, h.phase)) + ", " +
+      layout_.describe(layout_.rank()) + " has " + describeOp(op.header(0, 0, h.phase)) + ", " +
       layout_.describe(peer) + " has " + describeOp(h);
 }
 
@@ -576,36 +629,40 @@ void AllreduceEngine::deliver(Op& op, Slice& slice, int peer, const DataHeader& 
   const int l = layout_.localRank();
   const int m = layout_.machine();
   const int64_t s = h.slice;
+  const int g = h.segment;
+  Segment& seg = slice.segments[g];
   const bool intraNode = h.phase == Phase::kReduceScatter || h.phase == Phase::kAllGather;
   const bool samePlace = intraNode ? layout_.machineOf(peer) == m : layout_.localRankOf(peer) == l;
   const int from = intraNode ? layout_.localRankOf(peer) : layout_.machineOf(peer);
   const int phase = static_cast<int>(h.phase);
-  if (!samePlace || peer == layout_.rank() || slice.announced[phase][from]) {
+  if (!samePlace || peer == layout_.rank() || seg.announced[phase][from]) {
     failLocked(
         "fairring: unexpected " + std::string(phaseName(h.phase)) + " message from " + layout_.describe(peer) +
             " for allreduce #" + std::to_string(op.seq),
         actions);
     return;
   }
-  const int64_t maxChunkBytes = op.plan.maxChunkElems() * static_cast<int64_t>(op.elemSize);
-  const int64_t maxShardBytes = op.plan.maxShardElems() * static_cast<int64_t>(op.elemSize);
+  const int64_t elem = static_cast<int64_t>(op.elemSize);
+  const int64_t maxChunkBytes = op.plan.maxChunkElems() * elem;
+  const int64_t maxShardBytes = op.plan.maxShardElems() * elem;
   Range range;
   uint8_t* dst = nullptr;
   switch (h.phase) {
     case Phase::kReduceScatter:
-      range = op.plan.chunk(s, l);
-      dst = slice.staging + (from < l ? from : from - 1) * maxChunkBytes;
+      range = op.plan.chunk(s, g, l);
+      dst = slice.staging + (from < l ? from : from - 1) * maxChunkBytes + op.plan.chunkOffset(g) * elem;
       break;
     case Phase::kCollect:
-      range = op.plan.shard(s, l, m);
-      dst = slice.staging + (L - 1) * maxChunkBytes + (from < m ? from : from - 1) * maxShardBytes;
+      range = op.plan.shard(s, g, l, m);
+      dst = slice.staging + (L - 1) * maxChunkBytes + (from < m ? from : from - 1) * maxShardBytes +
+          op.plan.shardOffset(g) * elem;
       break;
     case Phase::kDiffuse:
-      range = op.plan.shard(s, l, from);
+      range = op.plan.shard(s, g, l, from);
       dst = op.at(range);
       break;
     case Phase::kAllGather:
-      range = op.plan.chunk(s, from);
+      range = op.plan.chunk(s, g, from);
       dst = op.at(range);
       break;
   }
@@ -618,18 +675,18 @@ void AllreduceEngine::deliver(Op& op, Slice& slice, int peer, const DataHeader& 
         actions);
     return;
   }
-  slice.announced[phase][from] = 1;
-  ++slice.pendingReads;
+  seg.announced[phase][from] = 1;
+  ++seg.pendingReads;
   const uint64_t seq = op.seq;
   const Phase p = h.phase;
-  actions.push_back([this, peer, p, dst, bytes, seq, s] {
-    mesh_->receive(peer, laneOf(p), dst, bytes, [this, seq, s, p](Status status) {
-      onReceived(seq, s, p, std::move(status));
+  actions.push_back([this, peer, p, dst, bytes, seq, s, g] {
+    mesh_->receive(peer, laneOf(p), dst, bytes, [this, seq, s, g, p](Status status) {
+      onReceived(seq, s, g, p, std::move(status));
     });
   });
 }
 
-void AllreduceEngine::onReceived(uint64_t seq, int64_t s, Phase phase, Status status) {
+void AllreduceEngine::onReceived(uint64_t seq, int64_t s, int g, Phase phase, Status status) {
   Actions actions;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -640,15 +697,16 @@ void AllreduceEngine::onReceived(uint64_t seq, int64_t s, Phase phase, Status st
       failLocked(status.message(), actions);
     } else if (auto it = ops_.find(seq); it != ops_.end()) {
       Slice& slice = it->second->slices[s];
-      --slice.pendingReads;
-      ++slice.received[static_cast<int>(phase)];
-      advance(*it->second, slice, actions);
+      Segment& seg = slice.segments[g];
+      --seg.pendingReads;
+      ++seg.received[static_cast<int>(phase)];
+      advance(*it->second, slice, seg, actions);
     }
   }
   run(actions);
 }
 
-void AllreduceEngine::onSent(uint64_t seq, int64_t s, int peer, Status status) {
+void AllreduceEngine::onSent(uint64_t seq, int64_t s, int g, int peer, Status status) {
   Actions actions;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -670,8 +728,9 @@ void AllreduceEngine::onSent(uint64_t seq, int64_t s, int peer, Status status) {
     // An operation that failed is gone from ops_; earlier ones carry on.
     if (auto it = ops_.find(seq); it != ops_.end()) {
       Slice& slice = it->second->slices[s];
-      --slice.sendsInFlight;
-      advance(*it->second, slice, actions);
+      Segment& seg = slice.segments[g];
+      --seg.sendsInFlight;
+      advance(*it->second, slice, seg, actions);
     }
   }
   run(actions);
@@ -728,16 +787,18 @@ bool AllreduceEngine::needsFrom(int peer, Lane lane) const {
   const int from = local ? layout_.localRankOf(peer) : layout_.machineOf(peer);
   for (const auto& [seq, op] : ops_) {
     for (const Slice& slice : op->slices) {
-      if (slice.done || slice.announced[static_cast<int>(phase)][from]) {
-        continue;
-      }
-      auto parked = parked_.find({seq, slice.index});
-      const bool isParked = parked != parked_.end() &&
-          std::any_of(parked->second.begin(), parked->second.end(), [&](const Parked& p) {
-                              return p.peer == peer && p.header.phase == phase;
-                            });
-      if (!isParked) {
-        return true;
+      for (const Segment& seg : slice.segments) {
+        if (seg.done || seg.announced[static_cast<int>(phase)][from]) {
+          continue;
+        }
+        auto parked = parked_.find({seq, slice.index});
+        const bool isParked = parked != parked_.end() &&
+            std::any_of(parked->second.begin(), parked->second.end(), [&](const Parked& p) {
+                                return p.peer == peer && p.header.phase == phase && p.header.segment == seg.index;
+                              });
+        if (!isParked) {
+          return true;
+        }
       }
     }
   }
@@ -753,22 +814,30 @@ std::string AllreduceEngine::describeWait(const Op& op) const {
     if (!slice.active) {
       return where + " is waiting for a staging slot (earlier operations have not finished)";
     }
-    std::string missing;
-    for (int phase = 0; phase < kNumPhases; ++phase) {
-      const bool intraNode = phase == 0 || phase == 3;
-      for (size_t i = 0; i < slice.announced[phase].size(); ++i) {
-        const int peer = intraNode ? layout_.rankOf(layout_.machine(), static_cast<int>(i))
-                                   : layout_.rankOf(static_cast<int>(i), layout_.localRank());
-        if (peer != layout_.rank() && !slice.announced[phase][i]) {
-          missing += (missing.empty() ? "" : ", ") + std::string(phaseName(static_cast<Phase>(phase))) +
-              " from " + layout_.describe(peer);
+    for (const Segment& seg : slice.segments) {
+      if (seg.done) {
+        continue;
+      }
+      if (slice.segments.size() > 1) {
+        where += ", segment " + std::to_string(seg.index) + " of " + std::to_string(slice.segments.size()) + ",";
+      }
+      std::string missing;
+      for (int phase = 0; phase < kNumPhases; ++phase) {
+        const bool intraNode = phase == 0 || phase == 3;
+        for (size_t i = 0; i < seg.announced[phase].size(); ++i) {
+          const int peer = intraNode ? layout_.rankOf(layout_.machine(), static_cast<int>(i))
+                                     : layout_.rankOf(static_cast<int>(i), layout_.localRank());
+          if (peer != layout_.rank() && !seg.announced[phase][i]) {
+            missing += (missing.empty() ? "" : ", ") + std::string(phaseName(static_cast<Phase>(phase))) +
+                " from " + layout_.describe(peer);
+          }
+        }
+        if (!missing.empty()) {
+          return where + " is waiting for " + missing;
         }
       }
-      if (!missing.empty()) {
-        return where + " is waiting for " + missing;
-      }
+      return where + " is waiting for its sends and receives to complete";
     }
-    return where + " is waiting for its sends and receives to complete";
   }
   return "it is finishing";
 }
@@ -802,7 +871,7 @@ void AllreduceEngine::watchdog() {
       if (now > op->deadline) {
         Actions actions;
         failLocked(
-            "fairring: allreduce #" + std::to_string(seq) + " (" + describeOp(op->header(0, Phase::kReduceScatter)) +
+            "fairring: allreduce #" + std::to_string(seq) + " (" + describeOp(op->header(0, 0, Phase::kReduceScatter)) +
                 ") timed out after " + std::to_string(options_.timeout.count()) + " ms on " +
                 layout_.describe(layout_.rank()) + ": " + describeWait(*op),
             actions);

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "pipeline/pipeline_chunk.h"
 #include "pipeline/slice_plan.h"
 #include "pipeline/task_queue.h"
 #include "staging/staging_pool.h"
@@ -34,13 +35,15 @@ struct EngineOptions {
   std::string listenAddress;
   std::string token;
   std::string timelinePath; // empty: no timeline
+  size_t segmentBytes{pipelineChunkBytes()}; // FAIRRING_PIPELINE_CHUNK
 };
 
 // The reduction-server allreduce on CPU tensors. Every operation is cut into
-// slices; each slice goes through reduce-scatter (inside the machine),
-// collect + reduce + diffuse (along the rail, across machines) and
-// all-gather (inside the machine). Slices of many operations are in flight
-// at once, bounded by the staging pool.
+// slices, each holding one staging slot, and slices into segments; each
+// segment goes through reduce-scatter (inside the machine), collect + reduce
+// + diffuse (along the rail, across machines) and all-gather (inside the
+// machine), segments of a slice overlapping one another. Slices of many
+// operations are in flight at once, bounded by the staging pool.
 class AllreduceEngine {
  public:
   using Future = c10::ivalue::Future;
@@ -76,6 +79,7 @@ class AllreduceEngine {
   const RankLayout& layout() const { return layout_; }
 
  private:
+  struct Segment;
   struct Slice;
   struct Op;
   struct Parked {
@@ -89,12 +93,15 @@ class AllreduceEngine {
     size_t bytes;
     uint64_t seq;
     int64_t slice;
+    int segment;
+    int peer;
   };
-  // Messages to one (peer, lane), in the order the state machine decided them.
-  // The deadlock argument needs each pipe to carry reduce messages in global
-  // slice order; decisions are made under the lock, but the sends happen
-  // after it on whichever thread made them, so one drainer at a time issues
-  // them in queue order.
+  // Messages to one local peer on one lane, or to all rail peers on one lane
+  // (which share a writer, see PeerMesh), in the order the state machine
+  // decided them. The deadlock argument needs each pipe (and each rail
+  // writer) to carry reduce messages in global slice order; decisions are
+  // made under the lock, but the sends happen after it on whichever thread
+  // made them, so one drainer at a time issues them in queue order.
   struct Outbox {
     std::deque<Outgoing> queue;
     bool draining{false};
@@ -110,26 +117,30 @@ class AllreduceEngine {
       Actions& actions);
   void onMessage(int peer, Lane lane, Status status, std::string header, size_t bytes);
   void deliver(Op& op, Slice& slice, int peer, const DataHeader& h, size_t bytes, Actions& actions);
-  void onReceived(uint64_t seq, int64_t s, Phase phase, Status status);
-  void onSent(uint64_t seq, int64_t s, int peer, Status status);
+  void onReceived(uint64_t seq, int64_t s, int g, Phase phase, Status status);
+  void onSent(uint64_t seq, int64_t s, int g, int peer, Status status);
 
   void pump(Actions& actions);
   void activate(Op& op, Slice& slice, Actions& actions);
-  void advance(Op& op, Slice& slice, Actions& actions);
-  void sendPiece(Op& op, Slice& slice, int peer, Phase phase, Range range, Actions& actions);
+  void advance(Op& op, Slice& slice, Segment& seg, Actions& actions);
+  void sendPiece(Op& op, Slice& slice, Segment& seg, int peer, Phase phase, Range range, Actions& actions);
+  void finishSegment(Op& op, Slice& slice, Segment& seg, Actions& actions);
   void finishSlice(Op& op, Slice& slice, Actions& actions);
-  void drain(int peer, Lane lane);
+  // The outbox key of messages to `peer`: the peer, or kRailPeers.
+  int outboxOf(int peer) const;
+  void drain(int box, Lane lane);
   // Reduces `numPieces` staged pieces into `mine` on the reduction thread
   // (and applies AVG's division if `last`), then runs `then` under the lock.
   void reduceLater(
       Op& op,
       Slice& slice,
+      Segment& seg,
       Range mine,
       uint8_t* firstPiece,
       int64_t pieceStride,
       int numPieces,
       bool last,
-      std::function<void(Slice&, Actions&)> then);
+      std::function<void(Slice&, Segment&, Actions&)> then);
 
   // Records the failure (the first one is what later calls report), fails
   // every operation from `fromSeq` on, tells the peers, and lets the
@@ -149,7 +160,7 @@ class AllreduceEngine {
   std::string describeMismatch(const Op& op, int peer, const DataHeader& h) const;
 
   at::Tensor view(const Op& op, Range range) const;
-  void recordSlice(const Op& op, const Slice& slice);
+  void recordSegment(const Op& op, const Slice& slice, const Segment& seg);
   void recordOp(const Op& op);
 
   const RankLayout layout_;
@@ -170,13 +181,14 @@ class AllreduceEngine {
   std::chrono::steady_clock::time_point failedAt_;
   bool stopping_{false};
   uint64_t nextSeq_{0};
-  uint64_t nextSliceId_{0};
+  uint64_t nextSegmentId_{0}; // timeline rows
   std::map<uint64_t, std::unique_ptr<Op>> ops_;
   // Failed operations whose memory a connection may still read or write
   // until the connections are closed.
   std::vector<std::unique_ptr<Op>> graveyard_;
   std::deque<std::pair<uint64_t, int64_t>> waitingForSlot_;
   std::map<std::pair<uint64_t, int64_t>, std::vector<Parked>> parked_;
+  static constexpr int kRailPeers = -1;
   std::map<std::pair<int, Lane>, Outbox> outboxes_;
   StagingPool staging_;
   std::thread watchdog_;

@@ -13,37 +13,65 @@ struct Range {
 };
 
 // How one allreduce of `numel` elements is cut: into slices of at most
-// `sliceElems` elements; each slice into L chunks (one per local rank); each
-// chunk into M shards (one per machine). Every rank computes the same plan
-// from the same inputs, so no sizes need to travel on the wire.
+// `sliceElems` elements (a slice holds one staging slot); each slice into
+// segments of `segmentElems` (the units the pipeline moves: segment g+1 is
+// collected while segment g is reduced and diffused); each segment into L
+// chunks (one per local rank); each chunk into M shards (one per machine).
+// Every rank computes the same plan from the same inputs, so no sizes need to
+// travel on the wire.
+//
+// Every segment but a slice's last has exactly `segmentElems()` elements, a
+// multiple of L·M, so its chunks and shards are equal and a segment's pieces
+// sit at fixed offsets of a staging slot sized for the whole slice (see
+// chunkOffset and shardOffset): segments cost no staging memory of their own.
 class SlicePlan {
  public:
-  SlicePlan(int64_t numel, int64_t sliceElems, int localSize, int numMachines)
+  SlicePlan(int64_t numel, int64_t sliceElems, int64_t segmentElems, int localSize, int numMachines)
       : numel_(numel),
         sliceElems_(std::max<int64_t>(1, sliceElems)),
+        segmentElems_(fitSegment(sliceElems_, segmentElems, localSize, numMachines)),
         localSize_(localSize),
         numMachines_(numMachines) {}
 
   int64_t numel() const { return numel_; }
   int64_t numSlices() const { return (numel_ + sliceElems_ - 1) / sliceElems_; }
+  int64_t segmentElems() const { return segmentElems_; }
 
   Range slice(int64_t s) const {
     const int64_t begin = s * sliceElems_;
     return {begin, std::min(numel_, begin + sliceElems_)};
   }
 
-  // Chunk `l` of slice `s`, in elements of the whole tensor. Balanced split:
-  // sizes differ by at most one, so a slice smaller than L gives empty chunks.
-  Range chunk(int64_t s, int l) const {
-    return split(slice(s), l, localSize_);
+  // At least one, so that an empty slice still exchanges (empty) messages.
+  int numSegments(int64_t s) const {
+    return static_cast<int>(std::max<int64_t>(1, (slice(s).size() + segmentElems_ - 1) / segmentElems_));
   }
 
-  // Shard `m` of chunk `l` of slice `s`.
-  Range shard(int64_t s, int l, int m) const {
-    return split(chunk(s, l), m, numMachines_);
+  Range segment(int64_t s, int g) const {
+    const Range sl = slice(s);
+    const int64_t begin = sl.begin + g * segmentElems_;
+    return {std::min(sl.end, begin), std::min(sl.end, begin + segmentElems_)};
   }
 
-  // Upper bounds used to lay out a staging slot, valid for every slice.
+  // Chunk `l` of segment `g` of slice `s`, in elements of the whole tensor.
+  // Balanced split: sizes differ by at most one, so a segment smaller than L
+  // gives empty chunks.
+  Range chunk(int64_t s, int g, int l) const {
+    return split(segment(s, g), l, localSize_);
+  }
+
+  // Shard `m` of chunk `l` of segment `g` of slice `s`.
+  Range shard(int64_t s, int g, int l, int m) const {
+    return split(chunk(s, g, l), m, numMachines_);
+  }
+
+  // Where segment g's chunk (shard) starts inside a staging region that holds
+  // one chunk (shard) per segment of the slice, in elements.
+  int64_t chunkOffset(int g) const { return g * (segmentElems_ / localSize_); }
+  int64_t shardOffset(int g) const { return g * (segmentElems_ / (localSize_ * numMachines_)); }
+
+  // Upper bounds used to lay out a staging slot, valid for every slice: the
+  // chunks (shards) of all segments of a slice, end to end, never need more.
   int64_t maxChunkElems() const { return (sliceElems_ + localSize_ - 1) / localSize_; }
   int64_t maxShardElems() const { return (maxChunkElems() + numMachines_ - 1) / numMachines_; }
 
@@ -53,8 +81,17 @@ class SlicePlan {
     return {r.begin + len * i / n, r.begin + len * (i + 1) / n};
   }
 
+  // The requested segment rounded down to a multiple of L·M (at least L·M);
+  // a slice that a segment would not cut stays one segment.
+  static int64_t fitSegment(int64_t sliceElems, int64_t segmentElems, int localSize, int numMachines) {
+    const int64_t unit = static_cast<int64_t>(localSize) * numMachines;
+    const int64_t fitted = std::max(unit, segmentElems / unit * unit);
+    return fitted >= sliceElems ? sliceElems : fitted;
+  }
+
   int64_t numel_;
   int64_t sliceElems_;
+  int64_t segmentElems_;
   int localSize_;
   int numMachines_;
 };

@@ -8,7 +8,8 @@ namespace fairring {
 namespace {
 constexpr uint32_t kHelloMagic = 0x46524832; // "FRH2"
 constexpr uint32_t kReplyMagic = 0x46525231; // "FRR1"
-constexpr uint16_t kVersion = 1;
+// 2: data headers name the segment of a slice.
+constexpr uint16_t kVersion = 2;
 
 template <typename T>
 void put(uint8_t* out, size_t at, T v) {

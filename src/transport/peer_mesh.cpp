@@ -19,6 +19,9 @@ namespace {
 // needs costs more than copying a small body twice.
 constexpr size_t kMemoryReadMinBytes = 64 * 1024;
 constexpr auto kDrainWait = std::chrono::milliseconds(500);
+// Unsent bytes a rail socket may hold (see setLowUnsent): about 1 ms of a
+// 1 Gbit/s link, enough to keep it busy while the next message is issued.
+constexpr int kRailUnsentBytes = 128 * 1024;
 // Between attempts to get past a gate that had no room.
 constexpr auto kRetryPause = std::chrono::milliseconds(50);
 
@@ -57,12 +60,21 @@ struct PeerMesh::Outbound {
   Lane lane;
   Socket socket;
   bool readsMemory;
-  std::thread thread;
+  Writer* writer{nullptr};
+  // Touched only by the writer's thread: after a failed send nothing more
+  // goes out on this connection.
+  bool broken{false};
+  Status brokenStatus;
+};
 
+// One thread that writes a queue of messages, in queue order, to one
+// connection or (rail: every rail connection of one lane) to several.
+struct PeerMesh::Writer {
+  std::thread thread;
   std::mutex mu;
   std::condition_variable cv;
   bool stop{false};
-  std::deque<Outgoing> queue;
+  std::deque<std::pair<Outbound*, Outgoing>> queue;
 };
 
 PeerMesh::PeerMesh(const RankLayout& layout, Options options, OnMessage onMessage)
@@ -244,17 +256,31 @@ Status PeerMesh::connect(int peer, Lane lane, const std::string& url, Clock::tim
   if (reply->verdict != HelloReply::Verdict::kAccepted) {
     return failure("connecting to", peer, "it refused this rank's hello: " + describe(reply->verdict));
   }
+  const bool rail = reachOf(peer) == Reach::kRail;
+  // With one rail peer there is no order between sockets to keep, and on a
+  // fast link the extra wake-ups cost CPU.
+  if (rail && layout_.numMachines() > 2) {
+    setLowUnsent(socket, kRailUnsentBytes);
+  }
   auto out = std::make_unique<Outbound>();
   out->peer = peer;
   out->lane = lane;
   out->socket = std::move(socket);
   out->readsMemory = reply->readsMemory;
-  Outbound* ptr = out.get();
   std::lock_guard<std::mutex> lock(mu_);
   if (closed_) {
     return Status::error("fairring: the process group was closed during start-up");
   }
-  ptr->thread = std::thread([this, ptr] { writeLoop(*ptr); });
+  Writer*& shared = railWriters_[static_cast<int>(lane)];
+  if (!rail || shared == nullptr) {
+    writers_.push_back(std::make_unique<Writer>());
+    Writer* w = writers_.back().get();
+    w->thread = std::thread([this, w] { writeLoop(*w); });
+    if (rail) {
+      shared = w;
+    }
+  }
+  out->writer = rail ? shared : writers_.back().get();
   outbound_[{peer, lane}] = std::move(out);
   return Status();
 }
@@ -379,38 +405,37 @@ Status PeerMesh::skip(const Socket& socket, size_t bytes) {
   return Status();
 }
 
-void PeerMesh::writeLoop(Outbound& out) {
-  bool broken = false;
-  Status brokenStatus;
+void PeerMesh::writeLoop(Writer& writer) {
   while (true) {
-    Outgoing msg;
+    std::pair<Outbound*, Outgoing> next;
     {
-      std::unique_lock<std::mutex> lock(out.mu);
-      out.cv.wait(lock, [&] { return out.stop || !out.queue.empty(); });
-      if (out.stop) {
+      std::unique_lock<std::mutex> lock(writer.mu);
+      writer.cv.wait(lock, [&] { return writer.stop || !writer.queue.empty(); });
+      if (writer.stop) {
         break;
       }
-      msg = std::move(out.queue.front());
-      out.queue.pop_front();
+      next = std::move(writer.queue.front());
+      writer.queue.pop_front();
     }
-    if (!broken) {
-      Status s = transmit(out, msg);
+    auto& [out, msg] = next;
+    if (!out->broken) {
+      Status s = transmit(*out, msg);
       if (!s.ok()) {
-        awaitDrained(out.peer);
-        broken = true;
-        brokenStatus = failure("sending to", out.peer, s.message());
+        awaitDrained(out->peer);
+        out->broken = true;
+        out->brokenStatus = failure("sending to", out->peer, s.message());
       }
     }
-    msg.done(broken ? brokenStatus : Status());
+    msg.done(out->broken ? out->brokenStatus : Status());
   }
   // Closing: what was not sent will not be.
-  std::deque<Outgoing> left;
+  std::deque<std::pair<Outbound*, Outgoing>> left;
   {
-    std::lock_guard<std::mutex> lock(out.mu);
-    left.swap(out.queue);
+    std::lock_guard<std::mutex> lock(writer.mu);
+    left.swap(writer.queue);
   }
-  for (Outgoing& msg : left) {
-    msg.done(Status::error("fairring: the connection to " + layout_.describe(out.peer) + " was closed"));
+  for (auto& [out, msg] : left) {
+    msg.done(Status::error("fairring: the connection to " + layout_.describe(out->peer) + " was closed"));
   }
 }
 
@@ -451,11 +476,12 @@ void PeerMesh::send(int peer, Lane lane, std::string header, void* data, size_t 
     done(Status::error("fairring: no connection to " + layout_.describe(peer) + " (closed)"));
     return;
   }
+  Writer& writer = *out->writer;
   {
-    std::lock_guard<std::mutex> lock(out->mu);
-    if (!out->stop) {
-      out->queue.push_back(Outgoing{std::move(header), data, bytes, std::move(done)});
-      out->cv.notify_one();
+    std::lock_guard<std::mutex> lock(writer.mu);
+    if (!writer.stop) {
+      writer.queue.emplace_back(out, Outgoing{std::move(header), data, bytes, std::move(done)});
+      writer.cv.notify_one();
       return;
     }
   }
@@ -496,16 +522,21 @@ void PeerMesh::close() {
   }
   std::map<Key, std::unique_ptr<Outbound>> outbound;
   std::map<Key, std::unique_ptr<Inbound>> inbound;
+  std::vector<std::unique_ptr<Writer>> writers;
   {
     std::lock_guard<std::mutex> lock(mu_);
     outbound.swap(outbound_);
     inbound.swap(inbound_);
+    writers.swap(writers_);
+    railWriters_[0] = railWriters_[1] = nullptr;
+  }
+  for (auto& writer : writers) {
+    std::lock_guard<std::mutex> lock(writer->mu);
+    writer->stop = true;
+    writer->cv.notify_all();
   }
   for (auto& [key, out] : outbound) {
-    std::lock_guard<std::mutex> lock(out->mu);
-    out->stop = true;
     out->socket.shutdown();
-    out->cv.notify_all();
   }
   for (auto& [key, in] : inbound) {
     std::lock_guard<std::mutex> lock(in->mu);
@@ -517,15 +548,24 @@ void PeerMesh::close() {
   auto finish = [&](std::thread& t, auto& owner) {
     if (t.get_id() == self) {
       // Closed from one of our own callbacks: that thread is still inside
-      // this connection's loop, so the connection must outlive it.
+      // its loop, so what it uses must outlive it.
       t.detach();
       owner.release();
-    } else if (t.joinable()) {
+      return true;
+    }
+    if (t.joinable()) {
       t.join();
     }
+    return false;
   };
-  for (auto& [key, out] : outbound) {
-    finish(out->thread, out);
+  bool writerDetached = false;
+  for (auto& writer : writers) {
+    writerDetached = finish(writer->thread, writer) || writerDetached;
+  }
+  if (writerDetached) {
+    for (auto& [key, out] : outbound) {
+      out.release(); // the detached writer may still hold any of them
+    }
   }
   for (auto& [key, in] : inbound) {
     finish(in->thread, in);

@@ -26,8 +26,10 @@ namespace fairring {
 // ranks it exchanges with (its local peers and its rail peers). Outbound
 // connections only carry messages out, inbound ones only in, one message at
 // a time: the receiver sees a header, decides where the body goes (or
-// waits), then reads it. Each connection has its own thread, blocked in the
-// kernel when idle, so a slow peer holds up only its own connection.
+// waits), then reads it. Each inbound connection and each local outbound one
+// has its own thread, blocked in the kernel when idle, so a slow peer holds
+// up only its own connection; the rail outbound connections of a lane share
+// one writer (see railWriters_).
 class PeerMesh {
  public:
   struct Options {
@@ -49,7 +51,7 @@ class PeerMesh {
   // stops listening.
   Status start(c10d::Store& store);
 
-  // Queues a message; `done` runs on the connection's thread once it is sent
+  // Queues a message; `done` runs on the writer's thread once it is sent
   // (for a body read out of this process's memory: once the peer has read it).
   void send(int peer, Lane lane, std::string header, void* data, size_t bytes, Done done);
 
@@ -65,6 +67,7 @@ class PeerMesh {
   using Key = std::pair<int, Lane>;
   struct Inbound;
   struct Outbound;
+  struct Writer;
   struct Outgoing {
     std::string header;
     void* data;
@@ -80,7 +83,7 @@ class PeerMesh {
   void adopt(const Hello& hello, Socket socket, bool readsMemory);
   Status connect(int peer, Lane lane, const std::string& url, Clock::time_point deadline);
   void readLoop(Inbound& in);
-  void writeLoop(Outbound& out);
+  void writeLoop(Writer& writer);
   Status transmit(Outbound& out, Outgoing& msg);
   Status skip(const Socket& socket, size_t bytes);
   void awaitDrained(int peer);
@@ -98,6 +101,19 @@ class PeerMesh {
   std::condition_variable cv_;
   bool closed_{false};
   std::map<Key, std::unique_ptr<Outbound>> outbound_;
+  std::vector<std::unique_ptr<Writer>> writers_;
+  // Messages to other machines share this rank's link. The rail connections
+  // of one lane share one writer, which sends their messages one at a time in
+  // the order the engine queued them (segment by segment, peers in rotation:
+  // at any moment every rank sends to a different machine), each socket
+  // keeping little unsent data (setLowUnsent, with 2+ rail peers) so that this
+  // is also the order on the wire, rather than 2·(M-1) flows fighting for the
+  // link. On 4 × 1 at 1 Gbit/s, letting each socket buffer what the kernel
+  // allows instead cost 3-9% (docs/design.md). A writer blocked on one peer
+  // (which holds a reduce message until it has a staging slot) delays this
+  // lane's messages to the others; the engine's order makes that safe
+  // (docs/design.md, "Lanes, staging and why it does not deadlock").
+  Writer* railWriters_[kNumLanes] = {nullptr, nullptr};
   std::map<Key, std::unique_ptr<Inbound>> inbound_;
 };
 

@@ -249,6 +249,10 @@ void setNoDelay(const Socket& s) {
   ::setsockopt(s.fd(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
 }
 
+void setLowUnsent(const Socket& s, int bytes) {
+  ::setsockopt(s.fd(), IPPROTO_TCP, TCP_NOTSENT_LOWAT, &bytes, sizeof(bytes));
+}
+
 std::string peerName(const Socket& s) {
   struct sockaddr_storage addr {};
   socklen_t len = sizeof(addr);

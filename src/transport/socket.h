@@ -61,6 +61,10 @@ bool waitReadable(const Socket& s, Clock::time_point deadline);
 
 void setBlocking(const Socket& s, bool blocking);
 void setNoDelay(const Socket& s);
+// A blocking send returns once at most `bytes` of what it wrote wait unsent in
+// the kernel (TCP_NOTSENT_LOWAT): the order of sends on different sockets is
+// then nearly the order on the wire.
+void setLowUnsent(const Socket& s, int bytes);
 
 // "127.0.0.1:53412": who is at the other end, for messages.
 std::string peerName(const Socket& s);

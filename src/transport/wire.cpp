@@ -5,7 +5,7 @@
 namespace fairring {
 
 namespace {
-constexpr uint32_t kDataMagic = 0x46524431; // "FRD1"
+constexpr uint32_t kDataMagic = 0x46524432; // "FRD2": with the segment
 constexpr uint32_t kAbortMagic = 0x46524131; // "FRA1"
 constexpr size_t kMaxReasonBytes = 4096;
 
@@ -40,6 +40,7 @@ std::string encode(const DataHeader& h) {
   put(out, kDataMagic);
   put(out, h.opSeq);
   put(out, h.slice);
+  put(out, h.segment);
   put(out, static_cast<uint8_t>(h.phase));
   put(out, h.numel);
   put(out, h.dtype);
@@ -53,7 +54,7 @@ std::optional<DataHeader> decodeData(const std::string& in) {
   uint8_t phase = 0;
   DataHeader h;
   if (!take(in, pos, magic) || magic != kDataMagic || !take(in, pos, h.opSeq) ||
-      !take(in, pos, h.slice) || !take(in, pos, phase) || !take(in, pos, h.numel) ||
+      !take(in, pos, h.slice) || !take(in, pos, h.segment) || !take(in, pos, phase) || !take(in, pos, h.numel) ||
       !take(in, pos, h.dtype) || !take(in, pos, h.op) || pos != in.size() || phase > 3) {
     return std::nullopt;
   }

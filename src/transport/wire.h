@@ -31,6 +31,7 @@ const char* phaseName(Phase p);
 struct DataHeader {
   uint64_t opSeq{0};
   int64_t slice{0};
+  int32_t segment{0}; // of the slice (see SlicePlan)
   Phase phase{Phase::kReduceScatter};
   int64_t numel{0};
   int8_t dtype{0};
