@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/cpu_allreduce.h"
 #include "pipeline/allreduce_engine.h"
 #ifdef FAIRRING_WITH_CUDA
 #include "cuda/cuda_allreduce_engine.h"
@@ -134,6 +135,7 @@ class FairringBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> cpu_;
   c10::intrusive_ptr<c10d::Backend> cuda_;
   std::unique_ptr<AllreduceEngine> engine_;
+  std::unique_ptr<CpuAllreduce> cpuAllreduce_; // uses engine_: declared after it
 #ifdef FAIRRING_WITH_CUDA
   std::unique_ptr<CudaAllreduceEngine> cudaEngine_; // connects at the first CUDA allreduce
 #endif

@@ -6,6 +6,7 @@
 #include <set>
 
 #include "ops/reduce_kind.h"
+#include "pipeline/ordered_completion.h"
 
 namespace fairring {
 
@@ -124,6 +125,10 @@ void AllreduceEngine::shutdownAll(std::chrono::milliseconds grace) {
   for (AllreduceEngine* engine : registry()) {
     engine->shutdown();
   }
+  // The shutdowns failed what was left; its futures' callbacks run on the
+  // completion threads, which must be done before Python finalizes.
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+  OrderedCompletion::stopAll(std::max(left, std::chrono::milliseconds(1000)));
 }
 
 void AllreduceEngine::start(c10d::Store& store) {
