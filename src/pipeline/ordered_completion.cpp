@@ -183,7 +183,7 @@ struct OrderedCompletion::State : std::enable_shared_from_this<State> {
     tlMarking = kNone;
   }
 
-  // The first callback of every chained future.
+  // Added by chain() before any of the user's callbacks.
   void gate(uint64_t idx) {
     if (tlMarking != idx) {
       return; // completed by someone else than its worker: nothing to order

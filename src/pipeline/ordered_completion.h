@@ -16,10 +16,10 @@ namespace fairring {
 //    marked, not once its callbacks have returned. Marking releases wait()
 //    before any callback runs, so a callback blocked on a later future never
 //    holds that future back.
-//  - Each marking runs on a worker thread, and the first callback of every
-//    future is a gate that holds the rest until every earlier future's
-//    callbacks have returned. Workers are added when every one is held (by a
-//    gate or by a callback that blocks).
+//  - Each marking runs on a worker thread, and chain() adds a gate to every
+//    future, which holds the callbacks added after it until every earlier
+//    future's callbacks have returned. Workers are added when every one is
+//    held (by a gate or by a callback that blocks).
 class OrderedCompletion {
  public:
   using Future = c10::ivalue::Future;
