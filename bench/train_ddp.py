@@ -108,9 +108,14 @@ def main() -> None:
     # job's time rather than its own.
     dist.barrier()
     start = time.perf_counter()
-    losses = [step() for _ in range(args.steps)]
+    losses = []
+    step_ends = []
+    for _ in range(args.steps):
+        losses.append(step())
+        step_ends.append(time.perf_counter())
     dist.barrier()
     elapsed = time.perf_counter() - start
+    step_s = [b - a for a, b in zip([start, *step_ends[:-1]], step_ends, strict=True)]
 
     # Mean loss over ranks of the last step: what the job as a whole reached.
     final_loss = losses[-1].clone() if losses else torch.zeros(())
@@ -129,6 +134,11 @@ def main() -> None:
             "steps_per_s": round(args.steps / elapsed, 4),
             "words_per_s": round(words / elapsed, 1),
             "final_loss": round(final_loss.item(), 6),
+            "step_ms": [round(1000 * x, 1) for x in step_s],
+            "optimizer": args.optimizer,
+            "lr": args.lr,
+            # Other jobs on a small shared host are the main source of noise.
+            "load_avg": [round(x, 2) for x in os.getloadavg()],
             "grad_mib": round(gradient_bytes(model) / 2**20, 2),
         }
         line = json.dumps(result)

@@ -78,10 +78,21 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::run(
 AllreduceEngine& CpuAllreduce::callbackEngine() {
   std::lock_guard<std::mutex> lock(mu_);
   TORCH_CHECK(!stopped_, "fairring: the process group was shut down");
+  if (!startFailure_.empty()) {
+    throw c10::DistBackendError(startFailure_);
+  }
   if (!callbackEngine_) {
-    auto engine = std::make_unique<AllreduceEngine>(engine_.layout(), callbackOptions_);
-    engine->start(*store_);
-    callbackEngine_ = std::move(engine);
+    try {
+      auto engine = std::make_unique<AllreduceEngine>(engine_.layout(), callbackOptions_);
+      engine->start(*store_);
+      callbackEngine_ = std::move(engine);
+    } catch (const std::exception& e) {
+      // Every rank starts it at its first allreduce from a callback; one that
+      // never gets there (its program differs) leaves the others here.
+      startFailure_ = std::string("fairring: starting the pipeline for allreduces issued from callbacks failed on ") +
+          engine_.layout().describe(engine_.layout().rank()) + ": " + e.what();
+      throw c10::DistBackendError(startFailure_);
+    }
   }
   return *callbackEngine_;
 }

@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "pipeline/allreduce_engine.h"
@@ -55,8 +56,9 @@ class CpuAllreduce {
   const EngineOptions callbackOptions_;
   c10::intrusive_ptr<c10d::Store> store_;
   OrderedCompletion completion_;
-  std::mutex mu_; // guards the two below; held while the callback engine connects
+  std::mutex mu_; // guards the three below; held while the callback engine connects
   std::unique_ptr<AllreduceEngine> callbackEngine_;
+  std::string startFailure_; // a failed start is not retried
   bool stopped_{false};
 };
 

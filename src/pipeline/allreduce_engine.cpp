@@ -450,7 +450,7 @@ void AllreduceEngine::finishSlice(Op& op, Slice& slice, Actions& actions) {
   ops_.erase(it);
   cv_.notify_all(); // shutdownAll may be waiting for ops_ to empty
   actions.push_back([this, finished] {
-    tasks_.post([finished] {
+    auto complete = [finished] {
       try {
         if (finished->finish) {
           finished->finish();
@@ -461,7 +461,15 @@ void AllreduceEngine::finishSlice(Op& op, Slice& slice, Actions& actions) {
           finished->future->setError(makeError(std::string("fairring: completing allreduce failed: ") + e.what()));
         }
       }
-    });
+    };
+    // A write-back is arithmetic: the reduction thread's. Without one, the
+    // future completes here: its callbacks only hand the result on (to
+    // OrderedCompletion), and a hop to another thread would only add latency.
+    if (finished->finish) {
+      tasks_.post(std::move(complete));
+    } else {
+      complete();
+    }
   });
 }
 
