@@ -37,7 +37,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--netns", action="store_true", help="netns cluster, unshaped")
     p.add_argument("--name", default=None, help="results file stem")
     p.add_argument("--timeout", type=float, default=400.0, help="seconds per shape")
-    p.add_argument("--out", type=Path, help="(worker) raw result file")
+    common.add_output_args(p)
     return p.parse_args(argv)
 
 
@@ -72,7 +72,7 @@ def worker(args: argparse.Namespace) -> None:
         times = common.time_iterations(variants, args.iters, args.warmup, dist.barrier)
         results[str(size)] = {"reps": reps,
                               **{k: [t / reps for t in v] for k, v in times.items()}}
-    common.write_worker_result(args.out, {"world": dist.get_world_size(), "sizes": results})
+    common.write_worker_result(args.raw_out, {"world": dist.get_world_size(), "sizes": results})
     dist.destroy_process_group()
 
 
@@ -97,7 +97,7 @@ def driver(args: argparse.Namespace) -> int:
               "warmup": args.warmup, "shapes": args.shapes,
               "timing": "median over iterations of the slowest rank"}
     common.stamp_and_save("allreduce_sizes", place.name, config, render,
-                          {"runs": runs, "link_goodput": goodput})
+                          {"runs": runs, "link_goodput": goodput}, args.out)
     return 0 if all("error" not in r for r in runs.values()) else 1
 
 

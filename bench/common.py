@@ -9,6 +9,7 @@ figures in a JSON file for the driver.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -25,8 +26,12 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "bench" / "results"
-TMP = RESULTS / "tmp"
+RESULTS = REPO / "bench" / "results"  # the committed results, which the README quotes
+TMP = RESULTS / "tmp"  # ignored by git
+# A run writes here unless told otherwise (--out): a benchmark run to try something
+# must not replace the committed figures. `--out bench/results` does that, on purpose.
+DEFAULT_OUT = TMP
+RAW = TMP / "raw"  # what rank 0 of a launch leaves for the driver
 KIB = 1024
 MIB = 1024 * KIB
 sys.path.insert(0, str(REPO / "scripts"))
@@ -131,6 +136,15 @@ def placement(args: Any, benchmark: str) -> Placement:
     return Placement(netns, where, name)
 
 
+def add_output_args(p: argparse.ArgumentParser) -> None:
+    """--out for the driver; --raw-out, which the driver gives its workers."""
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                   help=f"folder for <name>.json, .md and .png (default:"
+                   f" {DEFAULT_OUT.relative_to(REPO)}/, which git ignores; --out bench/results"
+                   " replaces the committed results)")
+    p.add_argument("--raw-out", type=Path, help="(worker) file for rank 0's raw figures")
+
+
 def run_workers(
     script: Path,
     args: Any,
@@ -142,11 +156,11 @@ def run_workers(
     stem: str,
 ) -> tuple[int, dict[str, Any] | None]:
     """One launch of ``script``'s workers as machines x ranks; (0, what rank 0 wrote to
-    TMP/<stem>.json), or (exit status, None) after saying so."""
-    out = TMP / f"{stem}.json"
+    RAW/<stem>.json), or (exit status, None) after saying so."""
+    out = RAW / f"{stem}.json"
     out.unlink(missing_ok=True)
     print(f"== {place.name}: {label} ({place.where})", flush=True)
-    code = launch(script, [*forwarded, "--out", str(out)], machines, ranks_per_machine,
+    code = launch(script, [*forwarded, "--raw-out", str(out)], machines, ranks_per_machine,
                   rate=args.rate, netns=place.netns, timeout=args.timeout)
     if code != 0:
         print(f"!! {place.name} {label} failed with exit status {code}", file=sys.stderr,
@@ -161,10 +175,11 @@ def stamp_and_save(
     config: Mapping[str, Any],
     render: Callable[[dict[str, Any]], tuple[str, Callable[[Path], None]]],
     results: Mapping[str, Any],
+    out: Path,
 ) -> None:
     data = {"benchmark": benchmark, "stamp": stamp(config), **results}
     markdown, plot = render(data)
-    save(name, data, markdown, plot)
+    save(out, name, data, markdown, plot)
 
 
 def role_main(
@@ -218,6 +233,8 @@ def launch(
             "NODE_RANK": str(m),
             "NNODES": str(machines),
             "FAIRRING_MACHINE_ID": f"machine{m}",
+            # NCCL tells hosts apart by this: machines simulated on one GPU need their own.
+            "NCCL_HOSTID": f"machine{m}",
             "GLOO_SOCKET_IFNAME": "lo",
         }
         for local in range(ranks_per_machine):
@@ -317,11 +334,13 @@ def write_worker_result(path: Path, data: Mapping[str, Any]) -> None:
 # --- results -----------------------------------------------------------------------
 
 
-def save(name: str, data: Mapping[str, Any], markdown: str, plot: Callable[[Path], None]) -> None:
-    """bench/results/<name>.json, .md and .png."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
-    (RESULTS / f"{name}.md").write_text(markdown)
-    plot(RESULTS / f"{name}.png")
+def save(
+    out: Path, name: str, data: Mapping[str, Any], markdown: str, plot: Callable[[Path], None]
+) -> None:
+    """<out>/<name>.json, .md and .png."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
+    (out / f"{name}.md").write_text(markdown)
+    plot(out / f"{name}.png")
     print(markdown)
-    print(f"wrote {RESULTS / name}.{{json,md,png}}", flush=True)
+    print(f"wrote {out / name}.{{json,md,png}}", flush=True)

@@ -40,7 +40,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--netns", action="store_true")
     p.add_argument("--name", default=None)
     p.add_argument("--timeout", type=float, default=500.0)
-    p.add_argument("--out", type=Path)
+    common.add_output_args(p)
     return p.parse_args(argv)
 
 
@@ -99,7 +99,7 @@ def worker(args: argparse.Namespace) -> None:
     losses = {name: t.loss for name, t in trainers.items()}
     loss_tensor = torch.tensor(list(losses.values()), dtype=torch.float64)
     dist.all_reduce(loss_tensor)
-    common.write_worker_result(args.out, {
+    common.write_worker_result(args.raw_out, {
         "world": world, "seconds": seconds,
         "words_per_step": world * args.batch * trainers["gloo"].cfg.seq_len,
         "grad_mib": gradient_bytes(trainers["gloo"].model) / common.MIB,
@@ -122,7 +122,7 @@ def driver(args: argparse.Namespace) -> int:
     config = {"where": place.where, "rate": args.rate, "shape": args.shape,
               "blocks": args.blocks, "block_steps": args.block_steps, "batch": args.batch,
               "optimizer": args.optimizer, "bucket_cap_mb": args.bucket_cap_mb}
-    common.stamp_and_save("e2e", place.name, config, render, results)
+    common.stamp_and_save("e2e", place.name, config, render, results, args.out)
     return 0
 
 

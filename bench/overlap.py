@@ -38,7 +38,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--netns", action="store_true")
     p.add_argument("--name", default=None)
     p.add_argument("--timeout", type=float, default=500.0)
-    p.add_argument("--out", type=Path)
+    common.add_output_args(p)
     return p.parse_args(argv)
 
 
@@ -82,7 +82,7 @@ def worker(args: argparse.Namespace) -> None:
         {"gloo": lambda: issue_all(dist.group.WORLD, args.inflight),
          "fairring": lambda: issue_all(default, args.inflight)},
         args.inflight_iters, 1, dist.barrier)
-    common.write_worker_result(args.out, {
+    common.write_worker_result(args.raw_out, {
         "world": world, "local": local, "bucket": bucket, "slot_bytes": slot,
         "sweep": sweep, "inflight": inflight})
     dist.destroy_process_group()
@@ -102,7 +102,7 @@ def driver(args: argparse.Namespace) -> int:
               "buckets": args.buckets, "bucket_size": args.bucket_size,
               "inflight": args.inflight, "iters": args.iters,
               "inflight_iters": args.inflight_iters}
-    common.stamp_and_save("overlap", place.name, config, render, results)
+    common.stamp_and_save("overlap", place.name, config, render, results, args.out)
     return 0
 
 

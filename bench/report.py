@@ -2,6 +2,7 @@
 
     python bench/report.py                  # every bench/results/*.json again
     python bench/report.py overlap          # just bench/results/overlap.json
+    python bench/report.py --dir bench/results/tmp   # a run's default output folder
 
 Each benchmark module has a `render(data) -> (markdown, plot)`; this module holds the
 pieces they share, so the tables and figures of all benchmarks look alike.
@@ -9,6 +10,7 @@ pieces they share, so the tables and figures of all benchmarks look alike.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import sys
@@ -94,20 +96,23 @@ def line_plot(
     plt.close(fig)
 
 
-def rerender(name: str) -> None:
-    data = json.loads((common.RESULTS / f"{name}.json").read_text())
+def rerender(folder: Path, name: str) -> None:
+    data = json.loads((folder / f"{name}.json").read_text())
     module = importlib.import_module(data["benchmark"])
     render: Callable[[dict[str, Any]], tuple[str, Callable[[Path], None]]] = module.render
     markdown, plot = render(data)
-    (common.RESULTS / f"{name}.md").write_text(markdown)
-    plot(common.RESULTS / f"{name}.png")
-    print(f"re-rendered {name}")
+    (folder / f"{name}.md").write_text(markdown)
+    plot(folder / f"{name}.png")
+    print(f"re-rendered {folder / name}")
 
 
 def main(argv: list[str]) -> int:
-    names = argv or sorted(p.stem for p in common.RESULTS.glob("*.json"))
-    for name in names:
-        rerender(name)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dir", type=Path, default=common.RESULTS, help="(default: bench/results)")
+    p.add_argument("names", nargs="*", help="result stems (default: every *.json in --dir)")
+    args = p.parse_args(argv)
+    for name in args.names or sorted(p.stem for p in args.dir.glob("*.json")):
+        rerender(args.dir, name)
     return 0
 
 

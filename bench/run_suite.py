@@ -1,7 +1,8 @@
 """The benchmark suite, sized for a 2-core machine (under 10 minutes), and its verdict.
 
-    python bench/run_suite.py                 # everything, then bench/results/targets.md
-    python bench/run_suite.py --targets-only  # re-judge the JSON already in bench/results
+    python bench/run_suite.py                    # everything, into bench/results/tmp/
+    python bench/run_suite.py --out bench/results  # the same, replacing the committed results
+    python bench/run_suite.py --targets-only --out DIR  # re-judge the JSON already in DIR
 
 Runs, in order: one-shot allreduce vs size on loopback (2x2, 4x1, 1x4); the same on
 4 namespace hosts x 1 rank with 1 Gbit/s links (only with root and iproute2); overlap
@@ -38,7 +39,7 @@ STEPS: list[tuple[str, list[str], bool]] = [  # (script, arguments, needs the ne
 ]
 
 
-def run_all(skip_netns: bool) -> tuple[dict[str, float], list[str]]:
+def run_all(skip_netns: bool, out: Path) -> tuple[dict[str, float], list[str]]:
     from netns_cluster import unavailable_reason
 
     reason = unavailable_reason()
@@ -55,7 +56,7 @@ def run_all(skip_netns: bool) -> tuple[dict[str, float], list[str]]:
             print(f"== skipping {label}: {reason or '--skip-netns'}", flush=True)
             continue
         start = time.monotonic()
-        code = subprocess.call([sys.executable, str(BENCH / script), *args])
+        code = subprocess.call([sys.executable, str(BENCH / script), *args, "--out", str(out)])
         durations[label] = time.monotonic() - start
         if code != 0:
             print(f"!! {label} exited with {code}", file=sys.stderr, flush=True)
@@ -66,8 +67,8 @@ def run_all(skip_netns: bool) -> tuple[dict[str, float], list[str]]:
 # --- targets -----------------------------------------------------------------------
 
 
-def _load(name: str) -> dict[str, Any] | None:
-    path = common.RESULTS / f"{name}.json"
+def _load(out: Path, name: str) -> dict[str, Any] | None:
+    path = out / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
 
 
@@ -85,14 +86,14 @@ def _verdict(ok: bool) -> str:
     return "pass" if ok else "MISS"
 
 
-def target_rows() -> list[Row]:
+def target_rows(out: Path) -> list[Row]:
     rows: list[Row] = []
     missing = "not measured"
 
     def add(target: str, measured: str, ok: bool | None) -> None:
         rows.append([target, measured, missing if ok is None else _verdict(ok)])
 
-    loop = _load("allreduce_sizes")
+    loop = _load(out, "allreduce_sizes")
     loop_2x2 = _sizes(loop, "2x2") if loop else {}
     for size in (25 * common.MIB, 100 * common.MIB):
         r = loop_2x2.get(size)
@@ -102,7 +103,7 @@ def target_rows() -> list[Row]:
             if r else missing,
             r["speedup"] >= 1.5 if r else None)
 
-    overlap = _load("overlap")
+    overlap = _load(out, "overlap")
     if overlap:
         t = {k: common.median(v) for k, v in overlap["inflight"].items()}
         best = {k: min(v) for k, v in overlap["inflight"].items()}
@@ -113,7 +114,7 @@ def target_rows() -> list[Row]:
     else:
         add("16 x 25 MiB in flight at once: >= 1.5x Gloo", missing, None)
 
-    shaped = _load(f"allreduce_sizes_netns_{LINK_RATE}")
+    shaped = _load(out, f"allreduce_sizes_netns_{LINK_RATE}")
     net = _sizes(shaped, "4x1") if shaped else {}
     big = {s: r for s, r in net.items() if s >= 25 * common.MIB}
     worst_big = min(big.values(), key=lambda r: r["fairring_busbw"]) if big else None
@@ -146,7 +147,7 @@ def target_rows() -> list[Row]:
     else:
         add("messages <= 64 KiB: latency <= 1.5x Gloo's", missing, None)
 
-    e2e = _load("e2e")
+    e2e = _load(out, "e2e")
     if e2e:
         from e2e import steps_per_s
 
@@ -158,19 +159,20 @@ def target_rows() -> list[Row]:
     return rows
 
 
-def write_targets(durations: dict[str, float] | None) -> str:
+def write_targets(durations: dict[str, float] | None, out: Path) -> str:
     stamp = common.stamp({"suite": "bench/run_suite.py"})
     text = ("# Targets\n\n" + report.stamp_lines(stamp)
             + "\nEach figure is fairring against Gloo measured in the same run, in the same"
             " processes (see the per-benchmark .md files for every size). Verdicts use"
             " medians; 'best of' compares the fastest iterations, a hint of how much of a"
             " gap other jobs on this shared 2-core host put there.\n\n"
-            + report.table(["target", "measured", "verdict"], target_rows()))
+            + report.table(["target", "measured", "verdict"], target_rows(out)))
     if durations:
         text += "\n## Suite run\n\n" + report.table(
             ["step", "seconds"], [[k, f"{v:.0f}"] for k, v in durations.items()])
         text += f"\ntotal: {sum(durations.values()):.0f} s\n"
-    (common.RESULTS / "targets.md").write_text(text)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "targets.md").write_text(text)
     return text
 
 
@@ -178,9 +180,15 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--targets-only", action="store_true")
     p.add_argument("--skip-netns", action="store_true")
+    p.add_argument("--out", type=Path, default=common.DEFAULT_OUT,
+                   help=f"folder for every result and targets.md (default:"
+                   f" {common.DEFAULT_OUT.relative_to(common.REPO)}/, which git ignores;"
+                   " --out bench/results replaces the committed results)")
     args = p.parse_args(argv)
-    durations, failed = (None, []) if args.targets_only else run_all(args.skip_netns)
-    print(write_targets(durations))
+    out = args.out.resolve()
+    durations, failed = (None, []) if args.targets_only else run_all(args.skip_netns, out)
+    print(write_targets(durations, out))
+    print(f"wrote {out}/targets.md")
     for label in failed:
         print(f"!! failed: {label}", file=sys.stderr)
     return 1 if failed else 0

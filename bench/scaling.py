@@ -36,7 +36,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--netns", action="store_true")
     p.add_argument("--name", default=None)
     p.add_argument("--timeout", type=float, default=400.0, help="seconds per machine count")
-    p.add_argument("--out", type=Path)
+    common.add_output_args(p)
     return p.parse_args(argv)
 
 
@@ -79,7 +79,7 @@ def worker(args: argparse.Namespace) -> None:
         {name: (lambda g=g: issue_all(g, args.buckets)) for name, g in groups.items()},
         args.iters, 0, dist.barrier)
     slices = {name: _effective_slice(env, world) for name, env in configs.items()}
-    common.write_worker_result(args.out, {"world": world, "times": times, "slices": slices})
+    common.write_worker_result(args.raw_out, {"world": world, "times": times, "slices": slices})
     dist.destroy_process_group()
 
 
@@ -95,7 +95,7 @@ def driver(args: argparse.Namespace) -> int:
     config = {"where": place.where, "rate": args.rate, "buckets": args.buckets,
               "bucket_size": args.bucket_size, "small_slice": args.small_slice,
               "iters": args.iters}
-    common.stamp_and_save("scaling", place.name, config, render, {"runs": runs})
+    common.stamp_and_save("scaling", place.name, config, render, {"runs": runs}, args.out)
     return 0 if all("error" not in r for r in runs.values()) else 1
 
 

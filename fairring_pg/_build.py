@@ -5,7 +5,11 @@ binary, so an upgrade of torch, Python or the sources rebuilds, and a rerun load
 All ranks of a job start together: one takes an exclusive ``flock`` and compiles, the
 others wait on it and then load the result. The kernel drops a ``flock`` when its
 holder dies, so a killed builder never leaves the others waiting forever (torch's own
-lock file inside the build directory can; we clear it while holding ours).
+lock file inside the build directory can; we clear it while holding ours). The builder
+reports its progress (``_build_progress.py``); a load from the cache prints nothing.
+
+``FAIRRING_BUILD_DIR`` replaces the cache directory, ``FAIRRING_BUILD_VERBOSE=1`` shows
+the compiler's output.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ import hashlib
 import os
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from types import ModuleType
+
+from fairring_pg._build_progress import compile_progress
 
 EXTENSION_NAME = "fairring_pg_C"
 CFLAGS = ["-O2", "-std=c++17", "-Wall", "-Wextra", "-Wno-unused-parameter"]
@@ -72,12 +78,13 @@ def build_hash(source_dir: Path, name: str = EXTENSION_NAME) -> str:
     return digest.hexdigest()[:20]
 
 
-def build_directory(source_dir: Path, name: str = EXTENSION_NAME) -> Path:
+def build_directory(digest: str) -> Path:
+    """Where the build with this ``build_hash`` lives."""
     override = os.environ.get("FAIRRING_BUILD_DIR")
     if override:
         return Path(override).expanduser()
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "fairring_pg" / build_hash(source_dir, name)
+    return cache / "fairring_pg" / digest
 
 
 @contextmanager
@@ -104,89 +111,62 @@ def load_extension(source_dir: Path | str | None = None, name: str = EXTENSION_N
 
     from torch.utils import cpp_extension
 
-    build_dir = build_directory(src, name)
-    verbose = os.environ.get("FAIRRING_BUILD_VERBOSE") == "1"
+    verbose = build_verbose()
+    digest = build_hash(src, name)
+    build_dir = build_directory(digest)
     with _exclusive(build_dir.with_name(build_dir.name + ".lock")):
         build_dir.mkdir(parents=True, exist_ok=True)
         # Only a process holding our flock ever builds here, so a leftover torch baton
         # can only come from a builder that died: waiting on it would hang forever.
         (build_dir / "lock").unlink(missing_ok=True)
+        # The stamp names what the binary was built from; FAIRRING_BUILD_DIR is not
+        # keyed by the hash, so it can hold an older build that needs compiling again.
+        stamp = build_dir / f"{name}.build_hash"
+        built = (build_dir / f"{name}.so").is_file() and _read(stamp) == digest
+        progress: AbstractContextManager[None] = (
+            nullcontext() if built else compile_progress(name, build_dir, len(sources))
+        )
         try:
-            module = cpp_extension.load(
-                name=name,
-                sources=[str(p) for p in sources],
-                extra_include_paths=[str(src), *cuda_include_paths()],
-                extra_cflags=_cflags(),
-                extra_ldflags=cuda_ldflags(),
-                build_directory=str(build_dir),
-                verbose=verbose,
-                with_cuda=False,
-            )
+            with progress:
+                module = cpp_extension.load(
+                    name=name,
+                    sources=[str(p) for p in sources],
+                    extra_include_paths=[str(src)],
+                    extra_cflags=_cflags(),
+                    build_directory=str(build_dir),
+                    verbose=verbose,
+                    with_cuda=False,
+                )
         except Exception as exc:
             raise RuntimeError(_failure_message(exc, build_dir, verbose)) from exc
+        if not built:
+            stamp.write_text(digest)
     _loaded[key] = module
     return module
 
 
-# ---------------------------------------------------------------- CUDA (src/cuda/)
-# The CUDA pipeline is plain C++ against torch's CUDA headers (no .cu files), so it
-# needs no nvcc: only CUDA's headers and libcudart, from CUDA_HOME or, without a
-# toolkit, from the nvidia-cuda-runtime wheel that CUDA builds of torch depend on.
+def build_verbose() -> bool:
+    raw = os.environ.get("FAIRRING_BUILD_VERBOSE", "")
+    if raw.strip() not in ("", "0", "1"):
+        raise ValueError(
+            f"FAIRRING_BUILD_VERBOSE={raw!r} is not valid: expected 1 (show the compiler's"
+            " output) or 0 (the default)"
+        )
+    return raw.strip() == "1"
 
 
-def with_cuda() -> bool:
-    """Whether to compile the CUDA pipeline: only against a CUDA build of torch."""
-    import torch
-
-    return torch.version.cuda is not None
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
 
 
 def _cflags() -> list[str]:
-    return [*CFLAGS, "-DFAIRRING_WITH_CUDA"] if with_cuda() else list(CFLAGS)
-
-
-def _cuda_root() -> Path:
-    from torch.utils import cpp_extension
-
-    candidates = []
-    if cpp_extension.CUDA_HOME:
-        candidates.append(Path(cpp_extension.CUDA_HOME))
-    try:
-        import nvidia
-
-        for base in nvidia.__path__:
-            candidates += sorted(Path(base).glob("cu*")) + [Path(base) / "cuda_runtime"]
-    except ImportError:
-        pass
-    for root in candidates:
-        if (root / "include" / "cuda_runtime_api.h").is_file():
-            return root
-    raise RuntimeError(
-        "fairring_pg: torch is a CUDA build but no CUDA headers were found (looked in "
-        + ", ".join(str(c) for c in candidates)
-        + "); set CUDA_HOME to a CUDA toolkit"
-    )
-
-
-def cuda_include_paths() -> list[str]:
-    if not with_cuda():
-        return []
-    # torch's own headers (c10/cuda, ATen/cuda) come with load()'s defaults.
-    return [str(_cuda_root() / "include")]
-
-
-def cuda_ldflags() -> list[str]:
-    if not with_cuda():
-        return []
-    import torch
-
-    root = _cuda_root()
-    lib = next((d for d in (root / "lib64", root / "lib") if d.is_dir()), root / "lib")
-    # The wheel ships only libcudart.so.<major>, without the unversioned link.
-    major = str(torch.version.cuda).split(".")[0]
-    cudart = "-lcudart" if (lib / "libcudart.so").exists() else f"-l:libcudart.so.{major}"
-    torch_lib = Path(torch.__file__).resolve().parent / "lib"
-    return [f"-L{torch_lib}", "-lc10_cuda", "-ltorch_cuda", f"-L{lib}", cudart, f"-Wl,-rpath,{lib}"]
+    # The same flags for CPU and CUDA builds of torch: the core reaches CUDA only
+    # through c10's device-generic stream and event interface (src/subgroups/),
+    # so it needs neither CUDA's headers nor nvcc.
+    return list(CFLAGS)
 
 
 def _failure_message(exc: BaseException, build_dir: Path, verbose: bool) -> str:

@@ -8,7 +8,6 @@ topology, job token, delegate process groups) and hands the results to the C++ c
 from __future__ import annotations
 
 import atexit
-import os
 import secrets
 from collections.abc import Callable
 from datetime import timedelta
@@ -18,9 +17,10 @@ import torch
 import torch.distributed as dist
 
 from fairring_pg.config import Config
-from fairring_pg.cuda import cuda_delegate_kind, make_local_nccl_groups
+from fairring_pg.cuda import cuda_delegate_kind, cuda_subgroup_kinds
 from fairring_pg.network import listen_address
 from fairring_pg.startup import publish_failure, wait_for
+from fairring_pg.subgroups import build_subgroups, gloo_group, gloo_maker, nccl_maker
 from fairring_pg.topology import Topology, discover
 
 _TOKEN_KEY = "fairring/job_token"
@@ -51,7 +51,9 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
 
         config.check_consistent_across_ranks(store, rank, size, timeout)
         topology = discover(store, rank, size, config.machine_id, timeout)
-        config.check_staging_fits(topology.num_machines, topology.local_size)
+        if not config.test_cpu_subgroups:
+            config.check_staging_fits(topology.num_machines, topology.local_size)
+        subgroup_slice = config.subgroup_slice_size(topology.num_machines, topology.local_size)
         token = job_token(store, rank, timeout)
     except Exception as exc:
         # The others are waiting on the store for this rank: tell them, so they raise
@@ -60,7 +62,9 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
         raise
     address = listen_address(config, single_host=len(set(topology.hostnames)) == 1)
     _fill_options(opts, config, topology, address, token, timeout)
+    opts.subgroup_slice_size = subgroup_slice
 
+    global_ranks = list(dist_backend_opts.global_ranks_in_group) or list(range(size))
     cpu_delegate = make_gloo_delegate(store, rank, size, timeout, config, dist_backend_opts)
     # CUDA (fairring_pg/cuda.py): NCCL, or Gloo where ranks share a GPU.
     cuda_kind = cuda_delegate_kind(topology, config.cuda_delegate)
@@ -71,9 +75,26 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
         if cuda_kind == "gloo"
         else None
     )
-    local_groups = make_local_nccl_groups(store, topology, timeout)
-    if local_groups is not None:
-        opts.local_reduce_group, opts.local_gather_group = local_groups
+    kinds = cuda_subgroup_kinds(topology, cuda_kind, config.test_local_gloo)
+    if kinds is not None and _core_factory is None:
+        makers = {
+            "nccl": nccl_maker(store, timeout, global_ranks),
+            "gloo": gloo_maker(store, timeout, config, global_ranks),
+        }
+        opts.cuda_subgroups = build_subgroups(
+            ext.Subgroups(),
+            topology,
+            config,
+            cuda_delegate,
+            makers[kinds[0]],
+            makers[kinds[1]],
+            "cuda",
+        )
+    if config.test_cpu_subgroups and _core_factory is None:
+        make = gloo_maker(store, timeout, config, global_ranks)
+        opts.cpu_subgroups = build_subgroups(
+            ext.Subgroups(), topology, config, cpu_delegate, make, make, "cpu"
+        )
     core_store = dist.PrefixStore("fairring/core/", store)
     try:
         backend = factory(core_store, rank, size, opts, cpu_delegate, cuda_delegate)
@@ -124,6 +145,7 @@ def _fill_options(
     opts.listen_address = address
     opts.job_token = token
     opts.timeout = timeout
+    opts.direct_below = config.direct_below
 
 
 class _PlainOptions:
@@ -137,22 +159,23 @@ class _PlainOptions:
     job_token: str
     timeout: timedelta
     timeline_path: str
+    direct_below: int
+    subgroup_slice_size: int
 
 
 def make_gloo_delegate(
     store: Any, rank: int, size: int, timeout: timedelta, config: Config, dist_backend_opts: Any
 ) -> Any:
     """The Gloo group that runs every non-allreduce collective on CPU tensors."""
-    gloo_store = dist.PrefixStore("fairring/gloo/", store)
-    if config.socket_ifname is None or os.environ.get("GLOO_SOCKET_IFNAME"):
-        # Gloo picks its interface itself (GLOO_SOCKET_IFNAME or the hostname).
-        return dist.ProcessGroupGloo(gloo_store, rank, size, timeout)
-    options = dist.ProcessGroupGloo._Options()
-    options._devices = [dist.ProcessGroupGloo.create_device(interface=config.socket_ifname)]
-    options._timeout = timeout
-    options.global_ranks_in_group = list(dist_backend_opts.global_ranks_in_group)
-    options.group_name = str(dist_backend_opts.group_id)
-    return dist.ProcessGroupGloo(gloo_store, rank, size, options)
+    return gloo_group(
+        dist.PrefixStore("fairring/gloo/", store),
+        rank,
+        size,
+        timeout,
+        config,
+        list(dist_backend_opts.global_ranks_in_group),
+        str(dist_backend_opts.group_id),
+    )
 
 
 def make_nccl_delegate(

@@ -31,6 +31,13 @@ DEFAULT_TOTAL_MEMORY = 50 * MIB
 MIN_SHARD_BYTES = 1 * MIB
 # Who runs the collectives other than allreduce on CUDA tensors (see fairring_pg/cuda.py).
 CUDA_DELEGATES = ("auto", "nccl", "gloo")
+# The sub-group allreduce (CUDA): rail communicators, so that this many slices are on
+# the wire at once. Not yet tuned on a GPU (see docs/design.md).
+DEFAULT_LANES = 4
+MAX_LANES = 16
+# Below this many bytes a CUDA allreduce is one NCCL allreduce: latency-bound, where
+# one launch beats five. Not yet tuned on a GPU.
+DEFAULT_DIRECT_BELOW = 256 * KIB
 MAX_BYTES = TIB  # anything larger is a typo, not a configuration
 
 _SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?|\.\d+)\s*([kmg]?)(i?b)?$", re.IGNORECASE)
@@ -44,11 +51,23 @@ _SWITCH = {"on": True, "off": False}
 
 # Published to the store by every rank; these must agree across the job, whereas the
 # machine id and the interface name legitimately differ from machine to machine.
-_JOB_WIDE_FIELDS = ("slice_size", "total_memory", "slice_scaling")
+_JOB_WIDE_FIELDS = (
+    "slice_size",
+    "total_memory",
+    "slice_scaling",
+    "lanes",
+    "direct_below",
+    "test_cpu_subgroups",
+    "test_local_gloo",
+)
 _ENV_NAME = {
     "slice_size": "FAIRRING_SLICE_SIZE",
     "total_memory": "FAIRRING_TOTAL_MEMORY",
     "slice_scaling": "FAIRRING_SLICE_SCALING",
+    "lanes": "FAIRRING_LANES",
+    "direct_below": "FAIRRING_DIRECT_BELOW",
+    "test_cpu_subgroups": "FAIRRING_TEST_CPU_SUBGROUPS",
+    "test_local_gloo": "FAIRRING_TEST_LOCAL_GLOO",
     "machine_id": "FAIRRING_MACHINE_ID",
     "socket_ifname": "TP_SOCKET_IFNAME",
     "timeline": "FAIRRING_TIMELINE",
@@ -134,6 +153,13 @@ class Config:
     slice_scaling: bool = True
     timeline: str | None = None
     cuda_delegate: str = "auto"
+    lanes: int = DEFAULT_LANES
+    direct_below: int = DEFAULT_DIRECT_BELOW
+    # Test switches: CPU tensors take the sub-group path over Gloo groups (so CI runs
+    # the CUDA path's orchestration); CUDA's local groups are Gloo (several ranks of a
+    # simulated machine on one GPU, which NCCL refuses).
+    test_cpu_subgroups: bool = False
+    test_local_gloo: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> Config:
@@ -153,6 +179,16 @@ class Config:
             values["timeline"] = _check_timeline("FAIRRING_TIMELINE", raw)
         if (raw := environ.get("FAIRRING_CUDA_DELEGATE")) is not None:
             values["cuda_delegate"] = _choice("FAIRRING_CUDA_DELEGATE", raw, CUDA_DELEGATES)
+        if (raw := environ.get("FAIRRING_LANES")) is not None:
+            values["lanes"] = _count("FAIRRING_LANES", raw, 1, MAX_LANES)
+        if (raw := environ.get("FAIRRING_DIRECT_BELOW")) is not None:
+            values["direct_below"] = (
+                0 if raw.strip() == "0" else parse_byte_size("FAIRRING_DIRECT_BELOW", raw)
+            )
+        if (raw := environ.get("FAIRRING_TEST_CPU_SUBGROUPS")) is not None:
+            values["test_cpu_subgroups"] = _switch("FAIRRING_TEST_CPU_SUBGROUPS", raw)
+        if (raw := environ.get("FAIRRING_TEST_LOCAL_GLOO")) is not None:
+            values["test_local_gloo"] = _switch("FAIRRING_TEST_LOCAL_GLOO", raw)
         return cls(**values)
 
     def effective_slice_size(self, num_machines: int, local_size: int) -> int:
@@ -173,6 +209,40 @@ class Config:
         ):
             wanted = max(base, wanted // 2)
         return wanted
+
+    def subgroup_slice_size(self, num_machines: int, local_size: int) -> int:
+        """The slice of the sub-group (CUDA) path.
+
+        FAIRRING_SLICE_SIZE, grown against over-sharding as for the CPU path, then cut to
+        the largest size that lets each of the FAIRRING_LANES lanes hold one staging slot
+        within FAIRRING_TOTAL_MEMORY, and rounded down to a multiple of 8*L*M bytes so that
+        a slice of any dtype splits evenly into L chunks of M shards.
+        """
+        unit = 8 * num_machines * local_size
+        wanted = self.slice_size
+        if self.slice_scaling:
+            wanted = max(wanted, MIN_SHARD_BYTES * num_machines * local_size)
+        wanted = max(unit, wanted // unit * unit)
+        if num_machines == 1:
+            return wanted  # one NCCL allreduce per tensor: no slices, no staging
+
+        def fits(size: int) -> bool:
+            need = self.lanes * lane_staging_bytes(size, num_machines, local_size)
+            return need <= self.total_memory
+
+        if not fits(unit):
+            need = self.lanes * lane_staging_bytes(unit, num_machines, local_size)
+            raise ValueError(
+                f"FAIRRING_TOTAL_MEMORY={self.total_memory} cannot hold a staging slot for "
+                f"each of FAIRRING_LANES={self.lanes} lanes with {num_machines} machine(s) of "
+                f"{local_size} rank(s), even for the smallest slice ({unit} bytes): expected "
+                f"FAIRRING_TOTAL_MEMORY >= {need}, or fewer lanes"
+            )
+        lo, hi = 1, wanted // unit  # in units; fits(lo * unit) holds
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid * unit) else (lo, mid - 1)
+        return lo * unit
 
     def timeline_path(self, rank: int) -> str:
         """This rank's trace file: '{rank}' in FAIRRING_TIMELINE is replaced, else the
@@ -229,6 +299,15 @@ class Config:
                     )
 
 
+def _count(name: str, raw: str, low: int, high: int) -> int:
+    text = raw.strip()
+    if not re.fullmatch(r"\d+", text) or not low <= int(text) <= high:
+        raise ValueError(
+            f"{name}={raw!r} is not valid: expected a whole number from {low} to {high}"
+        )
+    return int(text)
+
+
 def _choice(name: str, raw: str, accepted: tuple[str, ...]) -> str:
     value = raw.strip().lower()
     if value not in accepted:
@@ -250,7 +329,7 @@ def _check_timeline(name: str, raw: str) -> str:
 
 
 def _show(field: str, value: Any) -> str:
-    if field == "slice_scaling":
+    if field in ("slice_scaling", "test_cpu_subgroups", "test_local_gloo"):
         return "'on'" if value else "'off'"
     return repr(value)
 
@@ -276,3 +355,17 @@ def staging_slot_bytes(slice_size: int, num_machines: int, local_size: int) -> i
 
 def _ceil(x: Fraction) -> int:
     return -(-x.numerator // x.denominator)
+
+
+def lane_staging_bytes(slice_size: int, num_machines: int, local_size: int) -> int:
+    """Bytes of staging one lane of the sub-group path holds for slices of ``slice_size``:
+    my chunk after the local reduce-scatter (several local ranks only), the M shards the
+    collect brings and my reduced shard, each region 256-byte aligned (the C++ core's
+    ``laneStagingBytes``, compared in a test)."""
+    chunk = slice_size // local_size
+    shard = chunk // num_machines
+
+    def aligned(n: int) -> int:
+        return -(-n // 256) * 256
+
+    return (aligned(chunk) if local_size > 1 else 0) + aligned(chunk) + aligned(shard)

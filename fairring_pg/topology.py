@@ -7,7 +7,9 @@ pure function of the ids, so it is unit-tested without processes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import socket
 import warnings
 from collections import Counter
@@ -31,6 +33,10 @@ class Topology:
     machine: int  # this rank's machine index
     local_rank: int  # this rank's position on its machine: its rail
     regular: bool  # False: the irregular fallback (one machine per rank) is in force
+    # The host NCCL sees for each rank: NCCL_HOSTID where set (how machines are
+    # simulated on one GPU), else the hostname. NCCL refuses two ranks of one
+    # communicator on one GPU of one such host.
+    nccl_hosts: list[str] = dataclasses.field(default_factory=list)
 
     def ranks_on_machine(self, machine: int) -> list[int]:
         return [r for r, m in enumerate(self.machine_of) if m == machine]
@@ -40,7 +46,9 @@ class Topology:
         return [self.ranks_on_machine(m)[self.local_rank] for m in range(self.num_machines)]
 
 
-def build_topology(rank: int, ids: list[str], hostnames: list[str]) -> Topology:
+def build_topology(
+    rank: int, ids: list[str], hostnames: list[str], nccl_hosts: list[str] | None = None
+) -> Topology:
     """Topology of a job whose rank ``r`` runs on the machine named ``ids[r]``."""
     world_size = len(ids)
     if len(hostnames) != world_size or not 0 <= rank < world_size:
@@ -78,6 +86,7 @@ def build_topology(rank: int, ids: list[str], hostnames: list[str]) -> Topology:
         machine=machine_of[rank],
         local_rank=local_rank,
         regular=regular,
+        nccl_hosts=list(hostnames) if nccl_hosts is None else list(nccl_hosts),
     )
 
 
@@ -90,7 +99,11 @@ def discover(
 ) -> Topology:
     """Exchange machine ids through ``store`` and build this rank's :class:`Topology`."""
     hostname = socket.gethostname()
-    mine = {"machine_id": machine_id if machine_id is not None else hostname, "hostname": hostname}
+    mine = {
+        "machine_id": machine_id if machine_id is not None else hostname,
+        "hostname": hostname,
+        "nccl_host": os.environ.get("NCCL_HOSTID") or hostname,
+    }
     store.set(_STORE_KEY.format(rank=rank), json.dumps(mine))
     keys = [_STORE_KEY.format(rank=r) for r in range(world_size)]
     try:
@@ -105,5 +118,8 @@ def discover(
         ) from exc
     entries = [json.loads(store.get(key)) for key in keys]
     return build_topology(
-        rank, [e["machine_id"] for e in entries], [e["hostname"] for e in entries]
+        rank,
+        [e["machine_id"] for e in entries],
+        [e["hostname"] for e in entries],
+        [e["nccl_host"] for e in entries],
     )

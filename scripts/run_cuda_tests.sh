@@ -1,29 +1,85 @@
 #!/usr/bin/env bash
-# The CUDA tests, on a machine with one GPU: M = 2, 3 and 4 simulated machines x 1
-# rank, every rank on cuda:0 with its own FAIRRING_MACHINE_ID (NCCL refuses two ranks
-# on one GPU, so the intra-node group has one rank and the rail exchange runs over
-# loopback). Exact results over the CPU suite's dtypes, ops and sizes; concurrent async
-# allreduces from different streams; DDP of a Transformer against Gloo on CUDA; and
-# the allreduce time beside Gloo-on-CUDA at 1, 25 and 100 MiB (printed, -s).
+# The CUDA check, on a machine with one GPU and a CUDA build of torch (>= 2.11), no
+# network needed: installs fairring_pg from this checkout, starts MPS when it can,
+# runs the CUDA tests (tests/test_cuda.py: M = 2, 3, 4 simulated machines x 1 rank on
+# cuda:0, each with its own FAIRRING_MACHINE_ID and NCCL_HOSTID, and 2 x 2 with Gloo
+# local groups), then prints fairring vs NCCL vs Gloo at 2x1 and 4x1 from the same
+# processes (bench/cuda_allreduce.py). Figures and logs go to $OUT (the device tool's
+# folder) or bench/results/tmp/cuda.
 #
-# Needs a CUDA build of torch (>= 2.11) already installed; it is not installed here
-# because the right wheel depends on the machine's driver.
+#   bash scripts/run_cuda_tests.sh              # tests, then the benchmark
+#   bash scripts/run_cuda_tests.sh --no-bench   # tests only
+#   bash scripts/run_cuda_tests.sh --bench-only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+out_dir=${OUT:-bench/results/tmp/cuda}
+mkdir -p "$out_dir"
+run_tests=1
+run_bench=1
+for arg in "$@"; do
+    case "$arg" in
+        --no-bench) run_bench=0 ;;
+        --bench-only) run_tests=0 ;;
+        *) echo "run_cuda_tests.sh: unknown argument $arg" >&2; exit 2 ;;
+    esac
+done
+export PYTHONUNBUFFERED=1
+
 python - <<'PY'
 import sys
+
 import torch
 
 if torch.version.cuda is None or not torch.cuda.is_available():
     sys.exit(f"run_cuda_tests.sh: needs a GPU and a CUDA build of torch (torch {torch.__version__})")
-print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}")
+nccl = ".".join(map(str, torch.cuda.nccl.version()))
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {nccl}, "
+      f"{torch.cuda.get_device_name(0)}")
 PY
 
-export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
-python -m pip install -q -e ".[test]"
+# Everything it needs (torch, ninja, pybind11, pytest) is already on the GPU machine.
+if ! (cd / && python -c "import fairring_pg" 2>/dev/null); then
+    python -m pip install -q --no-build-isolation --no-deps --no-index -e .
+fi
 
-# Compile the C++ core (with src/cuda/) once, up front, outside any test's deadline.
-python -c "import fairring_pg._build as b; m = b.load_extension(); assert m.with_cuda, 'built without CUDA'"
+# Without MPS the ranks' processes time-slice the GPU, and NCCL's spinning kernels
+# take milliseconds per operation (64 KiB: 4.5 ms without, 0.15 ms with).
+mps_started=0
+if command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
+    if echo get_server_list | nvidia-cuda-mps-control >/dev/null 2>&1; then
+        echo "MPS: already running"
+    elif nvidia-cuda-mps-control -d 2>/dev/null; then
+        mps_started=1
+        echo "MPS: started"
+    else
+        echo "MPS: could not start it (not root?); timings will suffer"
+    fi
+else
+    echo "MPS: nvidia-cuda-mps-control not found; timings will suffer"
+fi
+stop_mps() {
+    if [[ $mps_started == 1 ]]; then
+        echo quit | nvidia-cuda-mps-control || true
+    fi
+}
+trap stop_mps EXIT
 
-python -m pytest -q -s -m cuda tests/test_cuda.py "$@"
+# Compile the C++ core once, up front, outside any test's deadline.
+start=$(date +%s)
+python -c "import fairring_pg._build as b; b.load_extension()"
+echo "core built or loaded in $(( $(date +%s) - start )) s"
+
+status=0
+if [[ $run_tests == 1 ]]; then
+    set +e
+    python -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider --durations=15 \
+        2>&1 | tee "$out_dir/cuda_tests.log"
+    status=${PIPESTATUS[0]}
+    set -e
+fi
+if [[ $run_bench == 1 ]]; then
+    python bench/cuda_allreduce.py --shapes 2x1,4x1 --timeout 200 --out "$out_dir" \
+        2>&1 | tee "$out_dir/cuda_bench.log" || status=1
+fi
+exit "$status"

@@ -6,8 +6,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
-# A bare `torch` requirement would pull the CUDA wheels (gigabytes): pin the CPU build
-# first, and only when no torch is present at all.
+# A torch already installed (CPU or CUDA build) is kept. Without one, this installs
+# torch 2.13.0 from pip's configured index: from PyPI on Linux that is the default
+# CUDA build (several GB of CUDA wheels). For the small CPU-only build, install torch
+# from PyTorch's CPU index first (README, "Install").
 if ! python -c "import torch" >/dev/null 2>&1; then
     python -m pip install -q "torch==2.13.0"
 fi

@@ -144,7 +144,9 @@ def main(argv: list[str]) -> int:
     code = 1
     try:
         for i in range(args.machines):
-            env = dict(os.environ, FAIRRING_MACHINE_ID=f"{args.machine_id_prefix}{i}")
+            machine = f"{args.machine_id_prefix}{i}"
+            # NCCL_HOSTID: NCCL must see simulated machines sharing a GPU as hosts.
+            env = dict(os.environ, FAIRRING_MACHINE_ID=machine, NCCL_HOSTID=machine)
             # torchrun picks 1 anyway when unset, but prints a banner per agent saying so.
             env.setdefault("OMP_NUM_THREADS", "1")
             agent = subprocess.Popen(

@@ -8,13 +8,23 @@
 #include "backend/fairring_backend.h"
 #include "pipeline/allreduce_engine.h"
 #include "staging/staging_pool.h"
+#include "subgroups/subgroup_allreduce.h"
+#include "subgroups/unit_plan.h"
 
 namespace py = pybind11;
 using fairring::BackendOptions;
 using fairring::FairringBackend;
+using fairring::Subgroups;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fairring_pg C++ core: reduction-server allreduce";
+
+  py::class_<Subgroups>(m, "Subgroups")
+      .def(py::init<>())
+      .def_readwrite("world", &Subgroups::world)
+      .def_readwrite("local_reduce", &Subgroups::localReduce)
+      .def_readwrite("local_gather", &Subgroups::localGather)
+      .def_readwrite("lanes", &Subgroups::lanes);
 
   py::class_<BackendOptions>(m, "Options")
       .def(py::init<>())
@@ -26,15 +36,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("job_token", &BackendOptions::jobToken)
       .def_readwrite("timeout", &BackendOptions::timeout)
       .def_readwrite("timeline_path", &BackendOptions::timelinePath)
-      .def_readwrite("local_reduce_group", &BackendOptions::localReduceGroup)
-      .def_readwrite("local_gather_group", &BackendOptions::localGatherGroup);
-
-  // Whether CUDA tensors get fairring's own allreduce (else NCCL's).
-#ifdef FAIRRING_WITH_CUDA
-  m.attr("with_cuda") = true;
-#else
-  m.attr("with_cuda") = false;
-#endif
+      .def_readwrite("subgroup_slice_size", &BackendOptions::subgroupSliceBytes)
+      .def_readwrite("direct_below", &BackendOptions::directBelowBytes)
+      .def_readwrite("cuda_subgroups", &BackendOptions::cudaSubgroups)
+      .def_readwrite("cpu_subgroups", &BackendOptions::cpuSubgroups);
 
   py::class_<FairringBackend, c10d::Backend, c10::intrusive_ptr<FairringBackend>>(m, "FairringBackend")
       .def(
@@ -65,4 +70,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("slice_size"), py::arg("num_machines"), py::arg("local_size"),
       "Bytes of one staging slot (must equal fairring_pg.config's formula).");
+
+  m.def(
+      "lane_staging_bytes",
+      [](size_t sliceSize, int numMachines, int localSize) {
+        return fairring::laneStagingBytes(sliceSize, localSize, numMachines);
+      },
+      py::arg("slice_size"), py::arg("num_machines"), py::arg("local_size"),
+      "Bytes of one lane's staging in the sub-group path (must equal fairring_pg.config's formula).");
 }

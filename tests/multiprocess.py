@@ -101,6 +101,9 @@ def rank_environment(
     child_env.setdefault("OMP_NUM_THREADS", "1")
     child_env.update(
         FAIRRING_MACHINE_ID=machine_ids[rank],
+        # NCCL tells hosts apart by this: simulated machines sharing one GPU need
+        # their own (CPU-only runs ignore it).
+        NCCL_HOSTID=machine_ids[rank],
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(store_port),
         RANK=str(rank),

@@ -36,6 +36,21 @@ FairringBackend::FairringBackend(
       static_cast<int>(options.machineOf.size()) == size, "fairring: machine_of has ", options.machineOf.size(),
       " entries for a world of ", size);
   RankLayout layout(rank, options.machineOf, options.hostnames);
+  SubgroupOptions subgroupOptions;
+  subgroupOptions.rank = rank;
+  subgroupOptions.worldSize = size;
+  subgroupOptions.localSize = layout.localSize();
+  subgroupOptions.numMachines = layout.numMachines();
+  subgroupOptions.sliceBytes = options.subgroupSliceBytes;
+  subgroupOptions.directBelowBytes = options.directBelowBytes;
+  subgroupOptions.totalMemory = options.totalMemory;
+  if (options.cudaSubgroups) {
+    cudaSubgroups_ = std::make_unique<SubgroupAllreduce>(*options.cudaSubgroups, subgroupOptions, c10::kCUDA);
+  }
+  if (options.cpuSubgroups) {
+    cpuSubgroups_ = std::make_unique<SubgroupAllreduce>(*options.cpuSubgroups, subgroupOptions, c10::kCPU);
+    return;
+  }
   EngineOptions engineOptions{
       options.sliceSize, options.totalMemory, options.timeout, options.listenAddress, options.jobToken,
       options.timelinePath};
@@ -43,27 +58,10 @@ FairringBackend::FairringBackend(
   engine_->start(*store);
   cpuAllreduce_ = std::make_unique<CpuAllreduce>(
       rank, *engine_, engineOptions, c10::make_intrusive<c10d::PrefixStore>("callbacks/", store));
-#ifdef FAIRRING_WITH_CUDA
-  CudaEngineOptions cudaOptions{
-      options.sliceSize, options.totalMemory, options.timeout, options.listenAddress, options.jobToken,
-      options.hostnames, options.localReduceGroup, options.localGatherGroup};
-  cudaEngine_ = std::make_unique<CudaAllreduceEngine>(
-      engine_->layout(), std::move(cudaOptions), c10::make_intrusive<c10d::PrefixStore>("cuda/", store));
-#endif
 }
 
 FairringBackend::~FairringBackend() {
-#ifdef FAIRRING_WITH_CUDA
-  if (cudaEngine_) {
-    cudaEngine_->shutdown();
-  }
-#endif
-  if (engine_) {
-    engine_->shutdown();
-  }
-  if (cpuAllreduce_) {
-    cpuAllreduce_->shutdown();
-  }
+  shutdownCore();
 }
 
 c10d::Backend& FairringBackend::delegateFor(const at::Tensor& tensor) {
@@ -96,11 +94,13 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce(
       tensors.size() == 1, "fairring: allreduce takes exactly one tensor per process, got ", tensors.size());
   at::Tensor& tensor = tensors[0];
   if (tensor.defined() && tensor.device().is_cuda()) {
-#ifdef FAIRRING_WITH_CUDA
-    return cudaEngine_->allreduce(tensors, opts.reduceOp.op_, rank_);
-#else
+    if (cudaSubgroups_) {
+      return cudaSubgroups_->allreduce(tensor, opts.reduceOp.op_);
+    }
     return delegateFor(tensor).allreduce(tensors, opts);
-#endif
+  }
+  if (cpuSubgroups_) {
+    return cpuSubgroups_->allreduce(tensor, opts.reduceOp.op_);
   }
   checkCpuTensor(tensor, "the allreduce tensor");
   at::Tensor work = tensor.is_contiguous() ? tensor : tensor.contiguous();
@@ -118,11 +118,13 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce_coalesced(
     const c10d::AllreduceCoalescedOptions& opts) {
   TORCH_CHECK(!tensors.empty(), "fairring: allreduce_coalesced needs at least one tensor");
   if (tensors[0].defined() && tensors[0].device().is_cuda()) {
-#ifdef FAIRRING_WITH_CUDA
-    return cudaEngine_->allreduceCoalesced(tensors, opts.reduceOp.op_, rank_);
-#else
+    if (cudaSubgroups_) {
+      return cudaSubgroups_->allreduceCoalesced(tensors, opts.reduceOp.op_);
+    }
     return delegateFor(tensors).allreduce_coalesced(tensors, opts);
-#endif
+  }
+  if (cpuSubgroups_) {
+    return cpuSubgroups_->allreduceCoalesced(tensors, opts.reduceOp.op_);
   }
   for (size_t i = 0; i < tensors.size(); ++i) {
     const std::string name = "tensor " + std::to_string(i) + " of allreduce_coalesced";
@@ -264,11 +266,14 @@ uint64_t FairringBackend::getSequenceNumberForGroup() {
 }
 
 void FairringBackend::shutdownCore() {
-#ifdef FAIRRING_WITH_CUDA
-  if (cudaEngine_) {
-    cudaEngine_->shutdown();
+  // The sub-groups are aborted, not drained: a destroy with work in flight
+  // must return promptly even when a peer is gone.
+  if (cudaSubgroups_) {
+    cudaSubgroups_->abort();
   }
-#endif
+  if (cpuSubgroups_) {
+    cpuSubgroups_->abort();
+  }
   if (engine_) {
     engine_->shutdown();
   }
@@ -286,17 +291,7 @@ void FairringBackend::shutdown() {
 }
 
 void FairringBackend::abort() {
-#ifdef FAIRRING_WITH_CUDA
-  if (cudaEngine_) {
-    cudaEngine_->shutdown();
-  }
-#endif
-  if (engine_) {
-    engine_->shutdown();
-  }
-  if (cpuAllreduce_) {
-    cpuAllreduce_->shutdown();
-  }
+  shutdownCore();
   cpu_->abort();
   if (cuda_) {
     cuda_->abort();

@@ -8,11 +8,11 @@
 #include <string>
 #include <vector>
 
+#include <optional>
+
 #include "backend/cpu_allreduce.h"
 #include "pipeline/allreduce_engine.h"
-#ifdef FAIRRING_WITH_CUDA
-#include "cuda/cuda_allreduce_engine.h"
-#endif
+#include "subgroups/subgroup_allreduce.h"
 
 namespace fairring {
 
@@ -27,15 +27,22 @@ struct BackendOptions {
   std::string jobToken;
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   std::string timelinePath; // this rank's trace file; empty: off
-  // CUDA allreduce: two NCCL groups over this machine's ranks (see
-  // src/cuda/local_collectives.h); unset with one rank per machine.
-  c10::intrusive_ptr<c10d::Backend> localReduceGroup;
-  c10::intrusive_ptr<c10d::Backend> localGatherGroup;
+  // The sub-group allreduce (src/subgroups/): its slice (fitted so that every
+  // lane has a staging slot) and the size under which it is one allreduce.
+  size_t subgroupSliceBytes{0};
+  size_t directBelowBytes{0};
+  // NCCL groups for CUDA tensors; unset without CUDA and NCCL, or where
+  // ranks share a GPU (then CUDA allreduces go to the CUDA delegate).
+  std::optional<Subgroups> cudaSubgroups;
+  // Gloo groups that make CPU tensors take the sub-group path instead of the
+  // TCP engine: the test switch FAIRRING_TEST_CPU_SUBGROUPS.
+  std::optional<Subgroups> cpuSubgroups;
 };
 
 // The c10d backend: allreduce on CPU tensors runs the reduction-server
-// pipeline, on CUDA tensors the CUDA pipeline (when built with CUDA); every
-// other collective goes to the delegate backend for the tensors' device.
+// pipeline over fairring's own TCP mesh, on CUDA tensors the same algorithm
+// composed of NCCL sub-group collectives; every other collective goes to the
+// delegate backend for the tensors' device.
 class FairringBackend : public c10d::Backend {
  public:
   FairringBackend(
@@ -134,11 +141,10 @@ class FairringBackend : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Backend> cpu_;
   c10::intrusive_ptr<c10d::Backend> cuda_;
-  std::unique_ptr<AllreduceEngine> engine_;
+  std::unique_ptr<AllreduceEngine> engine_; // null when CPU tensors take the sub-group path
   std::unique_ptr<CpuAllreduce> cpuAllreduce_; // uses engine_: declared after it
-#ifdef FAIRRING_WITH_CUDA
-  std::unique_ptr<CudaAllreduceEngine> cudaEngine_; // connects at the first CUDA allreduce
-#endif
+  std::unique_ptr<SubgroupAllreduce> cpuSubgroups_;
+  std::unique_ptr<SubgroupAllreduce> cudaSubgroups_;
 };
 
 } // namespace fairring

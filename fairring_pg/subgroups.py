@@ -1,0 +1,125 @@
+"""The process groups fairring's sub-group allreduce is composed of (src/subgroups/).
+
+For CUDA tensors they are ``ProcessGroupNCCL``s, so the bytes between machines travel
+through NCCL's net layer (GPUDirect RDMA on InfiniBand/RoCE, sockets as a fallback,
+plugins for other fabrics); for the CPU test path (``FAIRRING_TEST_CPU_SUBGROUPS``) they
+are ``ProcessGroupGloo``s, so CI runs the very same orchestration.
+
+Every rank builds its groups in the same order from the job's store, each under a
+prefix of its own: two over the ranks of its machine (reduce-scatters and all-gathers,
+so that the two can be in flight at once), then one per lane over its rail (the ranks
+with its local rank on every machine). A Gloo group connects while it is built, so the
+order matters; an NCCL group connects at its first collective, which every member
+issues at the same point of the same sequence.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from fairring_pg.config import Config
+from fairring_pg.topology import Topology
+
+# make(prefix, rank in the group, group size, global ranks, name) -> a c10d Backend
+GroupMaker = Callable[[str, int, int, list[int], str], Any]
+
+
+def build_subgroups(
+    subgroups: Any,
+    topology: Topology,
+    config: Config,
+    world: Any,
+    make_local: GroupMaker,
+    make_lane: GroupMaker,
+    tag: str,
+) -> Any:
+    """Fill the core's ``Subgroups`` (``subgroups``) with ``world`` and the groups that
+    ``make_local`` and ``make_lane`` make; ``tag`` ("cuda" or "cpu") keeps the two
+    sets' store keys apart."""
+    subgroups.world = world
+    machine, local_rank = topology.machine, topology.local_rank
+    if topology.local_size > 1:
+        local = topology.ranks_on_machine(machine)
+        for role in ("reduce", "gather"):
+            group = make_local(
+                f"fairring/{tag}/machine{machine}/{role}/",
+                local_rank,
+                topology.local_size,
+                local,
+                f"fairring-{tag}-local-{role}-m{machine}",
+            )
+            setattr(subgroups, f"local_{role}", group)
+    if topology.num_machines > 1:
+        rail = topology.rail_peers()
+        subgroups.lanes = [
+            make_lane(
+                f"fairring/{tag}/rail{local_rank}/lane{k}/",
+                machine,
+                topology.num_machines,
+                rail,
+                f"fairring-{tag}-lane{k}-rail{local_rank}",
+            )
+            for k in range(config.lanes)
+        ]
+    return subgroups
+
+
+def nccl_maker(store: Any, timeout: timedelta, global_ranks: list[int]) -> GroupMaker:
+    """Makes ProcessGroupNCCLs from ``store``; ``global_ranks`` maps the fairring
+    group's ranks to the job's (for NCCL's and torch's logs)."""
+    from torch._C._distributed_c10d import ProcessGroupNCCL
+
+    def make(prefix: str, rank: int, size: int, members: list[int], name: str) -> Any:
+        options = ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        options.is_high_priority_stream = False
+        options.global_ranks_in_group = [global_ranks[r] for r in members]
+        options.group_name = name
+        return ProcessGroupNCCL(dist.PrefixStore(prefix, store), rank, size, options)
+
+    return make
+
+
+def gloo_maker(
+    store: Any, timeout: timedelta, config: Config, global_ranks: list[int]
+) -> GroupMaker:
+    """Makes ProcessGroupGloos from ``store``, on TP_SOCKET_IFNAME where it is set."""
+
+    def make(prefix: str, rank: int, size: int, members: list[int], name: str) -> Any:
+        return gloo_group(
+            dist.PrefixStore(prefix, store),
+            rank,
+            size,
+            timeout,
+            config,
+            [global_ranks[r] for r in members],
+            name,
+        )
+
+    return make
+
+
+def gloo_group(
+    store: Any,
+    rank: int,
+    size: int,
+    timeout: timedelta,
+    config: Config,
+    global_ranks: list[int],
+    name: str,
+) -> Any:
+    """A ProcessGroupGloo on ``store`` (already prefixed)."""
+    if config.socket_ifname is None or os.environ.get("GLOO_SOCKET_IFNAME"):
+        # Gloo picks its interface itself (GLOO_SOCKET_IFNAME or the hostname).
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(interface=config.socket_ifname)]
+    options._timeout = timeout
+    options.global_ranks_in_group = global_ranks
+    options.group_name = name
+    return dist.ProcessGroupGloo(store, rank, size, options)

@@ -1,0 +1,81 @@
+#include "subgroups/lane_streams.h"
+
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+namespace fairring {
+
+LaneStreams::LaneStreams(c10::Device device, int lanes) : device_(device) {
+  if (device.is_cpu()) {
+    return;
+  }
+  c10::impl::VirtualGuardImpl impl(device.type());
+  for (int k = 0; k < lanes; ++k) {
+    streams_.push_back(impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false));
+  }
+  entered_.assign(lanes, 0);
+}
+
+void LaneStreams::beginOp() {
+  if (!onDevice()) {
+    return;
+  }
+  c10::impl::VirtualGuardImpl impl(device_.type());
+  callerPosition_.emplace(device_.type());
+  callerPosition_->record(impl.getStream(device_));
+  std::fill(entered_.begin(), entered_.end(), 0);
+}
+
+c10::OptionalStreamGuard LaneStreams::enter(int lane) {
+  if (!onDevice()) {
+    return c10::OptionalStreamGuard();
+  }
+  const c10::Stream& stream = streams_.at(lane);
+  if (!entered_[lane]) {
+    entered_[lane] = 1;
+    callerPosition_->block(stream);
+  }
+  return c10::OptionalStreamGuard(stream);
+}
+
+void LaneStreams::keepAlive(const at::Tensor& t, int lane) const {
+  if (!onDevice() || !t.defined() || !t.has_storage()) {
+    return;
+  }
+  c10::impl::VirtualGuardImpl impl(device_.type());
+  impl.recordDataPtrOnStream(t.storage().data_ptr(), streams_.at(lane));
+}
+
+c10::OptionalStreamGuard LaneStreams::join(int last) {
+  if (!onDevice()) {
+    return c10::OptionalStreamGuard();
+  }
+  const c10::Stream& target = streams_.at(last);
+  for (size_t k = 0; k < streams_.size(); ++k) {
+    if (entered_[k] && static_cast<int>(k) != last) {
+      c10::Event done(device_.type());
+      done.record(streams_[k]);
+      done.block(target);
+    }
+  }
+  return c10::OptionalStreamGuard(target);
+}
+
+std::shared_ptr<c10::Event> LaneStreams::mark(int lane) const {
+  if (!onDevice()) {
+    return nullptr;
+  }
+  auto event = std::make_shared<c10::Event>(device_.type());
+  event->record(streams_.at(lane));
+  return event;
+}
+
+at::Tensor LaneStreams::allocate(size_t bytes, int lane) const {
+  auto options = at::TensorOptions().dtype(at::kByte).device(device_);
+  if (!onDevice()) {
+    return at::empty({static_cast<int64_t>(bytes)}, options);
+  }
+  c10::StreamGuard guard(streams_.at(lane));
+  return at::empty({static_cast<int64_t>(bytes)}, options);
+}
+
+} // namespace fairring

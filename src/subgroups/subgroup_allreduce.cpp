@@ -1,0 +1,290 @@
+#include "subgroups/subgroup_allreduce.h"
+
+#include <c10/util/Exception.h>
+
+#include "ops/reduce_kind.h"
+#include "ops/tensor_fusion.h"
+#include "subgroups/subgroup_work.h"
+#include "subgroups/unit_plan.h"
+
+namespace fairring {
+
+namespace {
+
+using RedOp = c10d::ReduceOp::RedOpType;
+
+// NCCL (and Gloo) cannot reduce 16-bit integers: they travel as int32, whose
+// low 16 bits wrap exactly as int16 arithmetic would.
+at::ScalarType reductionDtype(at::ScalarType dtype) {
+  return dtype == at::kShort ? at::kInt : dtype;
+}
+
+// Booleans travel as bytes (0 or 1), "any" being MAX and "all" MIN.
+at::Tensor asReducible(const at::Tensor& t) {
+  return t.scalar_type() == at::kBool ? t.view(at::kByte) : t;
+}
+
+// The op a sub-group reduces with: AVG sums (the division is ours, once).
+c10d::ReduceOp groupOp(RedOp op, at::ScalarType dtype) {
+  if (dtype == at::kBool) {
+    return c10d::ReduceOp((op == RedOp::SUM || op == RedOp::MAX) ? RedOp::MAX : RedOp::MIN);
+  }
+  return c10d::ReduceOp(op == RedOp::AVG ? RedOp::SUM : op);
+}
+
+// out = the reduction of the rows of `rows` ([M, n] -> [n]).
+void reduceRows(const at::Tensor& rows, at::Tensor& out, RedOp op, at::ScalarType original) {
+  if (original == at::kBool) {
+    op = (op == RedOp::SUM || op == RedOp::MAX) ? RedOp::MAX : RedOp::MIN;
+  }
+  switch (op) {
+    case RedOp::SUM:
+    case RedOp::AVG:
+      at::sum_out(out, rows, {0}, false, out.scalar_type());
+      return;
+    case RedOp::MAX:
+      at::amax_out(out, rows, {0});
+      return;
+    case RedOp::MIN:
+      at::amin_out(out, rows, {0});
+      return;
+    case RedOp::PRODUCT:
+      at::prod_out(out, rows, 0, false, out.scalar_type());
+      return;
+    default:
+      TORCH_INTERNAL_ASSERT(false, "fairring: unchecked reduce op ", opName(op));
+  }
+}
+
+// `elems` elements of `dtype` in the byte tensor `staging`, from byte `offset`.
+at::Tensor region(const at::Tensor& staging, size_t offset, int64_t elems, at::ScalarType dtype) {
+  const int64_t size = elems * static_cast<int64_t>(c10::elementSize(dtype));
+  return staging.narrow(0, static_cast<int64_t>(offset), size).view(dtype);
+}
+
+void await(const c10::intrusive_ptr<c10d::Work>& work) {
+  // On a device this only makes the current (lane) stream wait; on CPU it
+  // blocks until Gloo is done.
+  work->wait();
+}
+
+} // namespace
+
+SubgroupAllreduce::SubgroupAllreduce(Subgroups groups, SubgroupOptions options, c10::DeviceType deviceType)
+    : groups_(std::move(groups)),
+      options_(options),
+      deviceType_(deviceType),
+      numLanes_(std::max<int>(1, static_cast<int>(groups_.lanes.size()))) {
+  const int L = options_.localSize;
+  const int M = options_.numMachines;
+  TORCH_CHECK(L >= 1 && M >= 1 && L * M == options_.worldSize, "fairring: ", M, " machines x ", L,
+              " ranks do not make a world of ", options_.worldSize);
+  TORCH_CHECK(groups_.world, "fairring: the sub-group allreduce needs a world group");
+  TORCH_CHECK(L == 1 || (groups_.localReduce && groups_.localGather),
+              "fairring: several local ranks need the local reduce and gather groups");
+  TORCH_CHECK(M == 1 || !groups_.lanes.empty(), "fairring: several machines need at least one lane");
+  TORCH_CHECK(options_.sliceBytes > 0 && options_.sliceBytes % (8 * static_cast<size_t>(L * M)) == 0,
+              "fairring: the slice (", options_.sliceBytes, " bytes) must be a multiple of 8*L*M = ", 8 * L * M);
+  const size_t staging = numLanes_ * laneStagingBytes(options_.sliceBytes, L, M);
+  TORCH_CHECK(M == 1 || staging <= options_.totalMemory, "fairring: ", numLanes_, " lanes need ", staging,
+              " bytes of staging for slices of ", options_.sliceBytes, " but FAIRRING_TOTAL_MEMORY is ",
+              options_.totalMemory);
+}
+
+void SubgroupAllreduce::checkTensor(const at::Tensor& t, const std::string& name) const {
+  TORCH_CHECK(t.defined(), "fairring: ", name, " is undefined");
+  TORCH_CHECK(t.layout() == at::kStrided, "fairring: ", name, " has layout ", t.layout(),
+              "; allreduce supports dense (strided) tensors only");
+  TORCH_CHECK(t.device().type() == deviceType_, "fairring: ", name, " is on ", t.device(), ", expected a ",
+              c10::DeviceTypeName(deviceType_, true), " tensor");
+}
+
+c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::allreduce(at::Tensor& tensor, RedOp op) {
+  checkTensor(tensor, "the allreduce tensor");
+  const Status reducible = checkReducible(op, tensor.scalar_type());
+  if (!reducible.ok()) {
+    throw c10::DistBackendError(reducible.message());
+  }
+  // A dense copy (made on the caller's stream) for a view, a wider one for
+  // int16; the result is written back once the reduction is done.
+  const at::ScalarType dtype = reductionDtype(tensor.scalar_type());
+  at::Tensor work = tensor.is_contiguous() && dtype == tensor.scalar_type() ? tensor : tensor.contiguous().to(dtype);
+  std::function<void()> finish;
+  if (!work.is_same(tensor)) {
+    finish = [tensor, work]() mutable { tensor.copy_(work.view(tensor.sizes())); };
+  }
+  return run(work.view({-1}), op, c10d::OpType::ALLREDUCE, {tensor}, std::move(finish));
+}
+
+c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::allreduceCoalesced(std::vector<at::Tensor>& tensors, RedOp op) {
+  TORCH_CHECK(!tensors.empty(), "fairring: allreduce_coalesced needs at least one tensor");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const std::string name = "tensor " + std::to_string(i) + " of allreduce_coalesced";
+    checkTensor(tensors[i], name);
+    TORCH_CHECK(tensors[i].scalar_type() == tensors[0].scalar_type() && tensors[i].device() == tensors[0].device(),
+                "fairring: ", name, " is torch.", dtypeName(tensors[i].scalar_type()), " on ", tensors[i].device(),
+                " but tensor 0 is torch.", dtypeName(tensors[0].scalar_type()), " on ", tensors[0].device(),
+                "; coalesced tensors must share dtype and device");
+  }
+  const Status reducible = checkReducible(op, tensors[0].scalar_type());
+  if (!reducible.ok()) {
+    throw c10::DistBackendError(reducible.message());
+  }
+  // Tensor Fusion: one flat buffer, cut into units like any other allreduce.
+  Fusion fusion = fuse(tensors);
+  at::Tensor work = fusion.fused;
+  if (reductionDtype(work.scalar_type()) != work.scalar_type()) {
+    work = work.to(reductionDtype(work.scalar_type()));
+    const at::Tensor fused = fusion.fused;
+    auto scatterBack = std::move(fusion.scatterBack);
+    fusion.scatterBack = [fused, work, scatterBack]() mutable {
+      fused.copy_(work);
+      scatterBack();
+    };
+  }
+  return run(work, op, c10d::OpType::ALLREDUCE_COALESCED, tensors, std::move(fusion.scatterBack));
+}
+
+void SubgroupAllreduce::useDevice(c10::Device device) {
+  if (streams_) {
+    TORCH_CHECK(device == streams_->device(), "fairring: an allreduce on ", device,
+                " but this process group's allreduces run on ", streams_->device(), "; use one device per process");
+    return;
+  }
+  streams_ = std::make_unique<LaneStreams>(device, numLanes_);
+  if (options_.numMachines > 1) {
+    // Allocated once; each lane reuses its slot slice after slice, in the
+    // order of its stream.
+    const size_t bytes = laneStagingBytes(options_.sliceBytes, options_.localSize, options_.numMachines);
+    for (int k = 0; k < numLanes_; ++k) {
+      staging_.push_back(streams_->allocate(bytes, k));
+    }
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::run(
+    at::Tensor work,
+    RedOp op,
+    c10d::OpType type,
+    std::vector<at::Tensor> outputs,
+    std::function<void()> finish) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!failure_.empty()) {
+    throw c10::DistBackendError(failure_ + " (this process group failed earlier and cannot be used)");
+  }
+  useDevice(work.device());
+  const std::vector<Unit> units = planUnits(
+      work.numel(), work.element_size(), options_.sliceBytes, options_.localSize, options_.numMachines,
+      options_.directBelowBytes);
+
+  std::vector<c10::Device> devices;
+  if (streams_->onDevice()) {
+    devices.push_back(work.device());
+  }
+  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()), devices);
+  std::shared_ptr<c10::Event> done;
+  try {
+    streams_->beginOp();
+    int lane = -1;
+    for (const Unit& unit : units) {
+      lane = static_cast<int>(nextUnit_++ % numLanes_);
+      auto onLane = streams_->enter(lane);
+      streams_->keepAlive(work, lane);
+      const at::Tensor piece = work.narrow(0, unit.begin, unit.size);
+      if (unit.direct) {
+        reduceDirect(piece, op);
+      } else {
+        reduceSlice(piece, lane, op);
+      }
+    }
+    // Nothing was issued for an empty tensor or a world of one: the result is
+    // the input, ready on the caller's stream.
+    auto onDone = lane >= 0 ? streams_->join(lane) : c10::OptionalStreamGuard();
+    if (finish) {
+      finish();
+    }
+    if (lane >= 0) {
+      for (const at::Tensor& out : outputs) {
+        streams_->keepAlive(out, lane);
+      }
+      done = streams_->mark(lane);
+    }
+    // Recorded on the done stream: the future's users wait for it, not the host.
+    future->markCompleted(c10::IValue(outputs));
+  } catch (const std::exception& e) {
+    // Some sub-groups may have this operation and others not: the ranks no
+    // longer agree on what comes next, so nothing more may be issued.
+    failure_ = std::string("fairring: allreduce failed on rank ") + std::to_string(options_.rank) + ": " + e.what();
+    throw c10::DistBackendError(failure_);
+  }
+  return c10::make_intrusive<SubgroupWork>(options_.rank, type, std::move(outputs), future, done, work.device());
+}
+
+void SubgroupAllreduce::reduceDirect(const at::Tensor& piece, RedOp op) {
+  std::vector<at::Tensor> tensors{asReducible(piece)};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = groupOp(op, piece.scalar_type());
+  await(groups_.world->allreduce(tensors, opts));
+  finishReduction(piece, op, options_.worldSize);
+}
+
+void SubgroupAllreduce::reduceSlice(const at::Tensor& slice, int lane, RedOp op) {
+  const int L = options_.localSize;
+  const int M = options_.numMachines;
+  const at::ScalarType original = slice.scalar_type();
+  at::Tensor data = asReducible(slice);
+  const at::ScalarType dtype = data.scalar_type();
+  const int64_t chunkElems = data.numel() / L;
+  const int64_t shardElems = chunkElems / M;
+  const size_t chunkBytes = options_.sliceBytes / L;
+  const auto aligned = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
+  const at::Tensor& slot = staging_.at(lane);
+  const auto& rail = groups_.lanes.at(lane);
+
+  // 1. My chunk, reduced over this machine (the whole slice is my chunk when
+  //    I am alone on my machine).
+  at::Tensor mine = data;
+  size_t offset = 0;
+  if (L > 1) {
+    mine = region(slot, 0, chunkElems, dtype);
+    offset = aligned(chunkBytes);
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = groupOp(op, original);
+    await(groups_.localReduce->_reduce_scatter_base(mine, data, opts));
+  }
+
+  // 2. Collect: shard j of my chunk goes to machine j of my rail, and I get
+  //    every machine's copy of my shard.
+  at::Tensor shards = region(slot, offset, chunkElems, dtype);
+  std::vector<int64_t> even;
+  await(rail->alltoall_base(shards, mine, even, even, c10d::AllToAllOptions()));
+
+  // 3. Reduce the M copies: this rank alone computes these elements, so every
+  //    rank ends with the same bits.
+  at::Tensor reduced = region(slot, offset + aligned(chunkBytes), shardElems, dtype);
+  reduceRows(shards.view({M, shardElems}), reduced, op, original);
+  if (op == RedOp::AVG) {
+    finishReduction(reduced, op, options_.worldSize);
+  }
+
+  // 4. Diffuse: every machine's reduced shard, back into my chunk.
+  await(rail->_allgather_base(mine, reduced, c10d::AllgatherOptions()));
+
+  // 5. Every local rank's chunk, into the caller's tensor.
+  if (L > 1) {
+    await(groups_.localGather->_allgather_base(data, mine, c10d::AllgatherOptions()));
+  }
+}
+
+void SubgroupAllreduce::abort() {
+  std::vector<c10::intrusive_ptr<c10d::Backend>> owned = groups_.lanes;
+  owned.push_back(groups_.localReduce);
+  owned.push_back(groups_.localGather);
+  for (const auto& group : owned) {
+    if (group) {
+      group->abort();
+    }
+  }
+}
+
+} // namespace fairring

@@ -1,0 +1,145 @@
+"""What the first-use compile shows: one process reports (what, where, how long, that the
+others wait, a line every few seconds, a line when done); a load from the cache is
+silent. The real compiles here build a tiny extension, not fairring's core: seconds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from fairring_pg import _build, _build_progress
+
+# A module written against Python's C API alone: it compiles in about a second.
+TINY_SOURCE = """
+#include <Python.h>
+
+static PyObject* answer(PyObject*, PyObject*) { return PyLong_FromLong(ANSWER); }
+
+static PyMethodDef methods[] = {
+    {"answer", answer, METH_NOARGS, nullptr},
+    {nullptr, nullptr, 0, nullptr},
+};
+static PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "NAME", nullptr, -1, methods, nullptr, nullptr, nullptr, nullptr,
+};
+
+PyMODINIT_FUNC PyInit_NAME() { return PyModule_Create(&module_def); }
+"""
+
+LOAD = """
+import sys
+from fairring_pg import _build
+print(_build.load_extension(sys.argv[1], name=sys.argv[2]).answer())
+"""
+
+
+def _tiny_extension(src: Path, name: str, answer: int) -> None:
+    src.mkdir(exist_ok=True)
+    text = TINY_SOURCE.replace("NAME", name).replace("ANSWER", str(answer))
+    (src / "tiny.cpp").write_text(text)
+
+
+def _start_load(src: Path, name: str, build_dir: Path) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FAIRRING_")}
+    env.pop("RANK", None)
+    env["FAIRRING_BUILD_DIR"] = str(build_dir)
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(LOAD), str(src), name],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+
+
+def _finish(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"
+    return out.strip(), err
+
+
+def test_progress_names_the_build_ticks_and_closes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RANK", "3")
+    with _build_progress.compile_progress("fairring_pg_C", tmp_path, 21, interval=0.05):
+        time.sleep(0.3)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == (
+        f"fairring_pg (rank 3): compiling the C++ core (fairring_pg_C, 21 source files)"
+        f" into {tmp_path}; the other ranks on this machine wait for it"
+    )
+    assert lines[1].startswith("fairring_pg (rank 3): this happens once per machine")
+    assert "2 CPU-minutes" in lines[1] and "FAIRRING_BUILD_VERBOSE=1" in lines[1]
+    ticks = lines[2:-1]
+    assert len(ticks) >= 3, lines
+    assert all(t.startswith("fairring_pg (rank 3): still compiling the C++ core (") for t in ticks)
+    assert lines[-1] == (
+        f"fairring_pg (rank 3): compiled the C++ core in 0 s; later runs load it from {tmp_path}"
+    )
+
+
+def test_progress_says_when_the_compile_failed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(RuntimeError, match="compiler exploded"):
+        with _build_progress.compile_progress("x", tmp_path, 1, interval=60):
+            raise RuntimeError("compiler exploded")
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("fairring_pg: compiling the C++ core (x, 1 source file) into")
+    assert lines[2] == "fairring_pg: compiling the C++ core failed after 0 s"
+
+
+def test_one_process_reports_the_build_and_a_cached_load_is_silent(tmp_path: Path) -> None:
+    src, build_dir, name = tmp_path / "src", tmp_path / "build", "fairring_test_tiny"
+    _tiny_extension(src, name, answer=41)
+
+    # Three processes of one machine start together: one compiles and says so, the
+    # others wait on the build lock and then load the result without a word.
+    procs = [_start_load(src, name, build_dir) for _ in range(3)]
+    results = [_finish(p) for p in procs]
+    assert [out for out, _ in results] == ["41"] * 3
+    reporters = [err for _, err in results if err]
+    assert len(reporters) == 1, [err for _, err in results]
+    lines = reporters[0].splitlines()
+    assert lines[0] == (
+        f"fairring_pg: compiling the C++ core ({name}, 1 source file) into {build_dir};"
+        " the other ranks on this machine wait for it"
+    )
+    assert len(lines) >= 3 and lines[1].startswith("fairring_pg: this happens once")
+    assert lines[-1].startswith("fairring_pg: compiled the C++ core in ")
+    assert lines[-1].endswith(f" s; later runs load it from {build_dir}")
+
+    assert _finish(_start_load(src, name, build_dir)) == ("41", "")
+
+    # FAIRRING_BUILD_DIR is not keyed by the sources: a changed source in the same
+    # directory is compiled again, and reported again.
+    _tiny_extension(src, name, answer=43)
+    out, err = _finish(_start_load(src, name, build_dir))
+    assert out == "43"
+    assert err.startswith("fairring_pg: compiling the C++ core") and "compiled the C++" in err
+
+
+@pytest.mark.parametrize("value", ["yes", "true", "2", "on"])
+def test_a_bad_verbose_setting_fails_before_building(
+    value: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _tiny_extension(tmp_path / "src", "fairring_test_unbuilt", answer=1)
+    monkeypatch.setenv("FAIRRING_BUILD_DIR", str(tmp_path / "build"))
+    monkeypatch.setenv("FAIRRING_BUILD_VERBOSE", value)
+    with pytest.raises(ValueError) as info:
+        _build.load_extension(tmp_path / "src", name="fairring_test_unbuilt")
+    assert str(info.value) == (
+        f"FAIRRING_BUILD_VERBOSE={value!r} is not valid: expected 1 (show the compiler's"
+        " output) or 0 (the default)"
+    )
+    assert not (tmp_path / "build").exists()

@@ -1,0 +1,451 @@
+"""The sub-group allreduce (src/subgroups/, the CUDA path's orchestration) on CPU.
+
+On CUDA tensors fairring composes each allreduce of NCCL sub-group collectives
+(reduce-scatter inside the machine, all-to-all and all-gather along the rail on one of
+several lanes, a reduction of the shards, all-gather inside the machine). The test
+switch FAIRRING_TEST_CPU_SUBGROUPS=on makes CPU tensors take that same code over Gloo
+sub-groups, so everything but the CUDA streams is checked here, without a GPU: slicing,
+lanes, the direct path for small tensors and slice tails, every op and dtype (int16
+widened, bool as bytes), views, coalescing, and order across many calls.
+
+The case list and the exact references are test_allreduce's: every rank computes the
+expected result from all ranks' known inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from multiprocess import SHAPES, CaseJob, fairring_env, run_ranks
+from test_allreduce import (
+    DTYPES,
+    FLOAT_DTYPES,
+    OPS,
+    Case,
+    _compare,
+    _op,
+    build_cases,
+    make_input,
+    reduce_exact,
+    run_case,
+)
+
+from fairring_pg.config import Config, lane_staging_bytes
+
+SLICE_SIZE = 4 * 1024
+TOTAL_MEMORY = 64 * 1024
+TIMEOUT_S = 300
+
+
+def subgroup_env(**extra: str | int | None) -> dict[str, str | None]:
+    """The switch on, small slices (many per tensor), and no direct path unless asked:
+    every tensor of L*M elements or more goes through the five steps."""
+    env = fairring_env(
+        total_memory=TOTAL_MEMORY,
+        slice_size=SLICE_SIZE,
+        FAIRRING_SLICE_SCALING="off",
+        FAIRRING_TEST_CPU_SUBGROUPS="on",
+        FAIRRING_LANES=2,
+        FAIRRING_DIRECT_BELOW=0,
+    )
+    env.update({k: None if v is None else str(v) for k, v in extra.items()})
+    return env
+
+
+# --------------------------------------------------------------- exact results, all cases
+
+JOB_SHAPES = ("2x2", "3x1", "1x3")
+JOBS = {
+    shape: CaseJob(
+        f"subgroups {shape}",
+        run_case,
+        build_cases(shape),
+        SHAPES[shape],
+        env=subgroup_env(),
+        timeout_s=TIMEOUT_S,
+    )
+    for shape in JOB_SHAPES
+}
+
+
+@pytest.mark.parametrize(
+    ("shape", "case_id"),
+    [pytest.param(s, i, id=f"{s}-{i}") for s, job in JOBS.items() for i in job.case_ids],
+)
+def test_subgroup_allreduce(shape: str, case_id: str) -> None:
+    JOBS[shape].check(case_id)
+
+
+# ------------------------------------------------- lanes, the direct path, slice tails
+
+
+@dataclasses.dataclass(frozen=True)
+class SizeCase:
+    id: str
+    op: str
+    dtype: str
+    numel: int
+
+
+def _size_cases() -> list[SizeCase]:
+    # 2x2: L*M = 4. Slices of 4 KiB: 1024 float32, 512 float64, 4096 int8 elements.
+    sizes = (3, 4, 5, 1023, 1024, 1025, 4099, 20_003)
+    return [
+        SizeCase(f"{op}-{dtype}-n{n}", op, dtype, n)
+        for n in sizes
+        for op, dtype in (("SUM", "float32"), ("PRODUCT", "int8"), ("MAX", "float64"))
+    ]
+
+
+SIZE_CASES = _size_cases()
+
+
+def run_size_case(rank: int, world: int, case: SizeCase) -> str | None:
+    c = Case(case.id, "plain", case.op, case.dtype, case.numel)
+    inputs = [make_input(r, c, case.numel, world) for r in range(world)]
+    tensor = inputs[rank].clone()
+    dist.all_reduce(tensor, op=_op(case.op))
+    return _compare(tensor, reduce_exact(inputs, case.op, case.dtype), "result")
+
+
+# Lanes from one to three; a direct threshold above some sizes and below others.
+LANE_JOBS = {
+    name: CaseJob(
+        f"subgroups 2x2 {name}",
+        run_size_case,
+        SIZE_CASES,
+        SHAPES["2x2"],
+        env=subgroup_env(**extra),
+        timeout_s=TIMEOUT_S,
+    )
+    for name, extra in {
+        "lanes1": {"FAIRRING_LANES": 1},
+        "lanes3": {"FAIRRING_LANES": 3},
+        "direct16K": {"FAIRRING_DIRECT_BELOW": "16K"},
+    }.items()
+}
+
+
+@pytest.mark.parametrize(
+    ("job", "case_id"),
+    [pytest.param(j, c.id, id=f"{j}-{c.id}") for j in LANE_JOBS for c in SIZE_CASES],
+)
+def test_lanes_and_direct(job: str, case_id: str) -> None:
+    LANE_JOBS[job].check(case_id)
+
+
+# ------------------------------------------------------------------ many calls in order
+
+
+def many_async(rank: int, world: int, count: int) -> list[str]:
+    """`count` allreduces of varied sizes, ops and dtypes issued async, waited in
+    reverse order: every one exact."""
+    errors = []
+    pending = []
+    for i in range(count):
+        op = OPS[i % len(OPS)]
+        dtype = DTYPES[(i * 7) % len(DTYPES)]
+        if op == "AVG" and dtype not in FLOAT_DTYPES:
+            op = "SUM"
+        numel = (i * 997) % 5000
+        case = Case(f"many/{i}", "plain", op, dtype, numel)
+        inputs = [make_input(r, case, numel, world) for r in range(world)]
+        tensor = inputs[rank].clone()
+        work = dist.all_reduce(tensor, op=_op(op), async_op=True)
+        pending.append((work, tensor, reduce_exact(inputs, op, dtype), case.id))
+    for work, tensor, expected, name in reversed(pending):
+        work.wait()
+        err = _compare(tensor, expected, name)
+        if err:
+            errors.append(err)
+    return errors
+
+
+@pytest.mark.parametrize("shape", ["2x2", "3x1"])
+def test_many_async_waited_in_reverse(shape: str) -> None:
+    results = run_ranks(
+        many_async,
+        len(SHAPES[shape]),
+        SHAPES[shape],
+        env=subgroup_env(),
+        timeout_s=TIMEOUT_S,
+        count=60,
+    )
+    assert results == [[]] * len(SHAPES[shape])
+
+
+# ------------------------------------------------------------------ slice arithmetic
+
+
+@pytest.mark.parametrize(("machines", "local"), [(2, 2), (3, 1), (4, 8), (16, 8)])
+@pytest.mark.parametrize("lanes", [1, 4])
+def test_subgroup_slice_fits_staging(machines: int, local: int, lanes: int) -> None:
+    config = Config(lanes=lanes)
+    size = config.subgroup_slice_size(machines, local)
+    unit = 8 * machines * local
+    assert size % unit == 0 and size >= unit
+    assert lanes * lane_staging_bytes(size, machines, local) <= config.total_memory
+    # The largest such size: one more unit would not fit, or would exceed the wish.
+    wanted = max(config.slice_size, 1024 * 1024 * machines * local)
+    assert (
+        size + unit > wanted
+        or lanes * lane_staging_bytes(size + unit, machines, local) > config.total_memory
+    )
+
+
+def test_subgroup_slice_refuses_tiny_staging() -> None:
+    with pytest.raises(ValueError, match="FAIRRING_TOTAL_MEMORY=1000 .*FAIRRING_LANES=4"):
+        Config(total_memory=1000, lanes=4).subgroup_slice_size(4, 2)
+
+
+def test_lane_staging_bytes_match_the_core() -> None:
+    from fairring_pg._build import load_extension
+
+    core = load_extension()
+    for slice_size, machines, local in [(4096, 2, 2), (25 << 20, 4, 1), (8 * 24, 3, 8)]:
+        assert core.lane_staging_bytes(slice_size, machines, local) == lane_staging_bytes(
+            slice_size, machines, local
+        )
+
+
+def test_config_variables_are_validated() -> None:
+    for raw in ("0", "17", "x", "-1", "2.5"):
+        with pytest.raises(ValueError, match="FAIRRING_LANES"):
+            Config.from_env({"FAIRRING_LANES": raw})
+    assert Config.from_env({"FAIRRING_LANES": "3"}).lanes == 3
+    assert Config.from_env({"FAIRRING_DIRECT_BELOW": "0"}).direct_below == 0
+    assert Config.from_env({"FAIRRING_DIRECT_BELOW": "1M"}).direct_below == 1 << 20
+    with pytest.raises(ValueError, match="FAIRRING_DIRECT_BELOW"):
+        Config.from_env({"FAIRRING_DIRECT_BELOW": "-5"})
+    for name in ("FAIRRING_TEST_CPU_SUBGROUPS", "FAIRRING_TEST_LOCAL_GLOO"):
+        with pytest.raises(ValueError, match=name):
+            Config.from_env({name: "yes"})
+
+
+def test_lanes_must_agree_across_ranks() -> None:
+    outcomes = run_ranks_expecting_failure({0: {"FAIRRING_LANES": "2"}, 1: {"FAIRRING_LANES": "3"}})
+    for message in outcomes:
+        assert "FAIRRING_LANES differs across ranks" in message, message
+
+
+def _init_only(rank: int, world: int) -> None:
+    t = torch.ones(3)
+    dist.all_reduce(t)
+
+
+def run_ranks_expecting_failure(rank_env: dict[int, dict[str, str]]) -> list[str]:
+    from multiprocess import launch
+
+    outcomes = launch(
+        _init_only,
+        2,
+        ["m0", "m1"],
+        env=subgroup_env(),
+        timeout_s=60,
+        rank_env=rank_env,
+    )
+    assert all(not o.ok for o in outcomes), [o.describe() for o in outcomes]
+    return [f"{o.error_type}: {o.error_message}" for o in outcomes]
+
+
+# ------------------------------------------------------------------ size mismatch
+
+MISMATCH_TIMEOUT_S = 10
+
+
+def mismatched_sizes(rank: int, world: int) -> str:
+    """Rank 1 reduces one element more than rank 0 (an extra slice tail), then both
+    reduce 10 elements."""
+    t = torch.ones(1000 + rank)
+    dist.all_reduce(t)
+    u = torch.ones(10)
+    dist.all_reduce(u)
+    return f"passed with {t[:2].tolist()} and {u[:2].tolist()}"
+
+
+@pytest.mark.parametrize("debug", ["off", "DETAIL"])
+def test_size_mismatch_never_passes(debug: str) -> None:
+    """NCCL does not compare sizes, and neither do the sub-groups: ranks that disagree
+    issue different collectives and wait for each other until the group's timeout
+    (NCCL's watchdog on CUDA). TORCH_DISTRIBUTED_DEBUG=DETAIL makes torch wrap fairring
+    as it wraps NCCL, comparing every collective's shapes first: a clear error at once."""
+    from multiprocess import launch
+
+    env = subgroup_env()
+    if debug == "DETAIL":
+        env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    start = time.monotonic()
+    outcomes = launch(
+        mismatched_sizes,
+        2,
+        ["m0", "m1"],
+        env=env,
+        timeout_s=MISMATCH_TIMEOUT_S + 60,
+        pg_timeout_s=MISMATCH_TIMEOUT_S,
+        abort_grace_s=None,
+    )
+    elapsed = time.monotonic() - start
+    for o in outcomes:
+        assert o.status == "error", o.describe()
+        if debug == "DETAIL":
+            assert "mismatch" in (o.error_message or "").lower(), o.describe()
+            assert "1000" in o.error_message and "1001" in o.error_message, o.describe()
+        else:
+            assert (
+                "timed out" in (o.error_message or "").lower()
+                or "timeout" in (o.error_message or "").lower()
+            ), o.describe()
+    assert elapsed < MISMATCH_TIMEOUT_S + 45, elapsed
+
+
+# ------------------------------------------------------------------ DDP comm hooks
+
+
+def _chained_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks the annotations
+    """Two allreduces in a chain: the callback of the first issues the second and waits
+    on it (as PowerSGD does), on buckets of different sizes."""
+    tensor = bucket.buffer()
+    world = dist.get_world_size()
+
+    def second(fut: Any) -> torch.Tensor:
+        summed = fut.value()[0]
+        again = summed.clone()
+        dist.all_reduce(again, async_op=True).get_future().wait()  # world * summed
+        return again / world / world
+
+    return dist.all_reduce(tensor, async_op=True).get_future().then(second)
+
+
+def train_with_hook(rank: int, world: int, hook: str, steps: int) -> dict[str, torch.Tensor]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 30), torch.nn.Linear(30, 5)
+    )
+    # A few buckets of different sizes, except for PowerSGD: Gloo, the reference, runs
+    # the callbacks of concurrent buckets on its own threads in no fixed order, which
+    # breaks PowerSGD's nested allreduces (a crash, seen here); with one bucket there is
+    # one chain of callbacks, blocking waits included.
+    ddp = DDP(model, bucket_cap_mb=25 if hook == "powersgd" else 0.004)
+    if hook == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif hook == "powersgd":
+        state = powersgd.PowerSGDState(
+            process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2
+        )
+        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+    elif hook == "chained":
+        ddp.register_comm_hook(None, _chained_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(100 * rank + step)
+        x = torch.randn(16, 24, generator=gen)
+        y = torch.randn(16, 5, generator=gen)
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("hook", ["allreduce", "fp16", "powersgd", "chained"])
+def test_ddp_comm_hooks_match_gloo(hook: str) -> None:
+    """The futures complete before allreduce returns, as NCCL's do: hooks that chain
+    and block in their callbacks run in program order on every rank."""
+    shape = SHAPES["2x2"]
+    # The chained hook computes the average, as DDP's default does; Gloo cannot run it
+    # (its two threads block in the callbacks and nothing completes the nested
+    # allreduces: a hang, seen here), so Gloo's reference is its default hook.
+    reference_hook = "allreduce" if hook == "chained" else hook
+    runs = {
+        backend: run_ranks(
+            train_with_hook,
+            len(shape),
+            shape,
+            backend=backend,
+            env=subgroup_env(),
+            timeout_s=TIMEOUT_S,
+            hook=hook if backend == "fairring" else reference_hook,
+            steps=6,
+        )
+        for backend in ("fairring", "gloo")
+    }
+    fairring, gloo = runs["fairring"], runs["gloo"]
+    for rank in range(1, len(shape)):
+        for name, value in fairring[rank].items():
+            assert torch.equal(value, fairring[0][name]), f"rank {rank} differs in {name}"
+    # Only the order of summation differs from Gloo's (and, compressed to fp16, where
+    # fp16 rounds): a few ulps of the gradients' dtype.
+    rtol, atol = {"fp16": (2e-3, 2e-4)}.get(hook, (1e-5, 1e-6))
+    for name, value in fairring[0].items():
+        torch.testing.assert_close(value, gloo[0][name], rtol=rtol, atol=atol, msg=name)
+
+
+# ------------------------------------------------------------------ a killed peer
+
+KILL_TIMEOUT_S = 10
+
+
+def killed_peer(rank: int, world: int) -> dict[str, Any]:
+    """Rank 3 dies (SIGKILL) after a warm-up; the others reduce until they fail, then
+    call once more."""
+    import os
+    import signal
+
+    t = torch.ones(100_000)
+    dist.all_reduce(t)
+    dist.barrier()
+    if rank == world - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    first = None
+    for _ in range(1000):
+        try:
+            dist.all_reduce(t)
+        except Exception as exc:  # noqa: BLE001 - the message is the result
+            first = str(exc)
+            break
+    failed_after = time.monotonic() - start
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(10))
+        again = None
+    except Exception as exc:  # noqa: BLE001
+        again = str(exc)
+    return {
+        "first": first,
+        "failed_after": failed_after,
+        "again": again,
+        "again_s": time.monotonic() - start,
+    }
+
+
+def test_killed_peer_fails_every_survivor() -> None:
+    from multiprocess import launch
+
+    outcomes = launch(
+        killed_peer,
+        4,
+        SHAPES["2x2"],
+        env=subgroup_env(),
+        timeout_s=KILL_TIMEOUT_S + 60,
+        pg_timeout_s=KILL_TIMEOUT_S,
+        abort_grace_s=None,
+    )
+    assert outcomes[3].status == "crashed", outcomes[3].describe()
+    for o in outcomes[:3]:
+        assert o.ok, o.describe()
+        v = o.value
+        assert v["first"] is not None, f"rank {o.rank}: 1000 allreduces passed without rank 3"
+        assert v["failed_after"] < KILL_TIMEOUT_S + 5, v
+        # Every later call fails at once, with the first error.
+        assert v["again"] is not None and "failed earlier" in v["again"], v
+        assert v["again_s"] < 1, v
