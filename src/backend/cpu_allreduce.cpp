@@ -4,6 +4,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "backend/future_work.h"
+#include "backend/python_callback.h"
 
 namespace fairring {
 
@@ -52,7 +53,14 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::run(
     c10d::OpType opType,
     const char* profilingTitle,
     const std::vector<at::Tensor>& inputs) {
-  const bool fromCallback = OrderedCompletion::onWorkerThread();
+  bool fromCallback = OrderedCompletion::onWorkerThread();
+  if (!fromCallback && insidePythonFutureCallback()) {
+    // A callback run inline by then() on a future that was already complete:
+    // on another rank the same callback may have run on a worker, so it takes
+    // the same pipeline, in the same turn.
+    fromCallback = true;
+    completion_.awaitMarkedCallbacks();
+  }
   AllreduceEngine& engine = fromCallback ? callbackEngine() : engine_;
   auto source = engine.enqueue(std::move(work), op, std::move(outputs), std::move(finish));
   auto user = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));

@@ -225,6 +225,21 @@ bool OrderedCompletion::onWorkerThread() {
   return tlWorker;
 }
 
+void OrderedCompletion::awaitMarkedCallbacks() {
+  State& s = *state_;
+  std::unique_lock<std::mutex> lock(s.mu);
+  const uint64_t target = s.nextMark;
+  if (s.turnCv.wait_for(lock, s.patience, [&] { return s.turn >= target || s.closing; })) {
+    return;
+  }
+  if (!s.warnedPatience) {
+    s.warnedPatience = true;
+    std::cerr << "fairring: a callback run outside fairring's completion threads waited " << s.patience.count()
+              << " ms (the process group's timeout) for the callbacks of allreduce #" << s.turn
+              << " to return; issuing its allreduce out of order" << std::endl;
+  }
+}
+
 void OrderedCompletion::chain(const c10::intrusive_ptr<Future>& source, const c10::intrusive_ptr<Future>& user) {
   uint64_t idx = 0;
   {

@@ -40,6 +40,13 @@ class OrderedCompletion {
   // callback of a chained future.
   static bool onWorkerThread();
 
+  // For a callback that runs outside the workers (attached after its future
+  // was complete, so run at once by the thread that attached it): returns
+  // once the callbacks of every future marked so far have returned, so that
+  // what it issues follows what they issued, as on a worker. Gives way after
+  // the patience, like a gate.
+  void awaitMarkedCallbacks();
+
   // Gives chained futures and callbacks in progress up to `grace` to finish,
   // then stops: waiting gates are released, idle workers joined, a worker
   // still inside a callback is left to finish it on its own. Idempotent.
