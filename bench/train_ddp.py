@@ -10,6 +10,7 @@ ranks), optionally also writes it to --json-out, and can dump the final paramete
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -55,6 +56,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument(
+        "--no-sync",
+        action="store_true",
+        help="backward under DDP's no_sync(): no allreduce at all, the compute-only baseline",
+    )
     p.add_argument("--timeout-s", type=float, default=300.0, help="process group timeout")
     p.add_argument("--json-out", type=Path, help="rank 0 also writes its JSON line here")
     p.add_argument("--dump-params", type=Path, help="rank 0 saves the final state_dict here")
@@ -98,7 +104,8 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         # On CPU, DDP's backward returns only once every bucket's allreduce finished,
         # so a step's time includes its communication.
-        loss.backward()
+        with model.no_sync() if args.no_sync else contextlib.nullcontext():
+            loss.backward()
         optimizer.step()
         return loss.detach()
 
