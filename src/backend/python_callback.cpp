@@ -10,7 +10,7 @@ namespace {
 // torch._C.Future, looked up once (borrowed for the life of the interpreter:
 // the module keeps it).
 PyObject* futureType() {
-  static PyObject* type = [] () -> PyObject* {
+  static PyObject* type = []() -> PyObject* {
     PyObject* module = PyImport_ImportModule("torch._C");
     if (module == nullptr) {
       PyErr_Clear();
