@@ -10,6 +10,7 @@ ranks), optionally also writes it to --json-out, and can dump the final paramete
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -55,6 +56,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument(
+        "--no-sync",
+        action="store_true",
+        help="backward under DDP's no_sync(): no allreduce at all, the compute-only baseline",
+    )
     p.add_argument("--timeout-s", type=float, default=300.0, help="process group timeout")
     p.add_argument("--json-out", type=Path, help="rank 0 also writes its JSON line here")
     p.add_argument("--dump-params", type=Path, help="rank 0 saves the final state_dict here")
@@ -98,7 +104,8 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         # On CPU, DDP's backward returns only once every bucket's allreduce finished,
         # so a step's time includes its communication.
-        loss.backward()
+        with model.no_sync() if args.no_sync else contextlib.nullcontext():
+            loss.backward()
         optimizer.step()
         return loss.detach()
 
@@ -108,9 +115,14 @@ def main() -> None:
     # job's time rather than its own.
     dist.barrier()
     start = time.perf_counter()
-    losses = [step() for _ in range(args.steps)]
+    losses = []
+    step_ends = []
+    for _ in range(args.steps):
+        losses.append(step())
+        step_ends.append(time.perf_counter())
     dist.barrier()
     elapsed = time.perf_counter() - start
+    step_s = [b - a for a, b in zip([start, *step_ends[:-1]], step_ends, strict=True)]
 
     # Mean loss over ranks of the last step: what the job as a whole reached.
     final_loss = losses[-1].clone() if losses else torch.zeros(())
@@ -129,6 +141,11 @@ def main() -> None:
             "steps_per_s": round(args.steps / elapsed, 4),
             "words_per_s": round(words / elapsed, 1),
             "final_loss": round(final_loss.item(), 6),
+            "step_ms": [round(1000 * x, 1) for x in step_s],
+            "optimizer": args.optimizer,
+            "lr": args.lr,
+            # Other jobs on a small shared host are the main source of noise.
+            "load_avg": [round(x, 2) for x in os.getloadavg()],
             "grad_mib": round(gradient_bytes(model) / 2**20, 2),
         }
         line = json.dumps(result)

@@ -85,22 +85,27 @@ a, b = best["a"], best["b"]
 print()
 print(f"{a['machines']} machines x {a['ranks_per_machine']} ranks, {a['steps']} timed steps, "
       f"{a['grad_mib']} MiB of gradients; best of {len(runs['a'])} runs per backend")
-header = f"{'backend':<10} {'steps/s':>9} {'words/s':>10} {'final loss':>11}  all runs (words/s)"
+header = (f"{'backend':<10} {'steps/s':>9} {'words/s':>10} {'final loss':>11}  "
+          "all runs: words/s (1-min load average at the end)")
 print(header)
 print("-" * len(header))
 for side in "ab":
     r = best[side]
-    all_runs = ", ".join(f"{x['words_per_s']:.0f}" for x in runs[side])
+    all_runs = ", ".join(f"{x['words_per_s']:.0f} ({x['load_avg'][0]:.1f})" for x in runs[side])
     print(f"{r['backend']:<10} {r['steps_per_s']:>9.3f} {r['words_per_s']:>10.1f} "
           f"{r['final_loss']:>11.4f}  {all_runs}")
 ratio = a["words_per_s"] / b["words_per_s"]
 print(f"ratio {a['backend']}/{b['backend']} (words/s): {ratio:.3f}")
 
-# Same seeds and data on both sides: the weights differ only by the summation order
-# of the allreduces. Adam turns such rounding differences in tiny gradients into
-# steps of about lr, so expect up to a few lr here (with --optimizer sgd it is ~1e-7).
 pa = torch.load(out / f"{a['label']}.pt")
 pb = torch.load(out / f"{b['label']}.pt")
 diff = max((pa[k] - pb[k]).abs().max().item() for k in pa)
-print(f"max |param difference| {a['backend']} vs {b['backend']}: {diff:.3e}")
+# Same seeds and data on both sides: the weights differ only by the summation order
+# of the allreduces, and Adam normalises each step, so a gradient that is ~0 up to
+# rounding still moves its weight by up to lr per step.
+why = (f"{diff / a['lr']:.1f} x lr: same data and seeds, the allreduces only sum in "
+       f"another order, and Adam turns rounding-level gradient differences into steps of "
+       f"up to lr each (--optimizer sgd: ~1e-7)" if a["optimizer"] == "adam" else
+       "same data and seeds: the allreduces only sum in another order")
+print(f"max |param difference| {a['backend']} vs {b['backend']}: {diff:.3e} ({why})")
 EOF

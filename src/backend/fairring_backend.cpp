@@ -1,8 +1,8 @@
 #include "backend/fairring_backend.h"
 
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
-#include "backend/future_work.h"
 #include "ops/reduce_kind.h"
 #include "ops/tensor_fusion.h"
 
@@ -54,8 +54,10 @@ FairringBackend::FairringBackend(
   EngineOptions engineOptions{
       options.sliceSize, options.totalMemory, options.timeout, options.listenAddress, options.jobToken,
       options.timelinePath};
-  engine_ = std::make_unique<AllreduceEngine>(std::move(layout), std::move(engineOptions));
+  engine_ = std::make_unique<AllreduceEngine>(std::move(layout), engineOptions);
   engine_->start(*store);
+  cpuAllreduce_ = std::make_unique<CpuAllreduce>(
+      rank, *engine_, engineOptions, c10::make_intrusive<c10d::PrefixStore>("callbacks/", store));
 }
 
 FairringBackend::~FairringBackend() {
@@ -107,8 +109,8 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce(
     // Reduce a dense copy, then write the result back into the caller's view.
     finish = [tensor, work]() mutable { tensor.copy_(work); };
   }
-  auto future = engine_->enqueue(work, opts.reduceOp.op_, {tensor}, std::move(finish));
-  return c10::make_intrusive<FutureWork>(rank_, c10d::OpType::ALLREDUCE, "fairring:all_reduce", tensors, future);
+  return cpuAllreduce_->run(
+      work, opts.reduceOp.op_, {tensor}, std::move(finish), c10d::OpType::ALLREDUCE, "fairring:all_reduce", tensors);
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce_coalesced(
@@ -133,9 +135,9 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce_coalesced(
         "; coalesced tensors must share a dtype");
   }
   Fusion fusion = fuse(tensors);
-  auto future = engine_->enqueue(fusion.fused, opts.reduceOp.op_, tensors, std::move(fusion.scatterBack));
-  return c10::make_intrusive<FutureWork>(
-      rank_, c10d::OpType::ALLREDUCE_COALESCED, "fairring:all_reduce_coalesced", tensors, future);
+  return cpuAllreduce_->run(
+      fusion.fused, opts.reduceOp.op_, tensors, std::move(fusion.scatterBack), c10d::OpType::ALLREDUCE_COALESCED,
+      "fairring:all_reduce_coalesced", tensors);
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::broadcast(
@@ -274,6 +276,9 @@ void FairringBackend::shutdownCore() {
   }
   if (engine_) {
     engine_->shutdown();
+  }
+  if (cpuAllreduce_) {
+    cpuAllreduce_->shutdown();
   }
 }
 

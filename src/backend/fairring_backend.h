@@ -10,6 +10,7 @@
 
 #include <optional>
 
+#include "backend/cpu_allreduce.h"
 #include "pipeline/allreduce_engine.h"
 #include "subgroups/subgroup_allreduce.h"
 
@@ -141,6 +142,7 @@ class FairringBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> cpu_;
   c10::intrusive_ptr<c10d::Backend> cuda_;
   std::unique_ptr<AllreduceEngine> engine_; // null when CPU tensors take the sub-group path
+  std::unique_ptr<CpuAllreduce> cpuAllreduce_; // uses engine_: declared after it
   std::unique_ptr<SubgroupAllreduce> cpuSubgroups_;
   std::unique_ptr<SubgroupAllreduce> cudaSubgroups_;
 };

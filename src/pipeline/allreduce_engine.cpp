@@ -6,6 +6,7 @@
 #include <set>
 
 #include "ops/reduce_kind.h"
+#include "pipeline/ordered_completion.h"
 
 namespace fairring {
 
@@ -136,6 +137,10 @@ void AllreduceEngine::shutdownAll(std::chrono::milliseconds grace) {
   for (AllreduceEngine* engine : registry()) {
     engine->shutdown();
   }
+  // The shutdowns failed what was left; its futures' callbacks run on the
+  // completion threads, which must be done before Python finalizes.
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+  OrderedCompletion::stopAll(std::max(left, std::chrono::milliseconds(1000)));
 }
 
 void AllreduceEngine::start(c10d::Store& store) {
@@ -496,7 +501,7 @@ void AllreduceEngine::finishSlice(Op& op, Slice& slice, Actions& actions) {
   ops_.erase(it);
   cv_.notify_all(); // shutdownAll may be waiting for ops_ to empty
   actions.push_back([this, finished] {
-    tasks_.post([finished] {
+    auto complete = [finished] {
       try {
         if (finished->finish) {
           finished->finish();
@@ -507,7 +512,15 @@ void AllreduceEngine::finishSlice(Op& op, Slice& slice, Actions& actions) {
           finished->future->setError(makeError(std::string("fairring: completing allreduce failed: ") + e.what()));
         }
       }
-    });
+    };
+    // A write-back is arithmetic: the reduction thread's. Without one, the
+    // future completes here: its callbacks only hand the result on (to
+    // OrderedCompletion), and a hop to another thread would only add latency.
+    if (finished->finish) {
+      tasks_.post(std::move(complete));
+    } else {
+      complete();
+    }
   });
 }
 

@@ -55,9 +55,11 @@ class AllreduceEngine {
   void start(c10d::Store& store);
 
   // Reduces `work` (contiguous) in place across all ranks. `outputs` is the
-  // future's value; `finish` runs (on the engine's thread) once `work` holds
+  // future's value; `finish` runs (on the reduction thread) once `work` holds
   // the result and before the future completes, e.g. to copy it back into a
   // non-contiguous tensor. Throws at once on bad input or a broken engine.
+  // The future completes on an engine thread: its callbacks must only hand
+  // the result on (the backend gives users futures of OrderedCompletion).
   c10::intrusive_ptr<Future> enqueue(
       at::Tensor work,
       c10d::ReduceOp::RedOpType op,

@@ -1,0 +1,122 @@
+#include "backend/cpu_allreduce.h"
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include "backend/future_work.h"
+#include "backend/python_callback.h"
+
+namespace fairring {
+
+namespace {
+
+// Callbacks run at destroy_process_group (with the errors of what was in
+// flight) get this long before their threads are left to finish alone.
+constexpr std::chrono::milliseconds kStopGrace{2000};
+
+// trace.rank3.json -> trace.rank3.callbacks.json: the second engine's own file.
+std::string callbackTimelinePath(const std::string& path) {
+  if (path.empty()) {
+    return path;
+  }
+  const size_t slash = path.find_last_of('/');
+  const size_t dot = path.find_last_of('.');
+  if (dot == std::string::npos || (slash != std::string::npos && dot < slash)) {
+    return path + ".callbacks";
+  }
+  return path.substr(0, dot) + ".callbacks" + path.substr(dot);
+}
+
+} // namespace
+
+CpuAllreduce::CpuAllreduce(
+    int rank,
+    AllreduceEngine& engine,
+    EngineOptions callbackOptions,
+    c10::intrusive_ptr<c10d::Store> store)
+    : rank_(rank), engine_(engine), callbackOptions_([&] {
+        callbackOptions.timelinePath = callbackTimelinePath(callbackOptions.timelinePath);
+        return std::move(callbackOptions);
+      }()),
+      store_(std::move(store)),
+      completion_(callbackOptions_.timeout) {}
+
+CpuAllreduce::~CpuAllreduce() {
+  shutdown();
+}
+
+c10::intrusive_ptr<c10d::Work> CpuAllreduce::run(
+    at::Tensor work,
+    c10d::ReduceOp::RedOpType op,
+    std::vector<at::Tensor> outputs,
+    std::function<void()> finish,
+    c10d::OpType opType,
+    const char* profilingTitle,
+    const std::vector<at::Tensor>& inputs) {
+  bool fromCallback = OrderedCompletion::onWorkerThread();
+  if (!fromCallback && insidePythonFutureCallback()) {
+    // A callback run inline by then() on a future that was already complete:
+    // on another rank the same callback may have run on a worker, so it takes
+    // the same pipeline, in the same turn.
+    fromCallback = true;
+    completion_.awaitMarkedCallbacks();
+  }
+  AllreduceEngine& engine = fromCallback ? callbackEngine() : engine_;
+  auto source = engine.enqueue(std::move(work), op, std::move(outputs), std::move(finish));
+  auto user = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+  // Before the gate that chain() adds: Work.wait() and the profiler range end
+  // when the future is marked, not when its turn to run callbacks comes.
+  auto result = c10::make_intrusive<FutureWork>(rank_, opType, profilingTitle, inputs, user);
+  if (!fromCallback) {
+    completion_.chain(source, user);
+    return result;
+  }
+  // Inside a callback: done before returning, so that callbacks chained on
+  // it run right here, in this callback's order (as on NCCL, whose futures
+  // complete at enqueue).
+  source->wait();
+  if (source->hasError()) {
+    user->setError(source->exception_ptr());
+  } else {
+    user->markCompleted(source->value());
+  }
+  return result;
+}
+
+AllreduceEngine& CpuAllreduce::callbackEngine() {
+  std::lock_guard<std::mutex> lock(mu_);
+  TORCH_CHECK(!stopped_, "fairring: the process group was shut down");
+  if (!startFailure_.empty()) {
+    throw c10::DistBackendError(startFailure_);
+  }
+  if (!callbackEngine_) {
+    try {
+      auto engine = std::make_unique<AllreduceEngine>(engine_.layout(), callbackOptions_);
+      engine->start(*store_);
+      callbackEngine_ = std::move(engine);
+    } catch (const std::exception& e) {
+      // Every rank starts it at its first allreduce from a callback; one that
+      // never gets there (its program differs) leaves the others here.
+      startFailure_ = std::string("fairring: starting the pipeline for allreduces issued from callbacks failed on ") +
+          engine_.layout().describe(engine_.layout().rank()) + ": " + e.what();
+      throw c10::DistBackendError(startFailure_);
+    }
+  }
+  return *callbackEngine_;
+}
+
+void CpuAllreduce::shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopped_) {
+      return;
+    }
+    stopped_ = true;
+    if (callbackEngine_) {
+      callbackEngine_->shutdown();
+    }
+  }
+  completion_.stop(kStopGrace);
+}
+
+} // namespace fairring

@@ -1,0 +1,65 @@
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "pipeline/allreduce_engine.h"
+#include "pipeline/ordered_completion.h"
+
+namespace fairring {
+
+// Allreduce of CPU tensors as the backend hands it out. The program's own
+// allreduces run on the main engine and their futures complete in issue
+// order through OrderedCompletion. Allreduces issued from inside those
+// futures' callbacks (comm hooks such as PowerSGD) run on a second engine,
+// started at the first one, and return completed: each stream is issued in
+// an order that is the same on every rank, while the two interleave in time
+// differently on each (docs/design.md, "Completion order and comm hooks").
+class CpuAllreduce {
+ public:
+  // `engine` must outlive this object; `callbackOptions` and `store` start the
+  // second engine.
+  CpuAllreduce(
+      int rank,
+      AllreduceEngine& engine,
+      EngineOptions callbackOptions,
+      c10::intrusive_ptr<c10d::Store> store);
+  ~CpuAllreduce();
+
+  // Reduces `work` in place (see AllreduceEngine::enqueue) and returns the
+  // caller's Work. Throws at once on bad input or a failed group.
+  c10::intrusive_ptr<c10d::Work> run(
+      at::Tensor work,
+      c10d::ReduceOp::RedOpType op,
+      std::vector<at::Tensor> outputs,
+      std::function<void()> finish,
+      c10d::OpType opType,
+      const char* profilingTitle,
+      const std::vector<at::Tensor>& inputs);
+
+  // Stops the callback engine and the completion threads; the caller shuts
+  // the main engine down first, which fails what is in flight. Idempotent.
+  void shutdown();
+
+ private:
+  AllreduceEngine& callbackEngine();
+
+  const int rank_;
+  AllreduceEngine& engine_;
+  const EngineOptions callbackOptions_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  OrderedCompletion completion_;
+  std::mutex mu_; // guards the three below; held while the callback engine connects
+  std::unique_ptr<AllreduceEngine> callbackEngine_;
+  std::string startFailure_; // a failed start is not retried
+  bool stopped_{false};
+};
+
+} // namespace fairring
