@@ -70,8 +70,7 @@ def worker(args: argparse.Namespace) -> None:
 
         variants = {name: (lambda g=g: run(g)) for name, g in groups.items()}
         times = common.time_iterations(variants, args.iters, args.warmup, dist.barrier)
-        results[str(size)] = {"reps": reps,
-                              **{k: [t / reps for t in v] for k, v in times.items()}}
+        results[str(size)] = {"reps": reps, **{k: [t / reps for t in v] for k, v in times.items()}}
     common.write_worker_result(args.raw_out, {"world": dist.get_world_size(), "sizes": results})
     dist.destroy_process_group()
 
@@ -79,8 +78,14 @@ def worker(args: argparse.Namespace) -> None:
 def driver(args: argparse.Namespace) -> int:
     shapes = [common.parse_shape(s) for s in args.shapes.split(",")]
     place = common.placement(args, "allreduce_sizes")
-    forwarded = ["--sizes", ",".join(str(s) for s in sizes_of(args)),
-                 "--iters", str(args.iters), "--warmup", str(args.warmup)]
+    forwarded = [
+        "--sizes",
+        ",".join(str(s) for s in sizes_of(args)),
+        "--iters",
+        str(args.iters),
+        "--warmup",
+        str(args.warmup),
+    ]
     runs = {}
     goodput = None
     if place.netns:
@@ -90,14 +95,26 @@ def driver(args: argparse.Namespace) -> int:
         print(f"== link goodput (1 TCP stream): {goodput / 1e6:.1f} MB/s", flush=True)
     for machines, ranks in shapes:
         shape = f"{machines}x{ranks}"
-        code, result = common.run_workers(Path(__file__), args, place, shape, forwarded,
-                                          machines, ranks, f"{place.name}_{shape}")
+        code, result = common.run_workers(
+            Path(__file__), args, place, shape, forwarded, machines, ranks, f"{place.name}_{shape}"
+        )
         runs[shape] = result if result is not None else {"error": f"exit status {code}"}
-    config = {"where": place.where, "rate": args.rate, "iters": args.iters,
-              "warmup": args.warmup, "shapes": args.shapes,
-              "timing": "median over iterations of the slowest rank"}
-    common.stamp_and_save("allreduce_sizes", place.name, config, render,
-                          {"runs": runs, "link_goodput": goodput}, args.out)
+    config = {
+        "where": place.where,
+        "rate": args.rate,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "shapes": args.shapes,
+        "timing": "median over iterations of the slowest rank",
+    }
+    common.stamp_and_save(
+        "allreduce_sizes",
+        place.name,
+        config,
+        render,
+        {"runs": runs, "link_goodput": goodput},
+        args.out,
+    )
     return 0 if all("error" not in r for r in runs.values()) else 1
 
 
@@ -125,15 +142,20 @@ def summarize(run: dict[str, Any]) -> list[dict[str, float]]:
 def render(data: dict[str, Any]) -> tuple[str, Any]:
     stamp = data["stamp"]
     rate = stamp["config"].get("rate")
-    parts = [f"# One-shot allreduce vs size ({stamp['config']['where']})\n\n",
-             report.stamp_lines(stamp), "\n",
-             "Times are per allreduce; bandwidths in MB/s (10^6 B/s); algbw = S/t, "
-             "busbw = 2(N-1)/N·S/t; speedup = Gloo time / fairring time (medians; best of:"
-             " fastest iterations).\n\n"]
+    parts = [
+        f"# One-shot allreduce vs size ({stamp['config']['where']})\n\n",
+        report.stamp_lines(stamp),
+        "\n",
+        "Times are per allreduce; bandwidths in MB/s (10^6 B/s); algbw = S/t, "
+        "busbw = 2(N-1)/N·S/t; speedup = Gloo time / fairring time (medians; best of:"
+        " fastest iterations).\n\n",
+    ]
     goodput = data.get("link_goodput")
     if goodput:
-        parts.append(f"Link: {rate} per host and direction (tc tbf); one TCP stream between two"
-                     f" hosts moves {report.mbps(goodput)} MB/s of payload.\n\n")
+        parts.append(
+            f"Link: {rate} per host and direction (tc tbf); one TCP stream between two"
+            f" hosts moves {report.mbps(goodput)} MB/s of payload.\n\n"
+        )
     panels = {}
     for shape, run in data["runs"].items():
         parts.append(f"## {shape} (machines x ranks)\n\n")
@@ -141,24 +163,54 @@ def render(data: dict[str, Any]) -> tuple[str, Any]:
             parts.append(f"failed: {run['error']}\n\n")
             continue
         rows = summarize(run)
-        parts.append(report.table(
-            ["size", "gloo ms", "fairring ms", "gloo algbw", "fairring algbw",
-             "gloo busbw", "fairring busbw", "speedup", "speedup (best of)"],
-            [[common.show_size(int(r["size"])), report.ms(r["gloo_s"]),
-              report.ms(r["fairring_s"]), report.mbps(r["gloo_algbw"]),
-              report.mbps(r["fairring_algbw"]), report.mbps(r["gloo_busbw"]),
-              report.mbps(r["fairring_busbw"]), report.ratio(r["speedup"]),
-              report.ratio(r["speedup_best"])] for r in rows]))
+        parts.append(
+            report.table(
+                [
+                    "size",
+                    "gloo ms",
+                    "fairring ms",
+                    "gloo algbw",
+                    "fairring algbw",
+                    "gloo busbw",
+                    "fairring busbw",
+                    "speedup",
+                    "speedup (best of)",
+                ],
+                [
+                    [
+                        common.show_size(int(r["size"])),
+                        report.ms(r["gloo_s"]),
+                        report.ms(r["fairring_s"]),
+                        report.mbps(r["gloo_algbw"]),
+                        report.mbps(r["fairring_algbw"]),
+                        report.mbps(r["gloo_busbw"]),
+                        report.mbps(r["fairring_busbw"]),
+                        report.ratio(r["speedup"]),
+                        report.ratio(r["speedup_best"]),
+                    ]
+                    for r in rows
+                ],
+            )
+        )
         parts.append("\n")
-        panels[shape] = {b: ([r["size"] for r in rows], [r[f"{b}_busbw"] / 1e6 for r in rows])
-                         for b in ("gloo", "fairring")}
+        panels[shape] = {
+            b: ([r["size"] for r in rows], [r[f"{b}_busbw"] / 1e6 for r in rows])
+            for b in ("gloo", "fairring")
+        }
     hlines = {f"link {rate}": _rate_bytes(rate) / 1e6} if rate else {}
     if goodput:
         hlines["TCP goodput"] = goodput / 1e6
 
     def plot(path: Path) -> None:
-        report.line_plot(path, panels, "allreduce size (bytes)", "bus bandwidth (MB/s)",
-                         logx=True, hlines=hlines, title="one-shot allreduce")
+        report.line_plot(
+            path,
+            panels,
+            "allreduce size (bytes)",
+            "bus bandwidth (MB/s)",
+            logx=True,
+            hlines=hlines,
+            title="one-shot allreduce",
+        )
 
     return "".join(parts), plot
 

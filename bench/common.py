@@ -138,10 +138,14 @@ def placement(args: Any, benchmark: str) -> Placement:
 
 def add_output_args(p: argparse.ArgumentParser) -> None:
     """--out for the driver; --raw-out, which the driver gives its workers."""
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                   help=f"folder for <name>.json, .md and .png (default:"
-                   f" {DEFAULT_OUT.relative_to(REPO)}/, which git ignores; --out bench/results"
-                   " replaces the committed results)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        help=f"folder for <name>.json, .md and .png (default:"
+        f" {DEFAULT_OUT.relative_to(REPO)}/, which git ignores; --out bench/results"
+        " replaces the committed results)",
+    )
     p.add_argument("--raw-out", type=Path, help="(worker) file for rank 0's raw figures")
 
 
@@ -160,11 +164,19 @@ def run_workers(
     out = RAW / f"{stem}.json"
     out.unlink(missing_ok=True)
     print(f"== {place.name}: {label} ({place.where})", flush=True)
-    code = launch(script, [*forwarded, "--raw-out", str(out)], machines, ranks_per_machine,
-                  rate=args.rate, netns=place.netns, timeout=args.timeout)
+    code = launch(
+        script,
+        [*forwarded, "--raw-out", str(out)],
+        machines,
+        ranks_per_machine,
+        rate=args.rate,
+        netns=place.netns,
+        timeout=args.timeout,
+    )
     if code != 0:
-        print(f"!! {place.name} {label} failed with exit status {code}", file=sys.stderr,
-              flush=True)
+        print(
+            f"!! {place.name} {label} failed with exit status {code}", file=sys.stderr, flush=True
+        )
         return code, None
     return 0, json.loads(out.read_text())
 
@@ -239,8 +251,9 @@ def launch(
         }
         for local in range(ranks_per_machine):
             rank_env = netns_cluster.rank_env(host_env, local, ranks_per_machine)
-            specs.append((f"m{m}/r{rank_env['RANK']}", command,
-                          {**os.environ, **rank_env, **extra}))
+            specs.append(
+                (f"m{m}/r{rank_env['RANK']}", command, {**os.environ, **rank_env, **extra})
+            )
     return netns_cluster.run_processes(specs, timeout)
 
 
@@ -316,7 +329,7 @@ def time_iterations(
     flat = torch.tensor([t for name in variants for t in mine[name]], dtype=torch.float64)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX)
     values = flat.tolist()
-    return {name: values[i * iters:(i + 1) * iters] for i, name in enumerate(variants)}
+    return {name: values[i * iters : (i + 1) * iters] for i, name in enumerate(variants)}
 
 
 def median(values: Sequence[float]) -> float:

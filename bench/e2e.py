@@ -54,8 +54,9 @@ class Trainer:
 
         self.cfg = ModelConfig()
         self.batch = args.batch
-        self.model = DDP(build_model(self.cfg, seed=0), process_group=group,
-                         bucket_cap_mb=args.bucket_cap_mb)
+        self.model = DDP(
+            build_model(self.cfg, seed=0), process_group=group, bucket_cap_mb=args.bucket_cap_mb
+        )
         opt = torch.optim.Adam if args.optimizer == "adam" else torch.optim.SGD
         self.optimizer = opt(self.model.parameters(), lr=args.lr)
         self.corpus = SyntheticCorpus(self.cfg.vocab, seed=0, rank=rank)
@@ -80,8 +81,10 @@ def worker(args: argparse.Namespace) -> None:
 
     common.init_worker()
     rank, world = dist.get_rank(), dist.get_world_size()
-    trainers = {"gloo": Trainer(dist.group.WORLD, args, rank),
-                "fairring": Trainer(common.fairring_group(), args, rank)}
+    trainers = {
+        "gloo": Trainer(dist.group.WORLD, args, rank),
+        "fairring": Trainer(common.fairring_group(), args, rank),
+    }
     for trainer in trainers.values():
         for _ in range(args.warmup_steps):
             trainer.step()
@@ -99,29 +102,54 @@ def worker(args: argparse.Namespace) -> None:
     losses = {name: t.loss for name, t in trainers.items()}
     loss_tensor = torch.tensor(list(losses.values()), dtype=torch.float64)
     dist.all_reduce(loss_tensor)
-    common.write_worker_result(args.raw_out, {
-        "world": world, "seconds": seconds,
-        "words_per_step": world * args.batch * trainers["gloo"].cfg.seq_len,
-        "grad_mib": gradient_bytes(trainers["gloo"].model) / common.MIB,
-        "final_loss": dict(zip(losses, (loss_tensor / world).tolist(), strict=True)),
-        "max_param_diff": diff})
+    common.write_worker_result(
+        args.raw_out,
+        {
+            "world": world,
+            "seconds": seconds,
+            "words_per_step": world * args.batch * trainers["gloo"].cfg.seq_len,
+            "grad_mib": gradient_bytes(trainers["gloo"].model) / common.MIB,
+            "final_loss": dict(zip(losses, (loss_tensor / world).tolist(), strict=True)),
+            "max_param_diff": diff,
+        },
+    )
     dist.destroy_process_group()
 
 
 def driver(args: argparse.Namespace) -> int:
     machines, ranks = common.parse_shape(args.shape)
     place = common.placement(args, "e2e")
-    forwarded = ["--blocks", str(args.blocks), "--block-steps", str(args.block_steps),
-                 "--warmup-steps", str(args.warmup_steps), "--batch", str(args.batch),
-                 "--optimizer", args.optimizer, "--lr", str(args.lr),
-                 "--bucket-cap-mb", str(args.bucket_cap_mb)]
-    code, results = common.run_workers(Path(__file__), args, place, args.shape, forwarded,
-                                       machines, ranks, place.name)
+    forwarded = [
+        "--blocks",
+        str(args.blocks),
+        "--block-steps",
+        str(args.block_steps),
+        "--warmup-steps",
+        str(args.warmup_steps),
+        "--batch",
+        str(args.batch),
+        "--optimizer",
+        args.optimizer,
+        "--lr",
+        str(args.lr),
+        "--bucket-cap-mb",
+        str(args.bucket_cap_mb),
+    ]
+    code, results = common.run_workers(
+        Path(__file__), args, place, args.shape, forwarded, machines, ranks, place.name
+    )
     if results is None:
         return code
-    config = {"where": place.where, "rate": args.rate, "shape": args.shape,
-              "blocks": args.blocks, "block_steps": args.block_steps, "batch": args.batch,
-              "optimizer": args.optimizer, "bucket_cap_mb": args.bucket_cap_mb}
+    config = {
+        "where": place.where,
+        "rate": args.rate,
+        "shape": args.shape,
+        "blocks": args.blocks,
+        "block_steps": args.block_steps,
+        "batch": args.batch,
+        "optimizer": args.optimizer,
+        "bucket_cap_mb": args.bucket_cap_mb,
+    }
     common.stamp_and_save("e2e", place.name, config, render, results, args.out)
     return 0
 
@@ -135,27 +163,42 @@ def steps_per_s(data: dict[str, Any], backend: str) -> float:
 def render(data: dict[str, Any]) -> tuple[str, Any]:
     cfg = data["stamp"]["config"]
     rates = {b: steps_per_s(data, b) for b in ("gloo", "fairring")}
-    rows = [[b, f"{r:.3f}", f"{r * data['words_per_step']:.0f}",
-             f"{data['final_loss'][b]:.4f}",
-             ", ".join(f"{cfg['block_steps'] / s:.2f}" for s in data["seconds"][b]),
-             report.ratio(r / rates["gloo"])] for b, r in rates.items()]
+    rows = [
+        [
+            b,
+            f"{r:.3f}",
+            f"{r * data['words_per_step']:.0f}",
+            f"{data['final_loss'][b]:.4f}",
+            ", ".join(f"{cfg['block_steps'] / s:.2f}" for s in data["seconds"][b]),
+            report.ratio(r / rates["gloo"]),
+        ]
+        for b, r in rates.items()
+    ]
     markdown = (
         f"# End-to-end DDP Transformer: {cfg['shape']} ({cfg['where']})\n\n"
         + report.stamp_lines(data["stamp"])
         + f"\n{data['grad_mib']:.1f} MiB of gradients, DDP buckets of {cfg['bucket_cap_mb']} MB,"
         f" {cfg['batch']} sequences/rank/step; {cfg['blocks']} alternating blocks of"
         f" {cfg['block_steps']} steps per backend, median block.\n\n"
-        + report.table(["backend", "steps/s", "words/s", "final loss", "steps/s per block",
-                        "vs gloo"], rows)
+        + report.table(
+            ["backend", "steps/s", "words/s", "final loss", "steps/s per block", "vs gloo"], rows
+        )
         + f"\nmax |param difference| fairring vs gloo after training:"
         f" {data['max_param_diff']:.3e} ({cfg['optimizer']})\n"
     )
 
     def plot(path: Path) -> None:
-        series = {b: (list(range(1, len(s) + 1)), [cfg["block_steps"] / x for x in s])
-                  for b, s in data["seconds"].items()}
-        report.line_plot(path, {f"{cfg['shape']} {cfg['where']}": series}, "block",
-                         "steps/s", title="DDP Transformer, steps/s per block")
+        series = {
+            b: (list(range(1, len(s) + 1)), [cfg["block_steps"] / x for x in s])
+            for b, s in data["seconds"].items()
+        }
+        report.line_plot(
+            path,
+            {f"{cfg['shape']} {cfg['where']}": series},
+            "block",
+            "steps/s",
+            title="DDP Transformer, steps/s per block",
+        )
 
     return markdown, plot
 

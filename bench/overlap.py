@@ -65,13 +65,18 @@ def worker(args: argparse.Namespace) -> None:
     groups = {"gloo": dist.group.WORLD}
     for p in parallelism:
         groups[f"p={p}"] = common.fairring_group(
-            FAIRRING_TOTAL_MEMORY=str(p * slot), FAIRRING_SLICE_SIZE=str(bucket),
-            FAIRRING_SLICE_SCALING="off")
+            FAIRRING_TOTAL_MEMORY=str(p * slot),
+            FAIRRING_SLICE_SIZE=str(bucket),
+            FAIRRING_SLICE_SCALING="off",
+        )
     for group in groups.values():  # connections and first-touch of staging, untimed
         issue_all(group, 2)
     sweep = common.time_iterations(
         {name: (lambda g=g: issue_all(g, args.buckets)) for name, g in groups.items()},
-        args.iters, 0, dist.barrier)
+        args.iters,
+        0,
+        dist.barrier,
+    )
     for name, group in groups.items():
         if name != "gloo":
             dist.destroy_process_group(group)
@@ -79,36 +84,72 @@ def worker(args: argparse.Namespace) -> None:
     # Part 2: a burst of buckets in flight, fairring as configured by default.
     default = common.fairring_group()
     inflight = common.time_iterations(
-        {"gloo": lambda: issue_all(dist.group.WORLD, args.inflight),
-         "fairring": lambda: issue_all(default, args.inflight)},
-        args.inflight_iters, 1, dist.barrier)
-    common.write_worker_result(args.raw_out, {
-        "world": world, "local": local, "bucket": bucket, "slot_bytes": slot,
-        "sweep": sweep, "inflight": inflight})
+        {
+            "gloo": lambda: issue_all(dist.group.WORLD, args.inflight),
+            "fairring": lambda: issue_all(default, args.inflight),
+        },
+        args.inflight_iters,
+        1,
+        dist.barrier,
+    )
+    common.write_worker_result(
+        args.raw_out,
+        {
+            "world": world,
+            "local": local,
+            "bucket": bucket,
+            "slot_bytes": slot,
+            "sweep": sweep,
+            "inflight": inflight,
+        },
+    )
     dist.destroy_process_group()
 
 
 def driver(args: argparse.Namespace) -> int:
     machines, ranks = common.parse_shape(args.shape)
     place = common.placement(args, "overlap")
-    forwarded = ["--buckets", str(args.buckets), "--bucket-size", args.bucket_size,
-                 "--parallelism", args.parallelism, "--inflight", str(args.inflight),
-                 "--iters", str(args.iters), "--inflight-iters", str(args.inflight_iters)]
-    code, results = common.run_workers(Path(__file__), args, place, args.shape, forwarded,
-                                       machines, ranks, place.name)
+    forwarded = [
+        "--buckets",
+        str(args.buckets),
+        "--bucket-size",
+        args.bucket_size,
+        "--parallelism",
+        args.parallelism,
+        "--inflight",
+        str(args.inflight),
+        "--iters",
+        str(args.iters),
+        "--inflight-iters",
+        str(args.inflight_iters),
+    ]
+    code, results = common.run_workers(
+        Path(__file__), args, place, args.shape, forwarded, machines, ranks, place.name
+    )
     if results is None:
         return code
-    config = {"where": place.where, "rate": args.rate, "shape": args.shape,
-              "buckets": args.buckets, "bucket_size": args.bucket_size,
-              "inflight": args.inflight, "iters": args.iters,
-              "inflight_iters": args.inflight_iters}
+    config = {
+        "where": place.where,
+        "rate": args.rate,
+        "shape": args.shape,
+        "buckets": args.buckets,
+        "bucket_size": args.bucket_size,
+        "inflight": args.inflight,
+        "iters": args.iters,
+        "inflight_iters": args.inflight_iters,
+    }
     common.stamp_and_save("overlap", place.name, config, render, results, args.out)
     return 0
 
 
 def _row(label: str, seconds: float, total: int, world: int, gloo_s: float) -> list[str]:
-    return [label, report.ms(seconds), report.mbps(common.algbw(total, seconds)),
-            report.mbps(common.busbw(total, seconds, world)), report.ratio(gloo_s / seconds)]
+    return [
+        label,
+        report.ms(seconds),
+        report.mbps(common.algbw(total, seconds)),
+        report.mbps(common.busbw(total, seconds, world)),
+        report.ratio(gloo_s / seconds),
+    ]
 
 
 def render(data: dict[str, Any]) -> tuple[str, Any]:
@@ -122,11 +163,13 @@ def render(data: dict[str, Any]) -> tuple[str, Any]:
     total2 = cfg["inflight"] * bucket
     rows2 = [_row(k, t, total2, world, inflight["gloo"]) for k, t in inflight.items()]
     markdown = (
-        f"# Overlap: {cfg['shape']} ({cfg['where']})\n\n" + report.stamp_lines(data["stamp"])
+        f"# Overlap: {cfg['shape']} ({cfg['where']})\n\n"
+        + report.stamp_lines(data["stamp"])
         + f"\n## {cfg['buckets']} buckets of {common.show_size(bucket)}, all async at once\n\n"
         f"p = staging slots (FAIRRING_TOTAL_MEMORY = p x {data['slot_bytes']} B, slice = bucket,"
         " slice scaling off): at most p buckets are reduced at a time. Median of"
-        f" {cfg['iters']} iterations.\n\n" + report.table(headers, rows)
+        f" {cfg['iters']} iterations.\n\n"
+        + report.table(headers, rows)
         + f"\n## {cfg['inflight']} buckets of {common.show_size(bucket)} in flight at once\n\n"
         "fairring with its default configuration; Gloo doing the same allreduces async. "
         f"Median of {cfg['inflight_iters']} iterations.\n\n" + report.table(headers, rows2)
@@ -135,10 +178,17 @@ def render(data: dict[str, Any]) -> tuple[str, Any]:
 
     def plot(path: Path) -> None:
         report.line_plot(
-            path, {f"{cfg['buckets']} x {common.show_size(bucket)}, {cfg['shape']}":
-                   {"fairring": ([p for p, _ in ps], [t for _, t in ps])}},
-            "parallelism (staging slots)", "total time (s)",
-            hlines={"gloo (async)": sweep["gloo"]}, title="overlap vs parallelism")
+            path,
+            {
+                f"{cfg['buckets']} x {common.show_size(bucket)}, {cfg['shape']}": {
+                    "fairring": ([p for p, _ in ps], [t for _, t in ps])
+                }
+            },
+            "parallelism (staging slots)",
+            "total time (s)",
+            hlines={"gloo (async)": sweep["gloo"]},
+            title="overlap vs parallelism",
+        )
 
     return markdown, plot
 

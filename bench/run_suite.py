@@ -30,10 +30,27 @@ LINK_RATE = "1gbit"
 LINK_BYTES_PER_S = 1e9 / 8
 STEPS: list[tuple[str, list[str], bool]] = [  # (script, arguments, needs the netns cluster)
     ("allreduce_sizes.py", ["--shapes", "2x2,4x1,1x4", "--iters", "6"], False),
-    ("allreduce_sizes.py", ["--shapes", "4x1", "--rate", LINK_RATE, "--max-size", "100M",
-                            "--iters", "4"], True),
-    ("overlap.py", ["--shape", "2x2", "--buckets", "64", "--parallelism", "1,2,4,8",
-                    "--iters", "3", "--inflight-iters", "6"], False),
+    (
+        "allreduce_sizes.py",
+        ["--shapes", "4x1", "--rate", LINK_RATE, "--max-size", "100M", "--iters", "4"],
+        True,
+    ),
+    (
+        "overlap.py",
+        [
+            "--shape",
+            "2x2",
+            "--buckets",
+            "64",
+            "--parallelism",
+            "1,2,4,8",
+            "--iters",
+            "3",
+            "--inflight-iters",
+            "6",
+        ],
+        False,
+    ),
     ("scaling.py", ["--machines", "1,2,4,8", "--buckets", "16", "--iters", "2"], False),
     ("e2e.py", ["--shape", "2x2", "--blocks", "6", "--block-steps", "4"], False),
 ]
@@ -47,8 +64,9 @@ def run_all(skip_netns: bool, out: Path) -> tuple[dict[str, float], list[str]]:
     failed = []
     # Compile the C++ core up front (minutes, once per source change), outside the steps.
     start = time.monotonic()
-    subprocess.check_call([sys.executable, "-c",
-                           "import fairring_pg._build as b; b.load_extension()"])
+    subprocess.check_call(
+        [sys.executable, "-c", "import fairring_pg._build as b; b.load_extension()"]
+    )
     durations["build the extension (cached)"] = time.monotonic() - start
     for script, args, needs_netns in STEPS:
         label = " ".join([script, *args])
@@ -97,20 +115,25 @@ def target_rows(out: Path) -> list[Row]:
     loop_2x2 = _sizes(loop, "2x2") if loop else {}
     for size in (25 * common.MIB, 100 * common.MIB):
         r = loop_2x2.get(size)
-        add(f"loopback 2x2, {common.show_size(size)}: fairring >= 1.5x Gloo throughput",
+        add(
+            f"loopback 2x2, {common.show_size(size)}: fairring >= 1.5x Gloo throughput",
             f"{r['speedup']:.2f}x ({report.mbps(r['fairring_algbw'])} vs "
             f"{report.mbps(r['gloo_algbw'])} MB/s algbw; best of: {r['speedup_best']:.2f}x)"
-            if r else missing,
-            r["speedup"] >= 1.5 if r else None)
+            if r
+            else missing,
+            r["speedup"] >= 1.5 if r else None,
+        )
 
     overlap = _load(out, "overlap")
     if overlap:
         t = {k: common.median(v) for k, v in overlap["inflight"].items()}
         best = {k: min(v) for k, v in overlap["inflight"].items()}
-        add("16 x 25 MiB in flight at once (2x2 loopback): >= 1.5x Gloo",
+        add(
+            "16 x 25 MiB in flight at once (2x2 loopback): >= 1.5x Gloo",
             f"{t['gloo'] / t['fairring']:.2f}x ({report.ms(t['fairring'])} vs "
             f"{report.ms(t['gloo'])} ms; best of: {best['gloo'] / best['fairring']:.2f}x)",
-            t["gloo"] / t["fairring"] >= 1.5)
+            t["gloo"] / t["fairring"] >= 1.5,
+        )
     else:
         add("16 x 25 MiB in flight at once: >= 1.5x Gloo", missing, None)
 
@@ -119,31 +142,45 @@ def target_rows(out: Path) -> list[Row]:
     big = {s: r for s, r in net.items() if s >= 25 * common.MIB}
     worst_big = min(big.values(), key=lambda r: r["fairring_busbw"]) if big else None
     goodput = (shaped or {}).get("link_goodput") or float("nan")
-    add("4x1 at 1 Gbit/s (netns, tbf): busbw >= 90% of link rate from 25 MiB",
+    add(
+        "4x1 at 1 Gbit/s (netns, tbf): busbw >= 90% of link rate from 25 MiB",
         f"worst {report.mbps(worst_big['fairring_busbw'])} MB/s = "
         f"{worst_big['fairring_busbw'] / LINK_BYTES_PER_S:.1%} of 125 MB/s at "
         f"{common.show_size(int(worst_big['size']))} (TCP goodput {report.mbps(goodput)} MB/s;"
-        f" Gloo {report.mbps(worst_big['gloo_busbw'])})" if worst_big else missing,
-        worst_big["fairring_busbw"] >= 0.9 * LINK_BYTES_PER_S if worst_big else None)
+        f" Gloo {report.mbps(worst_big['gloo_busbw'])})"
+        if worst_big
+        else missing,
+        worst_big["fairring_busbw"] >= 0.9 * LINK_BYTES_PER_S if worst_big else None,
+    )
     mid = {s: r for s, r in net.items() if s >= common.MIB}
     worst_mid = min(mid.values(), key=lambda r: r["speedup"]) if mid else None
-    add("4x1 at 1 Gbit/s: fairring >= Gloo at every size from 1 MiB",
+    add(
+        "4x1 at 1 Gbit/s: fairring >= Gloo at every size from 1 MiB",
         f"worst {worst_mid['speedup']:.2f}x at {common.show_size(int(worst_mid['size']))}"
-        f" (best of: {worst_mid['speedup_best']:.2f}x)" if worst_mid else missing,
-        worst_mid["speedup"] >= 1.0 if worst_mid else None)
+        f" (best of: {worst_mid['speedup_best']:.2f}x)"
+        if worst_mid
+        else missing,
+        worst_mid["speedup"] >= 1.0 if worst_mid else None,
+    )
 
     small: list[tuple[str, dict[str, float]]] = []
     for data in (loop, shaped):
         for shape in (data or {}).get("runs", {}):
             where = data["stamp"]["config"]["where"] if data else ""
-            small += [(f"{shape} {where} {common.show_size(s)}", r)
-                      for s, r in _sizes(data, shape).items() if s <= 64 * common.KIB]
+            small += [
+                (f"{shape} {where} {common.show_size(s)}", r)
+                for s, r in _sizes(data, shape).items()
+                if s <= 64 * common.KIB
+            ]
     if small:
         label, r = max(small, key=lambda x: x[1]["fairring_s"] / x[1]["gloo_s"])
         worst = r["fairring_s"] / r["gloo_s"]
-        add("messages <= 64 KiB: latency <= 1.5x Gloo's (every shape measured)",
+        add(
+            "messages <= 64 KiB: latency <= 1.5x Gloo's (every shape measured)",
             f"worst {worst:.2f}x Gloo's latency ({label}: {report.ms(r['fairring_s'])} vs "
-            f"{report.ms(r['gloo_s'])} ms)", worst <= 1.5)
+            f"{report.ms(r['gloo_s'])} ms)",
+            worst <= 1.5,
+        )
     else:
         add("messages <= 64 KiB: latency <= 1.5x Gloo's", missing, None)
 
@@ -152,8 +189,7 @@ def target_rows(out: Path) -> list[Row]:
         from e2e import steps_per_s
 
         f, g = steps_per_s(e2e, "fairring"), steps_per_s(e2e, "gloo")
-        add("DDP Transformer 2x2: steps/s >= Gloo's", f"{f / g:.2f}x ({f:.3f} vs {g:.3f})",
-            f >= g)
+        add("DDP Transformer 2x2: steps/s >= Gloo's", f"{f / g:.2f}x ({f:.3f} vs {g:.3f})", f >= g)
     else:
         add("DDP Transformer 2x2: steps/s >= Gloo's", missing, None)
     return rows
@@ -161,15 +197,19 @@ def target_rows(out: Path) -> list[Row]:
 
 def write_targets(durations: dict[str, float] | None, out: Path) -> str:
     stamp = common.stamp({"suite": "bench/run_suite.py"})
-    text = ("# Targets\n\n" + report.stamp_lines(stamp)
-            + "\nEach figure is fairring against Gloo measured in the same run, in the same"
-            " processes (see the per-benchmark .md files for every size). Verdicts use"
-            " medians; 'best of' compares the fastest iterations, a hint of how much of a"
-            " gap other jobs on this shared 2-core host put there.\n\n"
-            + report.table(["target", "measured", "verdict"], target_rows(out)))
+    text = (
+        "# Targets\n\n"
+        + report.stamp_lines(stamp)
+        + "\nEach figure is fairring against Gloo measured in the same run, in the same"
+        " processes (see the per-benchmark .md files for every size). Verdicts use"
+        " medians; 'best of' compares the fastest iterations, a hint of how much of a"
+        " gap other jobs on this shared 2-core host put there.\n\n"
+        + report.table(["target", "measured", "verdict"], target_rows(out))
+    )
     if durations:
         text += "\n## Suite run\n\n" + report.table(
-            ["step", "seconds"], [[k, f"{v:.0f}"] for k, v in durations.items()])
+            ["step", "seconds"], [[k, f"{v:.0f}"] for k, v in durations.items()]
+        )
         text += f"\ntotal: {sum(durations.values()):.0f} s\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / "targets.md").write_text(text)
@@ -180,10 +220,14 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--targets-only", action="store_true")
     p.add_argument("--skip-netns", action="store_true")
-    p.add_argument("--out", type=Path, default=common.DEFAULT_OUT,
-                   help=f"folder for every result and targets.md (default:"
-                   f" {common.DEFAULT_OUT.relative_to(common.REPO)}/, which git ignores;"
-                   " --out bench/results replaces the committed results)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=common.DEFAULT_OUT,
+        help=f"folder for every result and targets.md (default:"
+        f" {common.DEFAULT_OUT.relative_to(common.REPO)}/, which git ignores;"
+        " --out bench/results replaces the committed results)",
+    )
     args = p.parse_args(argv)
     out = args.out.resolve()
     durations, failed = (None, []) if args.targets_only else run_all(args.skip_netns, out)

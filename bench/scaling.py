@@ -61,9 +61,13 @@ def worker(args: argparse.Namespace) -> None:
     configs = {
         "fairring default": {},
         f"fairring {args.small_slice} scaling off": {
-            "FAIRRING_SLICE_SIZE": args.small_slice, "FAIRRING_SLICE_SCALING": "off"},
+            "FAIRRING_SLICE_SIZE": args.small_slice,
+            "FAIRRING_SLICE_SCALING": "off",
+        },
         f"fairring {args.small_slice} scaling on": {
-            "FAIRRING_SLICE_SIZE": args.small_slice, "FAIRRING_SLICE_SCALING": "on"},
+            "FAIRRING_SLICE_SIZE": args.small_slice,
+            "FAIRRING_SLICE_SCALING": "on",
+        },
     }
     groups = {"gloo": dist.group.WORLD}
     groups.update({name: common.fairring_group(**env) for name, env in configs.items()})
@@ -77,7 +81,10 @@ def worker(args: argparse.Namespace) -> None:
         issue_all(group, 2)
     times = common.time_iterations(
         {name: (lambda g=g: issue_all(g, args.buckets)) for name, g in groups.items()},
-        args.iters, 0, dist.barrier)
+        args.iters,
+        0,
+        dist.barrier,
+    )
     slices = {name: _effective_slice(env, world) for name, env in configs.items()}
     common.write_worker_result(args.raw_out, {"world": world, "times": times, "slices": slices})
     dist.destroy_process_group()
@@ -85,16 +92,37 @@ def worker(args: argparse.Namespace) -> None:
 
 def driver(args: argparse.Namespace) -> int:
     place = common.placement(args, "scaling")
-    forwarded = ["--buckets", str(args.buckets), "--bucket-size", args.bucket_size,
-                 "--small-slice", args.small_slice, "--iters", str(args.iters)]
+    forwarded = [
+        "--buckets",
+        str(args.buckets),
+        "--bucket-size",
+        args.bucket_size,
+        "--small-slice",
+        args.small_slice,
+        "--iters",
+        str(args.iters),
+    ]
     runs: dict[str, Any] = {}
     for machines in (int(m) for m in args.machines.split(",")):
-        code, result = common.run_workers(Path(__file__), args, place, f"{machines}x1",
-                                          forwarded, machines, 1, f"{place.name}_{machines}")
+        code, result = common.run_workers(
+            Path(__file__),
+            args,
+            place,
+            f"{machines}x1",
+            forwarded,
+            machines,
+            1,
+            f"{place.name}_{machines}",
+        )
         runs[str(machines)] = result if result is not None else {"error": f"exit status {code}"}
-    config = {"where": place.where, "rate": args.rate, "buckets": args.buckets,
-              "bucket_size": args.bucket_size, "small_slice": args.small_slice,
-              "iters": args.iters}
+    config = {
+        "where": place.where,
+        "rate": args.rate,
+        "buckets": args.buckets,
+        "bucket_size": args.bucket_size,
+        "small_slice": args.small_slice,
+        "iters": args.iters,
+    }
     common.stamp_and_save("scaling", place.name, config, render, {"runs": runs}, args.out)
     return 0 if all("error" not in r for r in runs.values()) else 1
 
@@ -111,10 +139,16 @@ def render(data: dict[str, Any]) -> tuple[str, Any]:
         for variant, times in run["times"].items():
             t = common.median(times)
             slice_bytes = run["slices"].get(variant)
-            rows.append([machines, variant, report.ms(t),
-                         report.mbps(common.busbw(total, t, run["world"])),
-                         common.show_size(slice_bytes) if slice_bytes else "",
-                         report.ratio(gloo_s / t)])
+            rows.append(
+                [
+                    machines,
+                    variant,
+                    report.ms(t),
+                    report.mbps(common.busbw(total, t, run["world"])),
+                    common.show_size(slice_bytes) if slice_bytes else "",
+                    report.ratio(gloo_s / t),
+                ]
+            )
             xs, ys = series.setdefault(variant, ([], []))
             xs.append(int(machines))
             ys.append(common.busbw(total, t, run["world"]) / 1e6)
@@ -123,13 +157,20 @@ def render(data: dict[str, Any]) -> tuple[str, Any]:
         + report.stamp_lines(data["stamp"])
         + f"\n{cfg['buckets']} buckets of {cfg['bucket_size']}B, all async at once; median of"
         f" {cfg['iters']} iterations (slowest rank). busbw = 2(M-1)/M x total / t.\n\n"
-        + report.table(["machines", "variant", "total ms", "busbw MB/s", "effective slice",
-                        "speedup vs gloo"], rows)
+        + report.table(
+            ["machines", "variant", "total ms", "busbw MB/s", "effective slice", "speedup vs gloo"],
+            rows,
+        )
     )
 
     def plot(path: Path) -> None:
-        report.line_plot(path, {"bus bandwidth vs machines": series}, "machines (x1 rank)",
-                         "bus bandwidth (MB/s)", title=f"scaling ({cfg['where']})")
+        report.line_plot(
+            path,
+            {"bus bandwidth vs machines": series},
+            "machines (x1 rank)",
+            "bus bandwidth (MB/s)",
+            title=f"scaling ({cfg['where']})",
+        )
 
     return markdown, plot
 

@@ -42,9 +42,7 @@ class TransformerLM(nn.Module):
             norm_first=True,
         )
         # Nested tensors only help with padding masks, which we never use.
-        self.encoder = nn.TransformerEncoder(
-            layer, cfg.layers, enable_nested_tensor=False
-        )
+        self.encoder = nn.TransformerEncoder(layer, cfg.layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(cfg.d_model)
         # Untied head: a vocab x d_model gradient of its own is most of the bytes
         # allreduce has to move, as in real word-level LMs.

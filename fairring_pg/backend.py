@@ -146,6 +146,7 @@ def _fill_options(
     opts.job_token = token
     opts.timeout = timeout
     opts.direct_below = config.direct_below
+    opts.pipeline_chunk = config.pipeline_chunk
 
 
 class _PlainOptions:
@@ -160,6 +161,7 @@ class _PlainOptions:
     timeout: timedelta
     timeline_path: str
     direct_below: int
+    pipeline_chunk: int
     subgroup_slice_size: int
 
 

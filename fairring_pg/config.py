@@ -31,8 +31,7 @@ DEFAULT_TOTAL_MEMORY = 50 * MIB
 MIN_SHARD_BYTES = 1 * MIB
 # The piece of a slice that the CPU pipeline moves through its five steps, so that the
 # reduce and diffuse of one piece overlap the collect of the next. Measured on 4x1 at
-# 1 Gbit/s (docs/design.md); the C++ core reads the same variable after this check
-# (src/pipeline/pipeline_chunk.*), so the two defaults must agree.
+# 1 Gbit/s (docs/design.md).
 DEFAULT_PIPELINE_CHUNK = 1 * MIB
 # Who runs the collectives other than allreduce on CUDA tensors (see fairring_pg/cuda.py).
 CUDA_DELEGATES = ("auto", "nccl", "gloo")

@@ -166,16 +166,27 @@ def _add_host(cluster: Cluster, host: Host, peer: str) -> None:
     _add_netns(cluster, host.netns)
     # Both ends are created directly inside their namespaces: no interface ever
     # appears in the host's own network, even for a moment.
-    _ip("link", "add", host.ifname, "netns", host.netns, "type", "veth",
-        "peer", "name", peer, "netns", cluster.bridge_netns)
+    _ip(
+        "link",
+        "add",
+        host.ifname,
+        "netns",
+        host.netns,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        peer,
+        "netns",
+        cluster.bridge_netns,
+    )
     _ip("link", "set", peer, "master", "br0", "up", netns=cluster.bridge_netns)
     _ip("link", "set", "lo", "up", netns=host.netns)  # ranks of one host talk over lo
     _ip("addr", "add", f"{host.address}/{PREFIX_LEN}", "dev", host.ifname, netns=host.netns)
     _ip("link", "set", host.ifname, "up", netns=host.netns)
     if cluster.rate:
         _tc(host.netns, "qdisc", "add", "dev", host.ifname, "root", *_tbf_args(cluster.rate))
-        _tc(cluster.bridge_netns, "qdisc", "add", "dev", peer, "root",
-            *_tbf_args(cluster.rate))
+        _tc(cluster.bridge_netns, "qdisc", "add", "dev", peer, "root", *_tbf_args(cluster.rate))
 
 
 def destroy(cluster: Cluster) -> list[str]:
@@ -279,10 +290,28 @@ def tcp_goodput(cluster: Cluster, mib: int = 200) -> float:
     """Bytes/s of one TCP stream from host 1 to host 0: what the link really carries
     (a shaped 1gbit link moves ~119 MB/s of payload, headers take the rest)."""
     receiver = subprocess.Popen(
-        [*cluster.hosts[0].exec_prefix(), sys.executable, "-c", _RECEIVER,
-         cluster.hosts[0].address], stdout=subprocess.PIPE, text=True)
-    subprocess.run([*cluster.hosts[1].exec_prefix(), sys.executable, "-c", _SENDER,
-                    cluster.hosts[0].address, str(mib)], check=True, timeout=120)
+        [
+            *cluster.hosts[0].exec_prefix(),
+            sys.executable,
+            "-c",
+            _RECEIVER,
+            cluster.hosts[0].address,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    subprocess.run(
+        [
+            *cluster.hosts[1].exec_prefix(),
+            sys.executable,
+            "-c",
+            _SENDER,
+            cluster.hosts[0].address,
+            str(mib),
+        ],
+        check=True,
+        timeout=120,
+    )
     out, _ = receiver.communicate(timeout=30)
     return float(out.strip())
 
@@ -303,8 +332,7 @@ def _pump(proc: Proc, lock: threading.Lock, sink: IO[str]) -> None:
         if proc.muted.is_set():  # a process we tore down only prints its own death
             continue
         with lock:
-            print(f"[{proc.label}] {raw.decode(errors='replace').rstrip()}", file=sink,
-                  flush=True)
+            print(f"[{proc.label}] {raw.decode(errors='replace').rstrip()}", file=sink, flush=True)
 
 
 def _stop(procs: Sequence[Proc]) -> None:
@@ -339,12 +367,18 @@ def run_processes(
     with signals_interrupt():
         try:
             for label, argv, env in specs:
-                popen = subprocess.Popen(argv, env=dict(env), stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+                popen = subprocess.Popen(
+                    argv,
+                    env=dict(env),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
                 procs.append(Proc(label, popen))
-                pumps.append(threading.Thread(target=_pump, args=(procs[-1], lock, sink),
-                                              daemon=True))
+                pumps.append(
+                    threading.Thread(target=_pump, args=(procs[-1], lock, sink), daemon=True)
+                )
                 pumps[-1].start()
             return _wait(procs, timeout)
         finally:
@@ -363,14 +397,20 @@ def _wait(procs: Sequence[Proc], timeout: float) -> int:
         failed = [(p.label, c) for p, c in zip(procs, codes, strict=True) if c not in (None, 0)]
         if failed:
             label, code = failed[0]
-            print(f"[launch] {label} exited with {code}; stopping the rest",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[launch] {label} exited with {code}; stopping the rest",
+                file=sys.stderr,
+                flush=True,
+            )
             return code if code > 0 else 128 - code  # killed by a signal: 128 + its number
         if all(c == 0 for c in codes):
             return 0
         if time.monotonic() > deadline:
-            print(f"[launch] timed out after {timeout:.0f} s; stopping all",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[launch] timed out after {timeout:.0f} s; stopping all",
+                file=sys.stderr,
+                flush=True,
+            )
             return TIMEOUT_EXIT
         time.sleep(0.05)
 
@@ -387,8 +427,9 @@ def host_specs(
             continue
         for local in range(ranks_per_host):
             r_env = {**os.environ, **rank_env(env, local, ranks_per_host)}
-            specs.append((f"host{host.index}/r{r_env['RANK']}",
-                          host.exec_prefix() + command, r_env))
+            specs.append(
+                (f"host{host.index}/r{r_env['RANK']}", host.exec_prefix() + command, r_env)
+            )
     return specs
 
 
@@ -402,12 +443,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--hosts", type=int, default=2)
     p.add_argument("--rate", help="per-host link rate for tc tbf, e.g. 1gbit (default: none)")
-    p.add_argument("--ranks-per-host", type=int, default=None,
-                   help="start the command this many times per host, as torch ranks")
+    p.add_argument(
+        "--ranks-per-host",
+        type=int,
+        default=None,
+        help="start the command this many times per host, as torch ranks",
+    )
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="MASTER_PORT")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
-    p.add_argument("--cleanup", action="store_true",
-                   help="remove namespaces left by runs whose process is gone, then exit")
+    p.add_argument(
+        "--cleanup",
+        action="store_true",
+        help="remove namespaces left by runs whose process is gone, then exit",
+    )
     p.add_argument("--force", action="store_true", help="with --cleanup: remove all of ours")
     p.add_argument("command", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
@@ -423,20 +471,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if reason := unavailable_reason():
-        print(f"[netns] cannot simulate a cluster here: {reason}; nothing done",
-              file=sys.stderr)
+        print(f"[netns] cannot simulate a cluster here: {reason}; nothing done", file=sys.stderr)
         return SKIP_EXIT
     if args.cleanup:
         removed = cleanup_leftovers(args.force)
-        print(f"[netns] removed {len(removed)} namespace(s){': ' if removed else ''}"
-              f"{' '.join(removed)}")
+        print(
+            f"[netns] removed {len(removed)} namespace(s){': ' if removed else ''}"
+            f"{' '.join(removed)}"
+        )
         return 0
 
     try:
         with running_cluster(args.hosts, args.rate) as cluster:
             shaped = f", {args.rate} per host" if args.rate else ""
-            print(f"[netns] {cluster.prefix}: {args.hosts} hosts on {SUBNET}.0/{PREFIX_LEN}"
-                  f"{shaped}", file=sys.stderr, flush=True)
+            print(
+                f"[netns] {cluster.prefix}: {args.hosts} hosts on {SUBNET}.0/{PREFIX_LEN}{shaped}",
+                file=sys.stderr,
+                flush=True,
+            )
             specs = host_specs(cluster, args.command, args.ranks_per_host, args.port)
             return run_processes(specs, args.timeout)
     except KeyboardInterrupt as exc:

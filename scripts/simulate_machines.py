@@ -115,15 +115,21 @@ def supervise(agents: list[subprocess.Popen[bytes]], timeout: float) -> int:
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             i, code = failed[0]
-            print(f"[simulate] machine{i} agent exited with {code}; stopping the rest"
-                  " (their shutdown output is not shown)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[simulate] machine{i} agent exited with {code}; stopping the rest"
+                " (their shutdown output is not shown)",
+                file=sys.stderr,
+                flush=True,
+            )
             return code
         if all(c == 0 for c in codes):
             return 0
         if time.monotonic() > deadline:
-            print(f"[simulate] timed out after {timeout:.0f} s; killing all agents",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[simulate] timed out after {timeout:.0f} s; killing all agents",
+                file=sys.stderr,
+                flush=True,
+            )
             return TIMEOUT_EXIT
         time.sleep(0.1)
 

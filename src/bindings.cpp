@@ -36,6 +36,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("job_token", &BackendOptions::jobToken)
       .def_readwrite("timeout", &BackendOptions::timeout)
       .def_readwrite("timeline_path", &BackendOptions::timelinePath)
+      .def_readwrite("pipeline_chunk", &BackendOptions::pipelineChunk)
       .def_readwrite("subgroup_slice_size", &BackendOptions::subgroupSliceBytes)
       .def_readwrite("direct_below", &BackendOptions::directBelowBytes)
       .def_readwrite("cuda_subgroups", &BackendOptions::cudaSubgroups)

@@ -53,7 +53,7 @@ FairringBackend::FairringBackend(
   }
   EngineOptions engineOptions{
       options.sliceSize, options.totalMemory, options.timeout, options.listenAddress, options.jobToken,
-      options.timelinePath};
+      options.timelinePath, options.pipelineChunk};
   engine_ = std::make_unique<AllreduceEngine>(std::move(layout), engineOptions);
   engine_->start(*store);
   cpuAllreduce_ = std::make_unique<CpuAllreduce>(

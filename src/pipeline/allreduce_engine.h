@@ -17,7 +17,6 @@
 #include <vector>
 
 #include "common/status.h"
-#include "pipeline/pipeline_chunk.h"
 #include "pipeline/slice_plan.h"
 #include "pipeline/task_queue.h"
 #include "staging/staging_pool.h"
@@ -35,7 +34,7 @@ struct EngineOptions {
   std::string listenAddress;
   std::string token;
   std::string timelinePath; // empty: no timeline
-  size_t segmentBytes{pipelineChunkBytes()}; // FAIRRING_PIPELINE_CHUNK
+  size_t segmentBytes; // FAIRRING_PIPELINE_CHUNK
 };
 
 // The reduction-server allreduce on CPU tensors. Every operation is cut into
