@@ -33,7 +33,8 @@ bool hasFutureArgument(PyFrameObject* frame, PyObject* type) {
   bool found = false;
   if (nargs > 0) {
     PyObject* names = PyObject_GetAttrString(reinterpret_cast<PyObject*>(code), "co_varnames");
-    PyObject* locals = PyFrame_GetLocals(frame);
+    // The attribute, not PyFrame_GetLocals (Python 3.11+): this builds on 3.10.
+    PyObject* locals = PyObject_GetAttrString(reinterpret_cast<PyObject*>(frame), "f_locals");
     if (names != nullptr && locals != nullptr && PyTuple_Check(names)) {
       for (int i = 0; i < nargs && i < PyTuple_GET_SIZE(names) && !found; ++i) {
         PyObject* value = PyObject_GetItem(locals, PyTuple_GET_ITEM(names, i));
