@@ -20,6 +20,7 @@ Exit status 0 when every result was exact and every figure within its bound.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
@@ -61,6 +62,15 @@ class Figures:
     fds: int
     sockets: int
     threads: int
+    thread_names: tuple[str, ...] = ()
+
+
+def _thread_names() -> tuple[str, ...]:
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            names.append(Path(f"/proc/self/task/{tid}/comm").read_text().strip())
+    return tuple(sorted(names))
 
 
 def _figures(after_ops: int) -> Figures:
@@ -82,7 +92,23 @@ def _figures(after_ops: int) -> Figures:
         fds=fds,
         sockets=sockets,
         threads=len(os.listdir("/proc/self/task")),
+        thread_names=_thread_names(),
     )
+
+
+def _settled_figures(after_ops: int, start: Figures, patience_s: float = 3.0) -> Figures:
+    """The figures once transient threads are gone, or after patience_s.
+
+    A completion thread that has just completed the last future is still on its way
+    out when wait() returns (one idle thread is kept, extra ones exit), so one sample
+    can count it; a leaked thread, descriptor or socket stays through the patience."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        now = _figures(after_ops)
+        settled = all(getattr(now, f) <= getattr(start, f) for f in ("fds", "sockets", "threads"))
+        if settled or time.monotonic() > deadline:
+            return now
+        time.sleep(0.05)
 
 
 # ---------------------------------------------------------------------- the plan
@@ -197,7 +223,7 @@ def soak_rank(rank: int, world: int, cfg: SoakConfig) -> dict[str, Any]:
     # The final figures while every rank is still up (a peer that has finished and
     # closed its connections would make the counts drop and hide growth).
     dist.barrier()
-    series.append(_figures(done))
+    series.append(_settled_figures(done, series[0]))
     dist.barrier()
     return {
         "errors": errors[:20],
@@ -281,6 +307,11 @@ def run_soak(cfg: SoakConfig) -> SoakReport:
             if getattr(z, field) > getattr(a, field):
                 failures.append(
                     f"rank {o.rank}: {field} grew {getattr(a, field)} -> {getattr(z, field)}"
+                    + (
+                        f" (threads {a.thread_names} -> {z.thread_names})"
+                        if field == "threads"
+                        else ""
+                    )
                 )
     return SoakReport(cfg, per_rank, failures, wall)
 

@@ -132,6 +132,11 @@ struct OrderedCompletion::State : std::enable_shared_from_this<State> {
     pthread_setname_np(pthread_self(), "fairring-cb");
     std::unique_lock<std::mutex> lock(mu);
     for (;;) {
+      // Checked before every wait, not only after a job: a worker started for a
+      // job that another one took meanwhile would otherwise stay idle for good.
+      if (jobs.empty() && !closing && idle >= kMaxIdleWorkers) {
+        break;
+      }
       ++idle;
       jobCv.wait(lock, [&] { return !jobs.empty() || closing; });
       --idle;
@@ -155,9 +160,6 @@ struct OrderedCompletion::State : std::enable_shared_from_this<State> {
         ++turn;
       }
       turnCv.notify_all();
-      if (idle >= kMaxIdleWorkers) {
-        break;
-      }
     }
     exited.push_back(id);
     --live;
