@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Main job: end-to-end DDP training of a small Transformer LM on 2 simulated machines
 # x 2 ranks, once with the fairring backend and once with gloo, then a side-by-side
-# table. Usage:
+# table. The machines are network namespaces joined by links shaped to LINK (default
+# 1gbit, tc tbf) as scripts/netns_cluster.py builds them: between machines the data
+# crosses a network, within one it does not. LINK=loopback runs every rank on this
+# host's loopback instead (also what happens without root or iproute2). Usage:
 #
 #   scripts/main_job.sh                 # fairring vs gloo
 #   scripts/main_job.sh gloo gloo       # any two backends (the ratio is first/second)
 #
-# Knobs (environment): MACHINES, RANKS_PER_MACHINE, STEPS, WARMUP_STEPS, REPEATS,
+# Knobs (environment): LINK, MACHINES, RANKS_PER_MACHINE, STEPS, WARMUP_STEPS, REPEATS,
 # TIMEOUT_S, OUT_DIR. Extra training flags go in TRAIN_ARGS (e.g. "--batch 16").
 set -euo pipefail
 
@@ -21,9 +24,10 @@ steps=${STEPS:-30}
 warmup_steps=${WARMUP_STEPS:-5}
 # Each backend runs REPEATS times, interleaved, and the best run counts: on a small
 # shared host a background process can slow one run down, never speed it up.
-repeats=${REPEATS:-2}
+repeats=${REPEATS:-3}
 timeout_s=${TIMEOUT_S:-600}
 out_dir=${OUT_DIR:-bench/results/tmp/main_job}
+link=${LINK:-1gbit}
 read -r -a train_args <<< "${TRAIN_ARGS:-}"
 
 python -c "import torch" 2>/dev/null || pip install torch==2.13.0
@@ -45,19 +49,39 @@ if [[ "$backend_a" == fairring || "$backend_b" == fairring ]]; then
     python -c "import fairring_pg._build as b; b.load_extension()"
 fi
 
+if [[ "$link" != loopback ]]; then
+    if ! why=$(python -c "
+import sys
+sys.path.insert(0, 'scripts')
+import netns_cluster
+print(netns_cluster.unavailable_reason() or '')"); then
+        exit 1
+    fi
+    if [[ -n "$why" ]]; then
+        echo "== LINK=$link needs network namespaces, and $why: running on loopback instead"
+        link=loopback
+    fi
+fi
+
 rm -rf "$out_dir"
 mkdir -p "$out_dir"
 
 run() {  # run <label> <backend>
     local label=$1 backend=$2
-    echo "== $label: $machines machines x $ranks_per_machine ranks, --backend $backend"
-    python scripts/simulate_machines.py \
-        --machines "$machines" --ranks-per-machine "$ranks_per_machine" \
-        --timeout "$timeout_s" -- \
-        bench/train_ddp.py --backend "$backend" \
-        --steps "$steps" --warmup-steps "$warmup_steps" \
-        --json-out "$out_dir/$label.json" --dump-params "$out_dir/$label.pt" \
-        ${train_args[@]+"${train_args[@]}"}
+    echo "== $label: $machines machines x $ranks_per_machine ranks, link $link, --backend $backend"
+    local train=(bench/train_ddp.py --backend "$backend"
+        --steps "$steps" --warmup-steps "$warmup_steps"
+        --json-out "$out_dir/$label.json" --dump-params "$out_dir/$label.pt"
+        ${train_args[@]+"${train_args[@]}"})
+    if [[ "$link" == loopback ]]; then
+        python scripts/simulate_machines.py \
+            --machines "$machines" --ranks-per-machine "$ranks_per_machine" \
+            --timeout "$timeout_s" -- "${train[@]}"
+    else
+        python scripts/netns_cluster.py \
+            --hosts "$machines" --ranks-per-host "$ranks_per_machine" --rate "$link" \
+            --timeout "$timeout_s" -- "$(command -v python)" "${train[@]}"
+    fi
 }
 
 for ((i = 1; i <= repeats; i++)); do
