@@ -14,8 +14,10 @@ available on these kernels), like a full-duplex NIC of that rate.
 The command runs once per host (or --ranks-per-host times, as torch ranks) with the
 launch environment: MASTER_ADDR/MASTER_PORT (host 0), NODE_RANK, NNODES, HOST_ADDR,
 FAIRRING_MACHINE_ID, and TP_SOCKET_IFNAME = GLOO_SOCKET_IFNAME = the host's veth, so
-both fairring and Gloo use the namespace link. Everything is torn down on exit,
-failure, timeout, SIGINT, SIGTERM or SIGHUP. Needs root and iproute2; without them it
+both fairring and Gloo use the namespace link. Each host has a hosts file of its own
+(/etc/netns/<name>/hosts, which `ip netns exec` mounts over /etc/hosts) that names
+every host's address, since no DNS server is reachable. Everything is torn down on
+exit, failure, timeout, SIGINT, SIGTERM or SIGHUP. Needs root and iproute2; without them it
 says so and exits with status 77 (the "skipped" convention of automake).
 """
 
@@ -27,6 +29,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +37,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO
 
 NAME_ROOT = "fnc"  # every namespace of ours is fnc-<owner pid>-<random>-<role>
@@ -44,6 +48,8 @@ DEFAULT_PORT = 29500  # each run has its own namespaces, so a fixed port never c
 SKIP_EXIT = 77
 TIMEOUT_EXIT = 124
 GRACE_S = 5.0
+# `ip netns exec NAME` bind-mounts /etc/netns/NAME/* over /etc: each host's own hosts file
+ETC_NETNS = Path("/etc/netns")
 
 
 class Unavailable(RuntimeError):
@@ -151,6 +157,7 @@ def create(num_hosts: int, rate: str | None = None) -> Cluster:
             host = Host(i, f"{cluster.prefix}-h{i}", f"fr{tag}h{i}", f"{SUBNET}.{i + 1}")
             _add_host(cluster, host, peer=f"p{i}")
             cluster.hosts.append(host)
+        _write_hosts_files(cluster)
     except BaseException:
         destroy(cluster)
         raise
@@ -189,6 +196,22 @@ def _add_host(cluster: Cluster, host: Host, peer: str) -> None:
         _tc(cluster.bridge_netns, "qdisc", "add", "dev", peer, "root", *_tbf_args(cluster.rate))
 
 
+def _write_hosts_files(cluster: Cluster) -> None:
+    """Every host resolves every host's address by name (its namespace's name) from a
+    hosts file of its own: the namespaces reach no DNS server, and without this each
+    reverse lookup (torch's store does one per client) fails with a warning."""
+    # Both spellings of each address: torch's store looks up its sockets' names in
+    # the IPv4-mapped IPv6 form.
+    names = "".join(f"{h.address} {h.netns}\n::ffff:{h.address} {h.netns}\n" for h in cluster.hosts)
+    for host in cluster.hosts:
+        folder = ETC_NETNS / host.netns
+        folder.mkdir(parents=True, exist_ok=True)
+        # The namespaces share this machine's hostname: inside each it names that host.
+        own = f"{host.address} {socket.gethostname()}\n"
+        local = "127.0.0.1 localhost\n::1 localhost\n::ffff:127.0.0.1 localhost\n"
+        (folder / "hosts").write_text(local + own + names)
+
+
 def destroy(cluster: Cluster) -> list[str]:
     """Delete every namespace of the cluster (their veths and bridge go with them).
 
@@ -201,6 +224,7 @@ def destroy(cluster: Cluster) -> list[str]:
             _ip("netns", "del", name)
         except RuntimeError as exc:
             errors.append(str(exc))
+        shutil.rmtree(ETC_NETNS / name, ignore_errors=True)
     cluster.created.clear()
     return errors
 
@@ -262,6 +286,10 @@ def cleanup_leftovers(force: bool = False) -> list[str]:
         if force or not _owner_alive(name):
             _ip("netns", "del", name)
             removed.append(name)
+    if ETC_NETNS.is_dir():
+        for folder in ETC_NETNS.glob(NAME_ROOT + "-*"):
+            if force or not _owner_alive(folder.name):
+                shutil.rmtree(folder, ignore_errors=True)
     return removed
 
 

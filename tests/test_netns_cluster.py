@@ -50,6 +50,9 @@ else:
                 raise
             time.sleep(0.1)
     report["reply"] = conn.recv(100).decode()
+    report["peer_name"] = socket.gethostbyaddr("10.213.0.2")[0]
+    mapped = ("::ffff:10.213.0.2", 0, 0, 0)
+    report["mapped_name"] = socket.getnameinfo(mapped, socket.NI_NAMEREQD)[0]
     report["outside"] = {}
     for address in sys.argv[1:]:
         try:
@@ -123,11 +126,15 @@ def test_two_hosts_env_reachability_and_teardown() -> None:
         # The host sees its own veth and loopback, nothing of this machine's network.
         assert sorted(r["ifnames"]) == sorted(["lo", r["TP_SOCKET_IFNAME"]])
     assert reports[0]["reply"] == "hello from host 1"
+    # Names resolve inside the cluster (no DNS there): torch's store warns otherwise.
+    assert reports[0]["peer_name"] == f"{prefix_name}-h1"
+    assert reports[0]["mapped_name"] == f"{prefix_name}-h1"
     assert reports[0]["outside"], "no outside address was tried"
     assert "connected" not in reports[0]["outside"].values(), reports[0]["outside"]
 
     left = [n for n in netns_cluster.our_namespaces() if n.startswith(prefix_name)]
     assert left == []
+    assert list(netns_cluster.ETC_NETNS.glob(prefix_name + "*")) == []
     assert _root_links() - links_before == set()
 
 
@@ -180,6 +187,7 @@ def test_cleanup_removes_leftovers_of_dead_runs_only() -> None:
     alive = f"{netns_cluster.NAME_ROOT}-{os.getpid()}-live-h0"
     for name in (dead, alive):
         subprocess.run(["ip", "netns", "add", name], check=True)
+        (netns_cluster.ETC_NETNS / name).mkdir(parents=True, exist_ok=True)
     try:
         done = subprocess.run(
             [sys.executable, str(SCRIPT), "--cleanup"], capture_output=True, text=True, timeout=30
@@ -188,9 +196,12 @@ def test_cleanup_removes_leftovers_of_dead_runs_only() -> None:
         names = netns_cluster.our_namespaces()
         assert dead not in names
         assert alive in names
+        assert not (netns_cluster.ETC_NETNS / dead).exists()
+        assert (netns_cluster.ETC_NETNS / alive).exists()
     finally:
         for name in (dead, alive):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            shutil.rmtree(netns_cluster.ETC_NETNS / name, ignore_errors=True)
 
 
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv to drop root")
