@@ -62,15 +62,16 @@ def test_timeline_records_ops_and_every_phase_of_every_slice(tmp_path: Path) -> 
 
 
 def test_timeline_shows_each_pipeline_chunk(tmp_path: Path) -> None:
-    """FAIRRING_PIPELINE_CHUNK reaches the C++ core: a 64 KiB slice in 16 KiB chunks
-    (4096 float32, a multiple of L*M = 4) moves as 4 chunks, the short last slice as 1,
+    """FAIRRING_PIPELINE_CHUNK reaches the C++ core, per local rank: with L = 2 a 64 KiB
+    slice in 8 KiB chunks moves as 4 segments of 2 x 8 KiB (4096 float32, a multiple of
+    L*M = 4), the short last slice as 1,
     each chunk through all six phases, the chunks of an op covering every element once."""
     template = str(tmp_path / "trace.json")
     env = fairring_env(
         slice_size=SLICE,
         FAIRRING_TIMELINE=template,
         FAIRRING_SLICE_SCALING="off",
-        FAIRRING_PIPELINE_CHUNK="16K",
+        FAIRRING_PIPELINE_CHUNK="8K",
     )
     results = run_ranks(_allreduce_twice, 4, SHAPES["2x2"], env=env)
     assert results == [[10.0, 10.0]] * 4
