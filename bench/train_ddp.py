@@ -100,12 +100,14 @@ def main() -> None:
 
     def step() -> torch.Tensor:
         inputs, targets = corpus.batch(args.batch, cfg.seq_len)
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), targets.reshape(-1))
-        optimizer.zero_grad(set_to_none=True)
-        # On CPU, DDP's backward returns only once every bucket's allreduce finished,
-        # so a step's time includes its communication.
+        # DDP decides in forward whether the backward allreduces, so no_sync() must
+        # cover the forward too.
         with model.no_sync() if args.no_sync else contextlib.nullcontext():
+            logits = model(inputs)
+            loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), targets.reshape(-1))
+            optimizer.zero_grad(set_to_none=True)
+            # On CPU, DDP's backward returns only once every bucket's allreduce
+            # finished, so a step's time includes its communication.
             loss.backward()
         optimizer.step()
         return loss.detach()
