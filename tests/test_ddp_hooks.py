@@ -149,11 +149,12 @@ def _train(rank: int, config: dict[str, Any], reference: bool) -> dict[str, Any]
         gen = torch.Generator().manual_seed(1000 * rank + step)
         x = torch.randn(16, 24, generator=gen)
         y = torch.randn(16, 12, generator=gen)
-        loss = nn.functional.mse_loss(ddp(x), y)
         if step in config.get("no_sync_steps", ()):
+            # DDP decides in forward whether backward allreduces: both go inside.
             with ddp.no_sync():
-                loss.backward()  # accumulates; the next synced step reduces the sum
-            continue
+                nn.functional.mse_loss(ddp(x), y).backward()  # accumulates locally
+            continue  # the next synced step reduces the sum
+        loss = nn.functional.mse_loss(ddp(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
