@@ -7,9 +7,10 @@ from all ranks' inputs (in float64/int64, then cast) and float16/bfloat16 sums a
 
 The jobs run with a 4 KiB slice and 64 KiB of staging memory, so anything above a few
 thousand elements crosses many slices, and the largest cases are ~100x the staging pool.
-Every job but the interleaved one cuts each slice into 1 KiB pipeline chunks
+The 2x2 and 3x1 jobs cut each slice into pipeline chunks of 1 KiB per local rank
 (FAIRRING_PIPELINE_CHUNK), rounded to whole elements per rank, so a slice moves as
-several chunks; the interleaved job keeps the default (one chunk per slice there).
+several chunks; one machine (1x3) never chunks, and the interleaved job keeps the
+default (one chunk per slice there).
 """
 
 from __future__ import annotations
