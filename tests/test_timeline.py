@@ -64,8 +64,8 @@ def test_timeline_records_ops_and_every_phase_of_every_slice(tmp_path: Path) -> 
 def test_timeline_shows_each_pipeline_chunk(tmp_path: Path) -> None:
     """FAIRRING_PIPELINE_CHUNK reaches the C++ core, per local rank: with L = 2 a 64 KiB
     slice in 8 KiB chunks moves as 4 segments of 2 x 8 KiB (4096 float32, a multiple of
-    L*M = 4), the short last slice as 1,
-    each chunk through all six phases, the chunks of an op covering every element once."""
+    L*M = 4), the short last slice as 1, each through all six phases, the segments of
+    an op covering every element once."""
     template = str(tmp_path / "trace.json")
     env = fairring_env(
         slice_size=SLICE,

@@ -27,7 +27,7 @@ struct BackendOptions {
   std::string jobToken;
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   std::string timelinePath; // this rank's trace file; empty: off
-  size_t pipelineChunk{1 << 20}; // the piece of a slice the five steps move at once
+  size_t pipelineChunk{1 << 20}; // each local rank's part of the piece of a slice the five steps move at once
   // The sub-group allreduce (src/subgroups/): its slice (fitted so that every
   // lane has a staging slot) and the size under which it is one allreduce.
   size_t subgroupSliceBytes{0};

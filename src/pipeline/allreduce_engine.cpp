@@ -193,18 +193,9 @@ void AllreduceEngine::admitLocked(
   o->work = work.view({-1});
   o->op = op;
   o->elemSize = work.element_size();
-  // Segments let the collect of one overlap the reduce and diffuse of the
-  // previous on a link between machines; with one machine there is no such
-  // link, and each segment only adds messages. FAIRRING_PIPELINE_CHUNK is each
-  // local rank's part of a segment: were the segment fixed, L ranks would
-  // each move 1/L of it, and the per-message cost of the intra-machine steps
-  // would grow with L (2 x 2 on loopback, 100 MiB: 87-92 ms with 1 MiB
-  // segments, 78-80 ms with 4 MiB).
-  const int64_t sliceElems = static_cast<int64_t>(options_.sliceBytes / o->elemSize);
-  const int64_t segmentElems = layout_.numMachines() == 1
-      ? sliceElems
-      : static_cast<int64_t>(options_.segmentBytes / o->elemSize) * layout_.localSize();
-  o->plan = SlicePlan(work.numel(), sliceElems, segmentElems, layout_.localSize(), layout_.numMachines());
+  o->plan = SlicePlan(
+      work.numel(), static_cast<int64_t>(options_.sliceBytes / o->elemSize),
+      static_cast<int64_t>(options_.chunkBytes / o->elemSize), layout_.localSize(), layout_.numMachines());
   o->deadline = Clock::now() + options_.timeout;
   o->future = future;
   o->outputs = std::move(outputs);

@@ -34,7 +34,7 @@ struct EngineOptions {
   std::string listenAddress;
   std::string token;
   std::string timelinePath; // empty: no timeline
-  size_t segmentBytes; // FAIRRING_PIPELINE_CHUNK: per local rank (a segment is L times this)
+  size_t chunkBytes; // FAIRRING_PIPELINE_CHUNK: each local rank's part of a segment
 };
 
 // The reduction-server allreduce on CPU tensors. Every operation is cut into

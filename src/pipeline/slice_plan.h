@@ -14,7 +14,7 @@ struct Range {
 
 // How one allreduce of `numel` elements is cut: into slices of at most
 // `sliceElems` elements (a slice holds one staging slot); each slice into
-// segments of `segmentElems` (the units the pipeline moves: segment g+1 is
+// segments of L x `chunkElems` (the units the pipeline moves: segment g+1 is
 // collected while segment g is reduced and diffused); each segment into L
 // chunks (one per local rank); each chunk into M shards (one per machine).
 // Every rank computes the same plan from the same inputs, so no sizes need to
@@ -26,10 +26,10 @@ struct Range {
 // chunkOffset and shardOffset): segments cost no staging memory of their own.
 class SlicePlan {
  public:
-  SlicePlan(int64_t numel, int64_t sliceElems, int64_t segmentElems, int localSize, int numMachines)
+  SlicePlan(int64_t numel, int64_t sliceElems, int64_t chunkElems, int localSize, int numMachines)
       : numel_(numel),
         sliceElems_(std::max<int64_t>(1, sliceElems)),
-        segmentElems_(fitSegment(sliceElems_, segmentElems, localSize, numMachines)),
+        segmentElems_(fitSegment(sliceElems_, chunkElems, localSize, numMachines)),
         localSize_(localSize),
         numMachines_(numMachines) {}
 
@@ -81,11 +81,20 @@ class SlicePlan {
     return {r.begin + len * i / n, r.begin + len * (i + 1) / n};
   }
 
-  // The requested segment rounded down to a multiple of L·M (at least L·M);
-  // a slice that a segment would not cut stays one segment.
-  static int64_t fitSegment(int64_t sliceElems, int64_t segmentElems, int localSize, int numMachines) {
+  // L chunks rounded down to a multiple of L·M (at least L·M); a slice that a
+  // segment would not cut stays one segment. Segments let the collect of one
+  // overlap the reduce and diffuse of the previous on a link between
+  // machines: with one machine there is no such link and each segment only
+  // adds messages, so the slice is one segment. The chunk is per local rank:
+  // were the segment fixed, L ranks would each move 1/L of it, and the
+  // per-message cost of the intra-machine steps would grow with L (2 x 2 on
+  // loopback, 100 MiB: 87-92 ms with 1 MiB segments, 78-80 ms with 4 MiB).
+  static int64_t fitSegment(int64_t sliceElems, int64_t chunkElems, int localSize, int numMachines) {
+    if (numMachines == 1) {
+      return sliceElems;
+    }
     const int64_t unit = static_cast<int64_t>(localSize) * numMachines;
-    const int64_t fitted = std::max(unit, segmentElems / unit * unit);
+    const int64_t fitted = std::max(unit, chunkElems * localSize / unit * unit);
     return fitted >= sliceElems ? sliceElems : fitted;
   }
 
