@@ -35,7 +35,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument(
+        "--bucket-cap-mb", type=float, default=None, help="default: DDP's own, as DDP(model)"
+    )
     p.add_argument("--rate", default=None)
     p.add_argument("--netns", action="store_true")
     p.add_argument("--name", default=None)
@@ -50,12 +52,14 @@ class Trainer:
     def __init__(self, group: Any, args: argparse.Namespace, rank: int) -> None:
         import torch
         from torch.nn.parallel import DistributedDataParallel as DDP
-        from transformer import ModelConfig, SyntheticCorpus, build_model
+        from transformer import ModelConfig, SyntheticCorpus, bucket_kwargs, build_model
 
         self.cfg = ModelConfig()
         self.batch = args.batch
         self.model = DDP(
-            build_model(self.cfg, seed=0), process_group=group, bucket_cap_mb=args.bucket_cap_mb
+            build_model(self.cfg, seed=0),
+            process_group=group,
+            **bucket_kwargs(args.bucket_cap_mb),
         )
         opt = torch.optim.Adam if args.optimizer == "adam" else torch.optim.SGD
         self.optimizer = opt(self.model.parameters(), lr=args.lr)
@@ -132,9 +136,9 @@ def driver(args: argparse.Namespace) -> int:
         args.optimizer,
         "--lr",
         str(args.lr),
-        "--bucket-cap-mb",
-        str(args.bucket_cap_mb),
     ]
+    if args.bucket_cap_mb is not None:
+        forwarded += ["--bucket-cap-mb", str(args.bucket_cap_mb)]
     code, results = common.run_workers(
         Path(__file__), args, place, args.shape, forwarded, machines, ranks, place.name
     )
@@ -174,10 +178,12 @@ def render(data: dict[str, Any]) -> tuple[str, Any]:
         ]
         for b, r in rates.items()
     ]
+    cap = cfg.get("bucket_cap_mb")
+    buckets = "DDP's default buckets" if cap is None else f"DDP buckets of {cap} MB"
     markdown = (
         f"# End-to-end DDP Transformer: {cfg['shape']} ({cfg['where']})\n\n"
         + report.stamp_lines(data["stamp"])
-        + f"\n{data['grad_mib']:.1f} MiB of gradients, DDP buckets of {cfg['bucket_cap_mb']} MB,"
+        + f"\n{data['grad_mib']:.1f} MiB of gradients, {buckets},"
         f" {cfg['batch']} sequences/rank/step; {cfg['blocks']} alternating blocks of"
         f" {cfg['block_steps']} steps per backend, median block.\n\n"
         + report.table(

@@ -26,7 +26,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 # Run as a plain script by torchrun, so the sibling module is not on the path by default.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from transformer import ModelConfig, SyntheticCorpus, build_model, gradient_bytes  # noqa: E402
+from transformer import (  # noqa: E402
+    ModelConfig,
+    SyntheticCorpus,
+    bucket_kwargs,
+    build_model,
+    gradient_bytes,
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -55,7 +61,12 @@ def parse_args() -> argparse.Namespace:
         " gradient differences into lr-sized steps",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size")
+    p.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=None,
+        help="DDP bucket size in MB (default: DDP's own, as DDP(model) is run)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument(
         "--no-sync",
@@ -93,7 +104,7 @@ def main() -> None:
         ff=args.ff,
         seq_len=args.seq_len,
     )
-    model = DDP(build_model(cfg, args.seed), bucket_cap_mb=args.bucket_cap_mb)
+    model = DDP(build_model(cfg, args.seed), **bucket_kwargs(args.bucket_cap_mb))
     optimizer_cls = torch.optim.Adam if args.optimizer == "adam" else torch.optim.SGD
     optimizer = optimizer_cls(model.parameters(), lr=args.lr)
     corpus = SyntheticCorpus(cfg.vocab, args.seed, rank)
