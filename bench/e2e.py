@@ -14,6 +14,7 @@ weights also show how closely the two backends agree.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
@@ -117,6 +118,11 @@ def worker(args: argparse.Namespace) -> None:
             "max_param_diff": diff,
         },
     )
+    # As in train_ddp: DDP's reducers hold the groups, and a Gloo group left to
+    # interpreter teardown sometimes aborted a rank at exit.
+    dist.barrier()
+    trainers.clear()
+    gc.collect()
     dist.destroy_process_group()
 
 
