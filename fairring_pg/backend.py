@@ -89,11 +89,19 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
             makers[kinds[0]],
             makers[kinds[1]],
             "cuda",
+            str(dist_backend_opts.group_id),
         )
     if config.test_cpu_subgroups and _core_factory is None:
         make = gloo_maker(store, timeout, config, global_ranks)
         opts.cpu_subgroups = build_subgroups(
-            ext.Subgroups(), topology, config, cpu_delegate, make, make, "cpu"
+            ext.Subgroups(),
+            topology,
+            config,
+            cpu_delegate,
+            make,
+            make,
+            "cpu",
+            str(dist_backend_opts.group_id),
         )
     core_store = dist.PrefixStore("fairring/core/", store)
     try:

@@ -10,7 +10,8 @@ prefix of its own: two over the ranks of its machine (reduce-scatters and all-ga
 so that the two can be in flight at once), then one per lane over its rail (the ranks
 with its local rank on every machine). A Gloo group connects while it is built, so the
 order matters; an NCCL group connects at its first collective, which every member
-issues at the same point of the same sequence.
+issues at the same point of the same sequence; the core creates and connects every
+NCCL group before the first CUDA allreduce uses any (src/subgroups/).
 """
 
 from __future__ import annotations
@@ -37,10 +38,12 @@ def build_subgroups(
     make_local: GroupMaker,
     make_lane: GroupMaker,
     tag: str,
+    group_id: str,
 ) -> Any:
     """Fill the core's ``Subgroups`` (``subgroups``) with ``world`` and the groups that
     ``make_local`` and ``make_lane`` make; ``tag`` ("cuda" or "cpu") keeps the two
-    sets' store keys apart."""
+    sets' store keys apart, and ``group_id`` (the fairring group's) their names apart
+    from other fairring groups' in NCCL's and torch's logs and flight recorder."""
     subgroups.world = world
     machine, local_rank = topology.machine, topology.local_rank
     if topology.local_size > 1:
@@ -51,7 +54,7 @@ def build_subgroups(
                 local_rank,
                 topology.local_size,
                 local,
-                f"fairring-{tag}-local-{role}-m{machine}",
+                f"fairring-{tag}-g{group_id}-local-{role}-m{machine}",
             )
             setattr(subgroups, f"local_{role}", group)
     if topology.num_machines > 1:
@@ -62,7 +65,7 @@ def build_subgroups(
                 machine,
                 topology.num_machines,
                 rail,
-                f"fairring-{tag}-lane{k}-rail{local_rank}",
+                f"fairring-{tag}-g{group_id}-lane{k}-rail{local_rank}",
             )
             for k in range(config.lanes)
         ]

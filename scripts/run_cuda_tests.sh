@@ -25,6 +25,9 @@ for arg in "$@"; do
     esac
 done
 export PYTHONUNBUFFERED=1
+# What is measured must not depend on the machine's fabric: NCCL between the simulated
+# machines goes over its socket transport on loopback, also where InfiniBand is present.
+export NCCL_NET=${NCCL_NET:-Socket} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}
 
 python - <<'PY'
 import sys
@@ -73,7 +76,12 @@ echo "core built or loaded in $(( $(date +%s) - start )) s"
 status=0
 if [[ $run_tests == 1 ]]; then
     set +e
-    python -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider --durations=15 \
+    # M ranks x (lanes + 1) communicators of spinning kernels share one GPU's SMs under
+    # MPS; fewer channels per communicator keep them all resident (a kernel that cannot
+    # be scheduled while its peers spin would hang the job). The benchmark keeps NCCL's
+    # own choice, for fairring and NCCL alike.
+    NCCL_MAX_NCHANNELS=${NCCL_MAX_NCHANNELS:-4} \
+        python -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider --durations=15 \
         2>&1 | tee "$out_dir/cuda_tests.log"
     status=${PIPESTATUS[0]}
     set -e

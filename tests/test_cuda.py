@@ -89,6 +89,7 @@ def build_cuda_cases(full: bool = True) -> list[Case]:
         Case("future_then-SUM-bfloat16", "future_then", "SUM", "bfloat16", 1001),
         Case("coalesced-SUM-float32", "coalesced", "SUM", "float32", 0),
         Case("coalesced-MIN-int16", "coalesced", "MIN", "int16", 0),
+        Case("coalesced_churn-SUM-int16", "coalesced_churn", "SUM", "int16", 0),
         Case("avg_error-int32", "avg_error", "AVG", "int32", 7),
         Case("after_errors-SUM-float32", "plain", "SUM", "float32", 1001),
     ]
@@ -116,10 +117,12 @@ def run_cuda_case(rank: int, world: int, case: Case) -> str | None:
         assert work is not None
         if case.kind == "async":
             work.wait()  # the current stream waits; reading the tensor syncs with it
+            if work.exception() is not None or not work.is_success():
+                return f"a successful allreduce reports {work.exception()!r}"
             return _compare(tensor.cpu(), expected, "result after wait()")
         doubled = work.get_future().then(lambda f: f.value()[0] * 2).wait()
         return _compare(doubled.cpu(), expected * 2, "value of the chained future")
-    if case.kind == "coalesced":
+    if case.kind in ("coalesced", "coalesced_churn"):
         sizes = (5, 1, 1001, 3000)
         all_inputs = [
             [
@@ -132,7 +135,16 @@ def run_cuda_case(rank: int, world: int, case: Case) -> str | None:
         pg = dist.distributed_c10d._get_default_group()
         opts = dist.AllreduceCoalescedOptions()
         opts.reduceOp = _op(case.op)
-        pg.allreduce_coalesced(tensors, opts).wait()
+        work = pg.allreduce_coalesced(tensors, opts)
+        if case.kind == "coalesced_churn":
+            # The caller's stream takes fresh blocks of the fused buffers' sizes and
+            # writes them while the lanes may still read those buffers: memory the
+            # allocator hands out again too early shows up in the results.
+            total = sum(sizes)
+            for dtype in (torch.int16, torch.int32):
+                for _ in range(4):
+                    torch.full((total,), 12345, dtype=dtype, device=dev)
+        work.wait()
         for i, t in enumerate(tensors):
             expected = reduce_exact([ins[i] for ins in all_inputs], case.op, case.dtype)
             err = _compare(t.cpu(), expected, f"tensor {i} of {len(sizes)}")
@@ -243,7 +255,16 @@ def wait_does_not_block_host(rank: int, world: int) -> dict[str, float]:
     torch.cuda.synchronize()
     total = time.perf_counter() - start
     assert torch.equal(t[:8].cpu(), torch.full((8,), float(world**2))), t[:8]
-    return {"wait_s": waited, "total_s": total}
+    # With a timeout, wait() blocks the host until the device is done (as
+    # ProcessGroupNCCL's does): the work is complete when it returns.
+    work = dist.all_reduce(t, async_op=True)
+    work.wait(timeout=timedelta(seconds=60))
+    completed = work.is_completed()
+    synchronize = dist.all_reduce(t, async_op=True)
+    synchronize.synchronize()  # the current stream waits, as wait() without a timeout
+    torch.cuda.synchronize()
+    assert torch.equal(t[:8].cpu(), torch.full((8,), float(world**4))), t[:8]
+    return {"wait_s": waited, "total_s": total, "completed_after_timed_wait": completed}
 
 
 def test_cuda_wait_is_a_stream_wait() -> None:
@@ -252,6 +273,69 @@ def test_cuda_wait_is_a_stream_wait() -> None:
     )
     for r in results:
         assert r["wait_s"] < r["total_s"] / 2, r
+        assert r["completed_after_timed_wait"], r
+
+
+def overlapping_operations(rank: int, world: int, numel: int) -> str | None:
+    """Two async allreduces of one tensor and a delegated broadcast of it, none waited
+    for before the next is issued: each must see the previous one's result, as on
+    NCCL's one stream, although their slices run on different lanes."""
+    dev = _device()
+    t = torch.full((numel,), float(rank + 1), device=dev)
+    works = [dist.all_reduce(t, async_op=True), dist.all_reduce(t, async_op=True)]
+    works.append(dist.broadcast(t, src=world - 1, async_op=True))
+    for work in works:
+        work.wait()
+    want = float(world * world * (world + 1) // 2)
+    got = t.cpu()
+    if not torch.equal(got, torch.full((numel,), want)):
+        wrong = (got != want).nonzero()
+        return f"{len(wrong)} elements differ, first at {wrong[0].item()}: {got[wrong[0]].item()}"
+    return None
+
+
+@pytest.mark.parametrize("m", (2, 4))
+def test_cuda_operations_on_the_same_memory_stay_in_order(m: int) -> None:
+    results = run_ranks(
+        overlapping_operations,
+        m,
+        machine_ids(m),
+        backend="fairring",
+        env=JOB_ENV,
+        timeout_s=TIMEOUT_S,
+        numel=300_001,
+    )
+    assert results == [None] * m, results
+
+
+def captured_allreduce(rank: int, world: int) -> dict[str, Any]:
+    """An allreduce inside CUDA graph capture is refused at once, and the group works
+    after it."""
+    dev = _device()
+    t = torch.full((1000,), float(rank + 1), device=dev)
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    refusal = None
+    try:
+        with torch.cuda.graph(graph):
+            dist.all_reduce(t)
+    except Exception as exc:  # noqa: BLE001 - the message matters
+        refusal = str(exc)
+    u = torch.full((1000,), float(rank + 1), device=dev)
+    dist.all_reduce(u)
+    exact = torch.equal(u.cpu(), torch.full((1000,), float(world * (world + 1) // 2)))
+    return {"refusal": refusal, "exact_after": exact}
+
+
+def test_cuda_graph_capture_is_refused_clearly() -> None:
+    results = run_ranks(
+        captured_allreduce, 2, machine_ids(2), backend="fairring", timeout_s=TIMEOUT_S
+    )
+    for rank, r in enumerate(results):
+        assert r["refusal"] is not None and "CUDA graph" in r["refusal"], r
+        assert f"rank {rank}" in r["refusal"], r
+        assert r["exact_after"], r
 
 
 # ------------------------------------------------------------------ DDP parity
@@ -418,11 +502,19 @@ def _lifecycle(rank: int, world: int, store: Any, destroy: bool) -> dict[str, An
     exact = torch.equal(t.cpu(), torch.full((10_000,), float(sum(range(1, world + 1)))))
     for _ in range(16):
         dist.all_reduce(torch.ones(8 << 20, device=dev), async_op=True)
+    # Last, one whose result this rank reads after the destroy: a destroy that
+    # aborted the sub-groups would leave it unfinished.
+    last = torch.full((4 << 20,), float(rank + 1), device=dev)
+    dist.all_reduce(last, async_op=True)
     destroy_s = None
     if destroy:
         start = time.perf_counter()
         dist.destroy_process_group()
         destroy_s = time.perf_counter() - start
+    else:
+        torch.cuda.synchronize()  # nothing else orders the read after the lanes
+    want = float(sum(range(1, world + 1)))
+    exact = exact and torch.equal(last.cpu(), torch.full((4 << 20,), want))
     return {"exact": exact, "destroy_s": destroy_s}
 
 

@@ -114,6 +114,7 @@ def test_groups_and_their_members(
         record("local"),
         record("lane"),
         "cuda",
+        "7",
     )
     assert groups.world == "WORLD"
     if local is None:
@@ -132,3 +133,6 @@ def test_groups_and_their_members(
         for (_prefix, r, size, members, _), want in zip(lane_made, lanes, strict=True):
             # The rail: this rank's local rank on every machine, by machine.
             assert members == want and size == len(want) and members[r] == rank
+    # Names tell the groups apart, and from another fairring group's (id 7 here).
+    names = [m[4] for m in made]
+    assert len(set(names)) == len(names) and all("-g7-" in n for n in names), names

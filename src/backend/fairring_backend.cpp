@@ -41,6 +41,9 @@ FairringBackend::FairringBackend(
   subgroupOptions.worldSize = size;
   subgroupOptions.localSize = layout.localSize();
   subgroupOptions.numMachines = layout.numMachines();
+  subgroupOptions.localRank = layout.localRank();
+  subgroupOptions.machine = layout.machine();
+  subgroupOptions.timeout = options.timeout;
   subgroupOptions.sliceBytes = options.subgroupSliceBytes;
   subgroupOptions.directBelowBytes = options.directBelowBytes;
   subgroupOptions.totalMemory = options.totalMemory;
@@ -61,28 +64,28 @@ FairringBackend::FairringBackend(
 }
 
 FairringBackend::~FairringBackend() {
-  shutdownCore();
+  try {
+    shutdownCore(/*drain=*/true);
+  } catch (const std::exception& e) {
+    TORCH_WARN("fairring: shutting down rank ", getRank(), " failed: ", e.what());
+  }
 }
 
-c10d::Backend& FairringBackend::delegateFor(const at::Tensor& tensor) {
-  if (tensor.defined() && tensor.device().is_cuda()) {
+c10d::Backend& FairringBackend::delegateForAll(const std::vector<at::Tensor>& tensors) {
+  for (const at::Tensor& tensor : tensors) {
+    if (!tensor.defined()) {
+      continue;
+    }
+    if (!tensor.device().is_cuda()) {
+      return *cpu_;
+    }
     TORCH_CHECK(
         cuda_, "fairring: CUDA tensors need NCCL, which this build of torch does not provide (or CUDA is not "
         "available in this process)");
-    return *cuda_;
-  }
-  return *cpu_;
-}
-
-c10d::Backend& FairringBackend::delegateFor(const std::vector<at::Tensor>& tensors) {
-  return delegateFor(tensors.empty() ? at::Tensor() : tensors.front());
-}
-
-c10d::Backend& FairringBackend::delegateFor(const std::vector<std::vector<at::Tensor>>& tensors) {
-  for (const auto& list : tensors) {
-    if (!list.empty()) {
-      return delegateFor(list.front());
+    if (cudaSubgroups_) {
+      cudaSubgroups_->orderBefore(tensors);
     }
+    return *cuda_;
   }
   return *cpu_;
 }
@@ -97,7 +100,7 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce(
     if (cudaSubgroups_) {
       return cudaSubgroups_->allreduce(tensor, opts.reduceOp.op_);
     }
-    return delegateFor(tensor).allreduce(tensors, opts);
+    return delegateFor(tensors).allreduce(tensors, opts);
   }
   if (cpuSubgroups_) {
     return cpuSubgroups_->allreduce(tensor, opts.reduceOp.op_);
@@ -162,63 +165,63 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allgather(
     std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return delegateFor(inputs).allgather(outputs, inputs, opts);
+  return delegateFor(inputs, outputs).allgather(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::_allgather_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::AllgatherOptions& opts) {
-  return delegateFor(input)._allgather_base(output, input, opts);
+  return delegateFor(input, output)._allgather_base(output, input, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return delegateFor(inputs).allgather_coalesced(outputs, inputs, opts);
+  return delegateFor(inputs, outputs).allgather_coalesced(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return delegateFor(inputs).allgather_into_tensor_coalesced(outputs, inputs, opts);
+  return delegateFor(inputs, outputs).allgather_into_tensor_coalesced(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::gather(
     std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
-  return delegateFor(inputs).gather(outputs, inputs, opts);
+  return delegateFor(inputs, outputs).gather(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::scatter(
     std::vector<at::Tensor>& outputs,
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
-  return delegateFor(outputs).scatter(outputs, inputs, opts);
+  return delegateFor(outputs, inputs).scatter(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs,
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  return delegateFor(outputs).reduce_scatter(outputs, inputs, opts);
+  return delegateFor(outputs, inputs).reduce_scatter(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::_reduce_scatter_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::ReduceScatterOptions& opts) {
-  return delegateFor(input)._reduce_scatter_base(output, input, opts);
+  return delegateFor(input, output)._reduce_scatter_base(output, input, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  return delegateFor(inputs).reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  return delegateFor(inputs, outputs).reduce_scatter_tensor_coalesced(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::alltoall_base(
@@ -227,14 +230,14 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::alltoall_base(
     std::vector<int64_t>& outputSplitSizes,
     std::vector<int64_t>& inputSplitSizes,
     const c10d::AllToAllOptions& opts) {
-  return delegateFor(input).alltoall_base(output, input, outputSplitSizes, inputSplitSizes, opts);
+  return delegateFor(input, output).alltoall_base(output, input, outputSplitSizes, inputSplitSizes, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::alltoall(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllToAllOptions& opts) {
-  return delegateFor(inputs).alltoall(outputs, inputs, opts);
+  return delegateFor(inputs, outputs).alltoall(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
@@ -265,14 +268,18 @@ uint64_t FairringBackend::getSequenceNumberForGroup() {
   return cpu_->getSequenceNumberForGroup();
 }
 
-void FairringBackend::shutdownCore() {
-  // The sub-groups are aborted, not drained: a destroy with work in flight
-  // must return promptly even when a peer is gone.
-  if (cudaSubgroups_) {
-    cudaSubgroups_->abort();
-  }
-  if (cpuSubgroups_) {
-    cpuSubgroups_->abort();
+void FairringBackend::shutdownCore(bool drain) {
+  // A destroy lets the device finish what this rank issued (peers may still
+  // need its sends); an abort stops at once.
+  for (auto* subgroups : {cudaSubgroups_.get(), cpuSubgroups_.get()}) {
+    if (subgroups == nullptr) {
+      continue;
+    }
+    if (drain) {
+      subgroups->shutdown();
+    } else {
+      subgroups->abort();
+    }
   }
   if (engine_) {
     engine_->shutdown();
@@ -283,7 +290,7 @@ void FairringBackend::shutdownCore() {
 }
 
 void FairringBackend::shutdown() {
-  shutdownCore();
+  shutdownCore(/*drain=*/true);
   cpu_->shutdown();
   if (cuda_) {
     cuda_->shutdown();
@@ -291,7 +298,7 @@ void FairringBackend::shutdown() {
 }
 
 void FairringBackend::abort() {
-  shutdownCore();
+  shutdownCore(/*drain=*/false);
   cpu_->abort();
   if (cuda_) {
     cuda_->abort();

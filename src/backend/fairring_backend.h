@@ -134,11 +134,31 @@ class FairringBackend : public c10d::Backend {
   void abort() override;
 
  private:
-  // Stops fairring's own engines (not the delegates).
-  void shutdownCore();
-  c10d::Backend& delegateFor(const at::Tensor& tensor);
-  c10d::Backend& delegateFor(const std::vector<at::Tensor>& tensors);
-  c10d::Backend& delegateFor(const std::vector<std::vector<at::Tensor>>& tensors);
+  // Stops fairring's own engines (not the delegates): `drain` lets what the
+  // device still runs finish first (destroy), else it is aborted.
+  void shutdownCore(bool drain);
+
+  // The delegate for the device of the first defined tensor of `sets`
+  // (tensors, lists of them, lists of lists); on CUDA, what it is given runs
+  // after the allreduces in flight on the same memory.
+  template <typename... Sets>
+  c10d::Backend& delegateFor(const Sets&... sets) {
+    std::vector<at::Tensor> all;
+    (collect(all, sets), ...);
+    return delegateForAll(all);
+  }
+  c10d::Backend& delegateForAll(const std::vector<at::Tensor>& tensors);
+  static void collect(std::vector<at::Tensor>& all, const at::Tensor& t) {
+    all.push_back(t);
+  }
+  static void collect(std::vector<at::Tensor>& all, const std::vector<at::Tensor>& ts) {
+    all.insert(all.end(), ts.begin(), ts.end());
+  }
+  static void collect(std::vector<at::Tensor>& all, const std::vector<std::vector<at::Tensor>>& lists) {
+    for (const auto& list : lists) {
+      collect(all, list);
+    }
+  }
 
   c10::intrusive_ptr<c10d::Backend> cpu_;
   c10::intrusive_ptr<c10d::Backend> cuda_;

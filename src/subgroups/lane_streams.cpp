@@ -2,6 +2,10 @@
 
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <dlfcn.h>
+
+#include <thread>
+
 namespace fairring {
 
 LaneStreams::LaneStreams(c10::Device device, int lanes) : device_(device) {
@@ -15,13 +19,14 @@ LaneStreams::LaneStreams(c10::Device device, int lanes) : device_(device) {
   entered_.assign(lanes, 0);
 }
 
-void LaneStreams::beginOp() {
+void LaneStreams::beginOp(Events after) {
   if (!onDevice()) {
     return;
   }
   c10::impl::VirtualGuardImpl impl(device_.type());
   callerPosition_.emplace(device_.type());
   callerPosition_->record(impl.getStream(device_));
+  after_ = std::move(after);
   std::fill(entered_.begin(), entered_.end(), 0);
 }
 
@@ -33,6 +38,9 @@ c10::OptionalStreamGuard LaneStreams::enter(int lane) {
   if (!entered_[lane]) {
     entered_[lane] = 1;
     callerPosition_->block(stream);
+    for (const auto& event : after_) {
+      event->block(stream);
+    }
   }
   return c10::OptionalStreamGuard(stream);
 }
@@ -76,6 +84,44 @@ at::Tensor LaneStreams::allocate(size_t bytes, int lane) const {
   }
   c10::StreamGuard guard(streams_.at(lane));
   return at::empty({static_cast<int64_t>(bytes)}, options);
+}
+
+void blockCurrentStream(const c10::Event& event, c10::Device device) {
+  c10::impl::VirtualGuardImpl impl(device.type());
+  event.block(impl.getStream(device));
+}
+
+Status waitOnHost(const c10::Event& event, std::chrono::steady_clock::time_point deadline) {
+  // Short sleeps first: most waits end within a millisecond or two.
+  auto pause = std::chrono::microseconds(50);
+  while (!event.query()) {
+    if (std::chrono::steady_clock::now() >= deadline) {
+      return Status::error("the device did not get there in time");
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(10));
+  }
+  return Status();
+}
+
+bool currentStreamCapturing(c10::Device device) {
+  if (device.type() != c10::DeviceType::CUDA) {
+    return false;
+  }
+  // cuStreamIsCapturing(CUstream, CUstreamCaptureStatus*): 0 is CUDA_SUCCESS,
+  // a status of 0 CU_STREAM_CAPTURE_STATUS_NONE. The driver is loaded by the
+  // time a CUDA tensor exists, so RTLD_NOLOAD finds it.
+  using IsCapturing = int (*)(void*, int*);
+  static const IsCapturing isCapturing = [] {
+    void* driver = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+    return driver ? reinterpret_cast<IsCapturing>(dlsym(driver, "cuStreamIsCapturing")) : nullptr;
+  }();
+  if (isCapturing == nullptr) {
+    return false;
+  }
+  c10::impl::VirtualGuardImpl impl(device.type());
+  int status = 0;
+  return isCapturing(impl.getStream(device).native_handle(), &status) == 0 && status != 0;
 }
 
 } // namespace fairring

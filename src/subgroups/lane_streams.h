@@ -5,9 +5,12 @@
 #include <c10/core/Stream.h>
 #include <c10/core/StreamGuard.h>
 
+#include <chrono>
 #include <memory>
 #include <optional>
 #include <vector>
+
+#include "common/status.h"
 
 namespace fairring {
 
@@ -26,15 +29,20 @@ namespace fairring {
 // sub-group collectives' wait() blocks instead.
 class LaneStreams {
  public:
+  using Events = std::vector<std::shared_ptr<c10::Event>>;
+
   LaneStreams(c10::Device device, int lanes);
 
   bool onDevice() const { return !streams_.empty(); }
   c10::Device device() const { return device_; }
 
   // An operation starts: remember where the caller's current stream stands.
-  void beginOp();
+  // Each lane's first unit in this operation waits for that point and for
+  // `after` (earlier operations on the same memory, which other lanes may
+  // still be running).
+  void beginOp(Events after = {});
   // Makes lane `lane`'s stream current until the guard goes; the lane's
-  // first unit in this operation first waits for the caller's stream.
+  // first unit in this operation first waits as beginOp said.
   c10::OptionalStreamGuard enter(int lane);
   // The caching allocator must not hand `t`'s memory out again before the
   // lane's stream has passed this point (the caller may free it at once).
@@ -54,7 +62,21 @@ class LaneStreams {
   c10::Device device_;
   std::vector<c10::Stream> streams_;
   std::optional<c10::Event> callerPosition_;
+  Events after_;
   std::vector<char> entered_; // per lane: has it waited on callerPosition_ in this op
 };
+
+// Makes the caller's current stream on the device of `event` wait for it.
+void blockCurrentStream(const c10::Event& event, c10::Device device);
+
+// Waits on the host until the device has passed `event`, or `deadline` (which
+// is an error). Polls, so that a peer that never comes cannot hold the
+// caller forever, as a plain synchronize would.
+Status waitOnHost(const c10::Event& event, std::chrono::steady_clock::time_point deadline);
+
+// Whether the caller's current stream on `device` is being captured into a
+// CUDA graph. Asks the CUDA driver (the one call that torch 2.11's
+// device-generic interface lacks) and says no where there is no driver.
+bool currentStreamCapturing(c10::Device device);
 
 } // namespace fairring

@@ -62,12 +62,6 @@ at::Tensor region(const at::Tensor& staging, size_t offset, int64_t elems, at::S
   return staging.narrow(0, static_cast<int64_t>(offset), size).view(dtype);
 }
 
-void await(const c10::intrusive_ptr<c10d::Work>& work) {
-  // On a device this only makes the current (lane) stream wait; on CPU it
-  // blocks until Gloo is done.
-  work->wait();
-}
-
 } // namespace
 
 SubgroupAllreduce::SubgroupAllreduce(Subgroups groups, SubgroupOptions options, c10::DeviceType deviceType)
@@ -99,6 +93,13 @@ void SubgroupAllreduce::checkTensor(const at::Tensor& t, const std::string& name
               c10::DeviceTypeName(deviceType_, true), " tensor");
 }
 
+void SubgroupAllreduce::await(const c10::intrusive_ptr<c10d::Work>& work) {
+  // On a device this only makes the current (lane) stream wait; on CPU it
+  // blocks until Gloo is done.
+  work->wait();
+  parts_.push_back(work);
+}
+
 c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::allreduce(at::Tensor& tensor, RedOp op) {
   checkTensor(tensor, "the allreduce tensor");
   const Status reducible = checkReducible(op, tensor.scalar_type());
@@ -113,7 +114,7 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::allreduce(at::Tensor& tensor, 
   if (!work.is_same(tensor)) {
     finish = [tensor, work]() mutable { tensor.copy_(work.view(tensor.sizes())); };
   }
-  return run(work.view({-1}), op, c10d::OpType::ALLREDUCE, {tensor}, std::move(finish));
+  return run(work.view({-1}), op, c10d::OpType::ALLREDUCE, {tensor}, std::move(finish), {});
 }
 
 c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::allreduceCoalesced(std::vector<at::Tensor>& tensors, RedOp op) {
@@ -142,7 +143,19 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::allreduceCoalesced(std::vector
       scatterBack();
     };
   }
-  return run(work, op, c10d::OpType::ALLREDUCE_COALESCED, tensors, std::move(fusion.scatterBack));
+  // The int16 buffer is written and read again on the last lane, after the
+  // caller may have dropped it.
+  return run(work, op, c10d::OpType::ALLREDUCE_COALESCED, tensors, std::move(fusion.scatterBack), {fusion.fused});
+}
+
+void SubgroupAllreduce::orderBefore(const std::vector<at::Tensor>& tensors) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!streams_ || !streams_->onDevice()) {
+    return;
+  }
+  for (const auto& event : inFlight_.overlapping(InFlightOps::spansOf(tensors))) {
+    blockCurrentStream(*event, streams_->device());
+  }
 }
 
 void SubgroupAllreduce::useDevice(c10::Device device) {
@@ -152,6 +165,13 @@ void SubgroupAllreduce::useDevice(c10::Device device) {
     return;
   }
   streams_ = std::make_unique<LaneStreams>(device, numLanes_);
+  try {
+    connect();
+  } catch (const std::exception& e) {
+    failure_ = std::string("fairring: rank ") + std::to_string(options_.rank) +
+        " could not set up its allreduce sub-groups: " + e.what();
+    throw c10::DistBackendError(failure_);
+  }
   if (options_.numMachines > 1) {
     // Allocated once; each lane reuses its slot slice after slice, in the
     // order of its stream.
@@ -167,11 +187,18 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::run(
     RedOp op,
     c10d::OpType type,
     std::vector<at::Tensor> outputs,
-    std::function<void()> finish) {
+    std::function<void()> finish,
+    std::vector<at::Tensor> buffers) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!failure_.empty()) {
     throw c10::DistBackendError(failure_ + " (this process group failed earlier and cannot be used)");
   }
+  TORCH_CHECK(!stopped_, "fairring: allreduce on rank ", options_.rank, " after the process group was shut down");
+  // A captured allreduce would fork the capture onto lanes that never join
+  // the captured stream, and the capture fails far from here, obscurely.
+  TORCH_CHECK(!currentStreamCapturing(work.device()), "fairring: allreduce on rank ", options_.rank,
+              " was issued while the current stream is captured into a CUDA graph; fairring's CUDA allreduce "
+              "runs on streams of its own and cannot be captured: issue it outside the graph");
   useDevice(work.device());
   const std::vector<Unit> units = planUnits(
       work.numel(), work.element_size(), options_.sliceBytes, options_.localSize, options_.numMachines,
@@ -183,8 +210,12 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::run(
   }
   auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()), devices);
   std::shared_ptr<c10::Event> done;
+  std::vector<at::Tensor> touched = outputs;
+  touched.push_back(work);
+  const std::vector<InFlightOps::Span> spans = InFlightOps::spansOf(touched);
+  parts_.clear();
   try {
-    streams_->beginOp();
+    streams_->beginOp(inFlight_.overlapping(spans));
     int lane = -1;
     for (const Unit& unit : units) {
       lane = static_cast<int>(nextUnit_++ % numLanes_);
@@ -207,7 +238,11 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::run(
       for (const at::Tensor& out : outputs) {
         streams_->keepAlive(out, lane);
       }
+      for (const at::Tensor& buffer : buffers) {
+        streams_->keepAlive(buffer, lane);
+      }
       done = streams_->mark(lane);
+      inFlight_.add(spans, done);
     }
     // Recorded on the done stream: the future's users wait for it, not the host.
     future->markCompleted(c10::IValue(outputs));
@@ -217,7 +252,11 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::run(
     failure_ = std::string("fairring: allreduce failed on rank ") + std::to_string(options_.rank) + ": " + e.what();
     throw c10::DistBackendError(failure_);
   }
-  return c10::make_intrusive<SubgroupWork>(options_.rank, type, std::move(outputs), future, done, work.device());
+  const std::string description = "allreduce of " + std::to_string(work.numel()) + " elements of " +
+      dtypeName(work.scalar_type()) + " on rank " + std::to_string(options_.rank);
+  return c10::make_intrusive<SubgroupWork>(
+      options_.rank, type, std::move(outputs), future, done, work.device(), std::move(parts_), description,
+      options_.timeout);
 }
 
 void SubgroupAllreduce::reduceDirect(const at::Tensor& piece, RedOp op) {
@@ -276,14 +315,128 @@ void SubgroupAllreduce::reduceSlice(const at::Tensor& slice, int lane, RedOp op)
   }
 }
 
-void SubgroupAllreduce::abort() {
-  std::vector<c10::intrusive_ptr<c10d::Backend>> owned = groups_.lanes;
-  owned.push_back(groups_.localReduce);
-  owned.push_back(groups_.localGather);
-  for (const auto& group : owned) {
+std::vector<c10::intrusive_ptr<c10d::Backend>> SubgroupAllreduce::ownedGroups() const {
+  std::vector<c10::intrusive_ptr<c10d::Backend>> owned;
+  for (const auto& group : groups_.lanes) {
+    owned.push_back(group);
+  }
+  for (const auto& group : {groups_.localReduce, groups_.localGather}) {
     if (group) {
-      group->abort();
+      owned.push_back(group);
     }
+  }
+  return owned;
+}
+
+void SubgroupAllreduce::shutdown() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopped_) {
+    return;
+  }
+  stopped_ = true;
+  const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+  bool drained = true;
+  for (const auto& event : inFlight_.all()) {
+    drained = drained && waitOnHost(*event, deadline).ok();
+  }
+  for (const auto& group : ownedGroups()) {
+    try {
+      if (drained) {
+        group->shutdown();
+      } else {
+        group->abort();
+      }
+    } catch (const std::exception& e) {
+      TORCH_WARN("fairring: shutting down a sub-group on rank ", options_.rank, " failed: ", e.what());
+    }
+  }
+  if (!drained) {
+    TORCH_WARN("fairring: rank ", options_.rank, "'s allreduces did not finish within ", options_.timeout.count(),
+               " ms of destroy_process_group(); their sub-groups were aborted");
+  }
+}
+
+void SubgroupAllreduce::abort() {
+  std::lock_guard<std::mutex> lock(mu_);
+  stopped_ = true;
+  for (const auto& group : ownedGroups()) {
+    try {
+      group->abort();
+    } catch (const std::exception& e) {
+      TORCH_WARN("fairring: aborting a sub-group on rank ", options_.rank, " failed: ", e.what());
+    }
+  }
+}
+
+void SubgroupAllreduce::connect() {
+  // NCCL creates a communicator, and connects its peers, at its first
+  // collective; creating one can synchronise the device. So every group gets
+  // a small collective of each kind the allreduce issues on it, in the same
+  // order on every rank (world, local, lanes), and the host waits for all of
+  // them before the first unit: nothing of ours is in flight yet. The values
+  // say whether each group holds the ranks it was built from.
+  const int L = options_.localSize;
+  const int M = options_.numMachines;
+  const int l = options_.localRank;
+  const int m = options_.machine;
+  const c10::Device device = streams_->device();
+  auto ints = [&](std::vector<int> values) {
+    return at::tensor(values, at::TensorOptions().dtype(at::kInt)).to(device);
+  };
+  auto range = [](int n, const std::function<int(int)>& f) {
+    std::vector<int> v;
+    for (int i = 0; i < n; ++i) {
+      v.push_back(f(i));
+    }
+    return v;
+  };
+  struct Check {
+    std::string group;
+    at::Tensor got;
+    std::vector<int> want;
+  };
+  std::vector<Check> checks;
+  streams_->beginOp();
+  auto onStream = streams_->enter(0);
+  {
+    std::vector<at::Tensor> t{ints({options_.rank + 1})};
+    groups_.world->allreduce(t, c10d::AllreduceOptions())->wait();
+    checks.push_back({"the world group", t[0], {options_.worldSize * (options_.worldSize + 1) / 2}});
+  }
+  if (L > 1) {
+    at::Tensor in = ints(range(L, [&](int j) { return 1000 * (l + 1) + j; }));
+    at::Tensor out = ints({0});
+    groups_.localReduce->_reduce_scatter_base(out, in, c10d::ReduceScatterOptions())->wait();
+    checks.push_back({"the machine's reduce-scatter group", out, {1000 * L * (L + 1) / 2 + L * l}});
+    at::Tensor gathered = ints(range(L, [](int) { return -1; }));
+    at::Tensor mine = ints({l});
+    groups_.localGather->_allgather_base(gathered, mine, c10d::AllgatherOptions())->wait();
+    checks.push_back({"the machine's all-gather group", gathered, range(L, [](int j) { return j; })});
+  }
+  for (size_t k = 0; k < groups_.lanes.size(); ++k) {
+    const auto& rail = groups_.lanes[k];
+    const std::string name = "lane " + std::to_string(k) + " of the rail";
+    at::Tensor in = ints(range(M, [&](int j) { return M * m + j; }));
+    at::Tensor out = ints(range(M, [](int) { return -1; }));
+    std::vector<int64_t> even;
+    rail->alltoall_base(out, in, even, even, c10d::AllToAllOptions())->wait();
+    checks.push_back({name + " (all-to-all)", out, range(M, [&](int j) { return M * j + m; })});
+    at::Tensor gathered = ints(range(M, [](int) { return -1; }));
+    at::Tensor mine = ints({m});
+    rail->_allgather_base(gathered, mine, c10d::AllgatherOptions())->wait();
+    checks.push_back({name + " (all-gather)", gathered, range(M, [](int j) { return j; })});
+  }
+  if (auto reached = streams_->mark(0)) {
+    const Status status = waitOnHost(*reached, std::chrono::steady_clock::now() + options_.timeout);
+    TORCH_CHECK(status.ok(), "fairring: connecting the sub-groups of rank ", options_.rank, " on ", device,
+                " did not finish within ", options_.timeout.count(), " ms: ", status.message());
+  }
+  for (const Check& check : checks) {
+    const at::Tensor got = check.got.cpu();
+    const std::vector<int> values(got.data_ptr<int>(), got.data_ptr<int>() + got.numel());
+    TORCH_CHECK(values == check.want, "fairring: ", check.group, " of rank ", options_.rank, " (machine ", m,
+                ", local rank ", l, ") gave ", c10::ArrayRef<int>(values), " where its members would give ",
+                c10::ArrayRef<int>(check.want), ": the group does not hold the ranks it was built from");
   }
 }
 

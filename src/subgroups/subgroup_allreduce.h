@@ -5,12 +5,14 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "subgroups/in_flight_ops.h"
 #include "subgroups/lane_streams.h"
 
 namespace fairring {
@@ -36,6 +38,9 @@ struct SubgroupOptions {
   int worldSize{1};
   int localSize{1};
   int numMachines{1};
+  int localRank{0};
+  int machine{0};
+  std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   size_t sliceBytes{0}; // a multiple of 8*L*M that lets every lane hold a slot
   size_t directBelowBytes{0};
   size_t totalMemory{0};
@@ -59,8 +64,18 @@ class SubgroupAllreduce {
   c10::intrusive_ptr<c10d::Work> allreduce(at::Tensor& tensor, RedOp op);
   c10::intrusive_ptr<c10d::Work> allreduceCoalesced(std::vector<at::Tensor>& tensors, RedOp op);
 
-  // Aborts every sub-group but the world group (the backend owns that one):
-  // a destroy with work in flight must not wait for peers that may be gone.
+  // A collective of another group (the delegate) is about to run on
+  // `tensors`: the caller's current stream waits for the allreduces in
+  // flight that touch them, as it would behind them on NCCL's one stream.
+  void orderBefore(const std::vector<at::Tensor>& tensors);
+
+  // destroy_process_group(): waits on the host, up to the group's timeout,
+  // until the device has finished every allreduce issued (a peer may still
+  // need this rank's sends), then shuts the sub-groups down; if that time
+  // passes, aborts them instead. Never throws. Idempotent.
+  void shutdown();
+  // Aborts every sub-group but the world group (the backend owns that one)
+  // at once, with whatever is in flight.
   void abort();
 
  private:
@@ -69,10 +84,16 @@ class SubgroupAllreduce {
       RedOp op,
       c10d::OpType type,
       std::vector<at::Tensor> outputs,
-      std::function<void()> finish);
+      std::function<void()> finish,
+      std::vector<at::Tensor> buffers);
   void reduceSlice(const at::Tensor& slice, int lane, RedOp op);
   void reduceDirect(const at::Tensor& piece, RedOp op);
+  // Issues `work`'s collective's wait on the current (lane) stream and keeps
+  // it as a part of the operation in progress.
+  void await(const c10::intrusive_ptr<c10d::Work>& work);
   void useDevice(c10::Device device);
+  void connect();
+  std::vector<c10::intrusive_ptr<c10d::Backend>> ownedGroups() const;
   void checkTensor(const at::Tensor& t, const std::string& name) const;
 
   const Subgroups groups_;
@@ -86,6 +107,9 @@ class SubgroupAllreduce {
   std::unique_ptr<LaneStreams> streams_; // made at the first operation (its device)
   std::vector<at::Tensor> staging_; // one slot per lane, bytes
   uint64_t nextUnit_{0};
+  InFlightOps inFlight_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> parts_; // of the operation being issued
+  bool stopped_{false};
 };
 
 } // namespace fairring

@@ -1,8 +1,23 @@
 #include "subgroups/subgroup_work.h"
 
-#include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "subgroups/lane_streams.h"
 
 namespace fairring {
+
+namespace {
+
+// ProcessGroupNCCL's switch for host-blocking waits, honoured the same way.
+bool blockingWait() {
+  const char* value = std::getenv("TORCH_NCCL_BLOCKING_WAIT");
+  return value != nullptr && (std::strcmp(value, "1") == 0 || std::strcmp(value, "true") == 0);
+}
+
+} // namespace
 
 SubgroupWork::SubgroupWork(
     int rank,
@@ -10,27 +25,72 @@ SubgroupWork::SubgroupWork(
     std::vector<at::Tensor> outputs,
     c10::intrusive_ptr<c10::ivalue::Future> future,
     std::shared_ptr<c10::Event> done,
-    c10::Device device)
+    c10::Device device,
+    std::vector<c10::intrusive_ptr<c10d::Work>> parts,
+    std::string description,
+    std::chrono::milliseconds groupTimeout)
     : c10d::Work(rank, opType),
       outputs_(std::move(outputs)),
       future_(std::move(future)),
       done_(std::move(done)),
-      device_(device) {}
+      device_(device),
+      parts_(std::move(parts)),
+      description_(std::move(description)),
+      groupTimeout_(groupTimeout) {}
 
-bool SubgroupWork::isCompleted() {
-  return !done_ || done_->query();
+std::exception_ptr SubgroupWork::partFailure() const {
+  for (const auto& part : parts_) {
+    if (auto failure = part->exception()) {
+      return failure;
+    }
+  }
+  return nullptr;
+}
+
+std::exception_ptr SubgroupWork::exception() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return exception_ ? exception_ : partFailure();
 }
 
 bool SubgroupWork::isSuccess() const {
-  // Failures of the sub-groups' kernels are reported by their own watchdogs
-  // (ProcessGroupNCCL's error handling); what reached this Work succeeded.
-  return true;
+  return exception() == nullptr;
 }
 
-bool SubgroupWork::wait(std::chrono::milliseconds /*timeout*/) {
+bool SubgroupWork::isCompleted() {
+  return exception() != nullptr || !done_ || done_->query();
+}
+
+void SubgroupWork::synchronize() {
   if (done_) {
-    c10::impl::VirtualGuardImpl impl(device_.type());
-    done_->block(impl.getStream(device_));
+    fairring::blockCurrentStream(*done_, device_);
+  }
+}
+
+void SubgroupWork::blockCurrentStream() {
+  synchronize();
+}
+
+bool SubgroupWork::wait(std::chrono::milliseconds timeout) {
+  if (auto failure = exception()) {
+    std::rethrow_exception(failure);
+  }
+  synchronize();
+  if (done_ && (timeout != kNoTimeout || blockingWait())) {
+    const auto limit = timeout != kNoTimeout ? timeout : groupTimeout_;
+    const Status reached = waitOnHost(*done_, std::chrono::steady_clock::now() + limit);
+    if (auto failure = exception()) {
+      std::rethrow_exception(failure);
+    }
+    if (!reached.ok()) {
+      auto error = std::make_exception_ptr(c10::DistBackendError(
+          "fairring: " + description_ + " did not finish within " + std::to_string(limit.count()) +
+          " ms (the timeout of its wait)"));
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        exception_ = error;
+      }
+      std::rethrow_exception(error);
+    }
   }
   return true;
 }

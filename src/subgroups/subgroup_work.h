@@ -4,21 +4,28 @@
 #include <c10/core/Event.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <chrono>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace fairring {
 
 // The Work of a sub-group allreduce, with ProcessGroupNCCL's semantics: the
-// operation is complete for the host once it is enqueued. wait() makes the
-// caller's current stream wait for the done event and never blocks the host;
-// isCompleted() asks whether the device has got there; the future is
-// already completed, CUDA-aware (its value's readers synchronise with the
-// done point through their streams), so `.then()` callbacks run at once on
-// the calling thread — which is what lets DDP comm hooks issue their nested
-// collectives in the same order on every rank. On a CPU device (the test
-// path over Gloo sub-groups) there is no event: everything finished before
-// the call returned.
+// operation is complete for the host once it is enqueued. wait(),
+// synchronize() and blockCurrentStream() make the caller's current stream
+// wait for the done event; wait() blocks the host too, and only then, when
+// given a timeout or under TORCH_NCCL_BLOCKING_WAIT (then the group's
+// timeout), throwing if the device
+// does not get there in time. isCompleted() asks whether the device has got
+// there; exception() is the first failure of the sub-group collectives the
+// operation is made of (their watchdogs find those), or the timeout of a
+// wait. The future is already completed, CUDA-aware (its value's readers
+// synchronise with the done point through their streams), so `.then()`
+// callbacks run at once on the calling thread, which is what lets DDP comm
+// hooks issue their nested collectives in the same order on every rank. On a
+// CPU device (the test path over Gloo sub-groups) there is no event:
+// everything finished before the call returned.
 class SubgroupWork : public c10d::Work {
  public:
   SubgroupWork(
@@ -27,19 +34,32 @@ class SubgroupWork : public c10d::Work {
       std::vector<at::Tensor> outputs,
       c10::intrusive_ptr<c10::ivalue::Future> future,
       std::shared_ptr<c10::Event> done,
-      c10::Device device);
+      c10::Device device,
+      std::vector<c10::intrusive_ptr<c10d::Work>> parts,
+      std::string description,
+      std::chrono::milliseconds groupTimeout);
 
   bool isCompleted() override;
   bool isSuccess() const override;
+  std::exception_ptr exception() const override;
+  void synchronize() override;
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  void blockCurrentStream() override;
   std::vector<at::Tensor> result() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
  private:
+  std::exception_ptr partFailure() const;
+
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::shared_ptr<c10::Event> done_;
   c10::Device device_;
+  // The sub-group collectives of the operation (NCCL's works on a device):
+  // their failures are this operation's.
+  std::vector<c10::intrusive_ptr<c10d::Work>> parts_;
+  std::string description_; // "allreduce of N elements of T on rank R", for errors
+  std::chrono::milliseconds groupTimeout_; // a blocking wait's limit when wait() names none
 };
 
 } // namespace fairring

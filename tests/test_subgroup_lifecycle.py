@@ -1,0 +1,152 @@
+"""The sub-group path's life cycle on CPU (FAIRRING_TEST_CPU_SUBGROUPS over Gloo):
+connecting and checking the sub-groups before the first allreduce, the Work it hands
+out, and destroy_process_group() after it.
+
+On CUDA the same code creates and connects every NCCL communicator at the first
+allreduce, drains the device at destroy, and gives ProcessGroupNCCL's Work semantics;
+the stream-only parts of that need a GPU (tests/test_cuda.py). Here each job makes a
+second fairring group with ``dist.new_group`` so that it can break or destroy it while
+the harness's default group stays.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from multiprocess import fairring_env, launch, run_ranks
+
+SHAPE = ["m0", "m0", "m1", "m1"]  # 2 machines x 2 ranks: local groups and lanes
+
+
+def env(**extra: str | int) -> dict[str, str | None]:
+    return fairring_env(
+        total_memory=64 * 1024,
+        slice_size=4 * 1024,
+        FAIRRING_SLICE_SCALING="off",
+        FAIRRING_TEST_CPU_SUBGROUPS="on",
+        FAIRRING_LANES=2,
+        FAIRRING_DIRECT_BELOW=0,
+        **extra,
+    )
+
+
+def value(rank: int, n: int) -> torch.Tensor:
+    """Distinct, non-integer values per rank and element: a shard in the wrong place
+    shows."""
+    return torch.arange(n, dtype=torch.float64) * 0.25 + rank * 1000.5
+
+
+def expected_sum(world: int, n: int) -> torch.Tensor:
+    return sum(value(r, n) for r in range(world))
+
+
+# ------------------------------------------------------------ connecting, checked
+
+
+def with_reversed_rails(rank: int, world: int) -> str:
+    """A second fairring group whose lanes number the machines of the rail backwards
+    (a consistent, connected Gloo group, but not the one fairring asked for): its first
+    allreduce must refuse it on every rank instead of putting shards in wrong places."""
+    import fairring_pg.backend as backend
+
+    made = backend.gloo_maker
+
+    def reversed_lanes(store: Any, timeout: Any, config: Any, global_ranks: list[int]) -> Any:
+        make = made(store, timeout, config, global_ranks)
+
+        def make_group(prefix: str, r: int, size: int, members: list[int], name: str) -> Any:
+            if "-lane" in name:
+                return make(prefix, size - 1 - r, size, members[::-1], name)
+            return make(prefix, r, size, members, name)
+
+        return make_group
+
+    backend.gloo_maker = reversed_lanes
+    try:
+        group = dist.new_group(backend="fairring")
+    finally:
+        backend.gloo_maker = made
+    t = value(rank, 4000)
+    dist.all_reduce(t, group=group)
+    return f"allreduce on misbuilt lanes returned {t[:3].tolist()}"
+
+
+def test_misbuilt_sub_groups_are_refused_before_the_first_unit() -> None:
+    outcomes = launch(with_reversed_rails, 4, SHAPE, env=env(), timeout_s=120, abort_grace_s=30)
+    for o in outcomes:
+        assert o.status == "error", o.describe()
+        message = o.error_message or ""
+        assert "lane 0 of the rail (all-to-all)" in message, o.describe()
+        assert "does not hold the ranks it was built from" in message, o.describe()
+        assert f"rank {o.rank}" in message, o.describe()
+
+
+# ------------------------------------------------------------------- the Work
+
+
+def work_semantics(rank: int, world: int) -> dict[str, Any]:
+    n = 5001  # a slice tail: units on both paths
+    t = value(rank, n)
+    work = dist.all_reduce(t, async_op=True)
+    assert work is not None
+    waited = work.wait(timeout=timedelta(seconds=30))
+    work.synchronize()
+    work.block_current_stream()
+    future = work.get_future()
+    return {
+        "waited": waited,
+        "completed": work.is_completed(),
+        "success": work.is_success(),
+        "exception": work.exception(),
+        "future_done": future.done(),
+        "exact": torch.equal(t, expected_sum(world, n)),
+        "future_value_is_result": future.value()[0] is t or torch.equal(future.value()[0], t),
+    }
+
+
+def test_work_reports_like_process_group_nccls() -> None:
+    for r in run_ranks(work_semantics, 4, SHAPE, env=env(), timeout_s=120):
+        assert r == {
+            "waited": True,
+            "completed": True,
+            "success": True,
+            "exception": None,
+            "future_done": True,
+            "exact": True,
+            "future_value_is_result": True,
+        }, r
+
+
+# --------------------------------------------------------------- destroy after work
+
+
+def destroy_after_work(rank: int, world: int) -> dict[str, Any]:
+    group = dist.new_group(backend="fairring")
+    backend = group._get_backend(torch.device("cpu"))
+    n = 9000
+    tensors = [value(rank + i, n) for i in range(4)]
+    for t in tensors:
+        dist.all_reduce(t, group=group, async_op=True)
+    dist.destroy_process_group(group)
+    exact = [
+        torch.equal(t, sum(value(r + i, n) for r in range(world))) for i, t in enumerate(tensors)
+    ]
+    try:
+        backend.allreduce([value(rank, 10)])
+        after = "an allreduce after destroy was accepted"
+    except RuntimeError as exc:
+        after = str(exc)
+    # The default group (and so the job) carries on.
+    u = value(rank, 7)
+    dist.all_reduce(u)
+    return {"exact": exact, "after": after, "default_group": torch.equal(u, expected_sum(world, 7))}
+
+
+def test_destroy_keeps_results_and_refuses_later_work() -> None:
+    for r in run_ranks(destroy_after_work, 4, SHAPE, env=env(), timeout_s=120):
+        assert r["exact"] == [True] * 4, r
+        assert "after the process group was shut down" in r["after"], r
+        assert r["default_group"], r
