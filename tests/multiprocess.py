@@ -3,9 +3,9 @@
 A job is a function ``fn(rank, world_size, **kwargs)`` run on every rank after
 ``dist.init_process_group(backend, ...)`` (or, with ``init_group=False``, before any: fn
 or the framework it drives creates the group from the launch environment, as under
-torchrun). Each rank is a fresh ``python`` process
-(``subprocess`` with its own session, so a whole job can be SIGKILLed), given its own
-``FAIRRING_MACHINE_ID`` so that ranks with equal ids form one simulated machine.
+torchrun). Each rank is a fresh ``python`` process (``subprocess`` with its own session,
+so a whole job can be SIGKILLed), given its own ``FAIRRING_MACHINE_ID`` so that ranks
+with equal ids form one simulated machine.
 
 The rendezvous store is a ``TCPStore`` hosted by the parent (the test process), so it
 outlives any rank: a rank that dies never takes the store down with it, and there is
