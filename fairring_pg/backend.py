@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fairring_pg import future_callbacks
 from fairring_pg.config import Config
 from fairring_pg.cuda import cuda_delegate_kind, cuda_subgroup_kinds
 from fairring_pg.network import listen_address
@@ -46,6 +47,7 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
 
             ext = load_extension()
             factory, opts = ext.FairringBackend, ext.Options()
+            future_callbacks.install(ext)
         else:
             factory, opts = _core_factory, _PlainOptions()
 

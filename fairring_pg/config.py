@@ -31,7 +31,7 @@ DEFAULT_TOTAL_MEMORY = 50 * MIB
 MIN_SHARD_BYTES = 1 * MIB
 # The piece of a slice that the CPU pipeline moves through its five steps, so that the
 # reduce and diffuse of one piece overlap the collect of the next. Measured on 4x1 at
-# 1 Gbit/s (docs/design.md).
+# 1 Gbit/s (bench/results/HISTORY.md).
 DEFAULT_PIPELINE_CHUNK = 1 * MIB
 # Who runs the collectives other than allreduce on CUDA tensors (see fairring_pg/cuda.py).
 CUDA_DELEGATES = ("auto", "nccl", "gloo")

@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include "backend/fairring_backend.h"
+#include "backend/python_callback.h"
 #include "pipeline/allreduce_engine.h"
 #include "staging/staging_pool.h"
 #include "subgroups/subgroup_allreduce.h"
@@ -62,6 +63,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::call_guard<py::gil_scoped_release>(),
       "Stop every fairring engine of this process (run at interpreter exit), letting posted "
       "operations finish within `grace` first.");
+
+  // fairring_pg.future_callbacks calls these around every Python callback of a torch Future.
+  m.def("enter_future_callback", &fairring::enterPythonFutureCallback);
+  m.def("exit_future_callback", &fairring::exitPythonFutureCallback);
 
   // Same argument order as fairring_pg.config.staging_slot_bytes, which a test compares it with.
   m.def(

@@ -1,9 +1,11 @@
 """Multi-process test harness: one OS process per rank, simulated machines on one host.
 
 A job is a function ``fn(rank, world_size, **kwargs)`` run on every rank after
-``dist.init_process_group(backend, ...)``. Each rank is a fresh ``python`` process
-(``subprocess`` with its own session, so a whole job can be SIGKILLed), given its own
-``FAIRRING_MACHINE_ID`` so that ranks with equal ids form one simulated machine.
+``dist.init_process_group(backend, ...)`` (or, with ``init_group=False``, before any: fn
+or the framework it drives creates the group from the launch environment, as under
+torchrun). Each rank is a fresh ``python`` process (``subprocess`` with its own session,
+so a whole job can be SIGKILLed), given its own ``FAIRRING_MACHINE_ID`` so that ranks
+with equal ids form one simulated machine.
 
 The rendezvous store is a ``TCPStore`` hosted by the parent (the test process), so it
 outlives any rank: a rank that dies never takes the store down with it, and there is
@@ -86,6 +88,23 @@ def local_ranks(machine_ids: Sequence[str]) -> list[int]:
         out.append(seen.get(mid, 0))
         seen[mid] = out[-1] + 1
     return out
+
+
+def torchrun_agent_environment(rank: int, machine_ids: Sequence[str]) -> dict[str, str]:
+    """What torchrun adds to the launch variables: with these, ``init_process_group``
+    from the environment (``env://``, as frameworks call it) joins the parent's store as
+    a client (torchrun's agent store) instead of starting one on rank 0, and frameworks
+    that look for torchrun (Lightning) find it."""
+    machines = list(dict.fromkeys(machine_ids))
+    return {
+        "TORCHELASTIC_RUN_ID": "fairring-test",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "GROUP_RANK": str(machines.index(machine_ids[rank])),
+        "GROUP_WORLD_SIZE": str(len(machines)),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(len(machine_ids)),
+    }
 
 
 def rank_environment(
@@ -185,6 +204,7 @@ def launch(
     rank_env: Mapping[int, Mapping[str, str | int | None]] | None = None,
     abort_grace_s: float | None = 15.0,
     pg_timeout_s: float | None = None,
+    init_group: bool = True,
     **kwargs: Any,
 ) -> list[RankOutcome]:
     """Run ``fn(rank, world_size, **kwargs)`` on ``world_size`` fresh processes and
@@ -194,6 +214,10 @@ def launch(
     environment for single ranks, applied after env. abort_grace_s: once a rank has
     failed, how long the others may still run (None: until the deadline).
     pg_timeout_s: the process group's own timeout (default: timeout_s).
+    init_group=False: the ranks start without a process group, with torchrun's
+    variables (``torchrun_agent_environment``), so that fn, or the framework it runs,
+    creates it (``backend`` then only says whether to build fairring first); a group
+    left at the end is destroyed.
     """
     import torch.distributed as dist  # the parent only hosts the store
 
@@ -232,14 +256,16 @@ def launch(
             "world_size": world_size,
             "store_port": store.port,
             "pg_timeout_s": pg_timeout_s,
+            "init_group": init_group,
             "sys_path": list(sys.path),
         }
         (job_dir / "spec.pkl").write_bytes(pickle.dumps(spec))
         procs: list[subprocess.Popen[bytes]] = []
         try:
             for rank in range(world_size):
+                agent = {} if init_group else torchrun_agent_environment(rank, machine_ids)
                 child_env = rank_environment(
-                    rank, machine_ids, store.port, env, (rank_env or {}).get(rank, {})
+                    rank, machine_ids, store.port, agent, env, (rank_env or {}).get(rank, {})
                 )
                 procs.append(spawn_rank(__file__, job_dir, rank, child_env))
             killed = _supervise(procs, job_dir, timeout_s, abort_grace_s)
@@ -575,15 +601,16 @@ def _child_main(job_dir: Path, rank: int) -> int:
         fn = pickle.loads(spec["fn"])
         kwargs = pickle.loads(spec["kwargs"])
         phase("init")
-        timeout = timedelta(seconds=spec["pg_timeout_s"])
-        store = dist.TCPStore("127.0.0.1", spec["store_port"], is_master=False, timeout=timeout)
-        dist.init_process_group(
-            spec["backend"],
-            store=store,
-            rank=rank,
-            world_size=spec["world_size"],
-            timeout=timeout,
-        )
+        if spec["init_group"]:
+            timeout = timedelta(seconds=spec["pg_timeout_s"])
+            store = dist.TCPStore("127.0.0.1", spec["store_port"], is_master=False, timeout=timeout)
+            dist.init_process_group(
+                spec["backend"],
+                store=store,
+                rank=rank,
+                world_size=spec["world_size"],
+                timeout=timeout,
+            )
         phase("fn")
         value = fn(rank, spec["world_size"], **kwargs)
         payload = pickle.dumps(("ok", value))
@@ -600,7 +627,8 @@ def _child_main(job_dir: Path, rank: int) -> int:
         return 1
     _write_atomic(result_path, payload)
     phase("destroy")
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     phase("exit")
     return 0
 

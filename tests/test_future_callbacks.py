@@ -1,0 +1,93 @@
+"""fairring_pg.future_callbacks: the mark that tells an allreduce it is issued from a
+torch Future's callback, whichever thread runs it (docs/design.md, "Completion order and
+comm hooks"). tests/test_completion.py covers ``then()``; this covers
+``add_done_callback()`` run inline on some ranks and on completion threads on others,
+and that the wrapped callbacks behave as torch's own."""
+
+from __future__ import annotations
+
+import threading
+import time
+from functools import cache
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from multiprocess import DEFAULT_BACKEND, run_ranks
+
+MACHINES = ["m0", "m0", "m1"]
+COUNT = 12
+
+
+def done_callbacks(rank: int, world: int) -> dict[str, Any]:
+    """Each allreduce gets an add_done_callback that issues an allreduce of its own. On
+    every other rank (alternating per allreduce) the future is waited for first, so the
+    callback runs inline on the main thread; elsewhere it runs on a completion thread.
+    The callbacks' allreduces must still pair up across ranks."""
+    got: dict[int, tuple[float, float, str]] = {}
+    lock = threading.Lock()
+    for i in range(COUNT):
+        size = 1 + 1000 * (i % 3)  # sizes differ, so that mispaired allreduces fail
+        fut = dist.all_reduce(torch.full((size,), float(rank + i)), async_op=True).get_future()
+        if (rank + i) % 2 == 0:
+            fut.wait()  # complete before add_done_callback: the callback runs here
+
+        def callback(f: torch.futures.Future, i: int = i) -> None:
+            x = torch.full((i + 1,), float(10 * (rank + 1)))
+            dist.all_reduce(x)
+            with lock:
+                got[i] = (f.value()[0][0].item(), x[0].item(), threading.current_thread().name)
+
+        fut.add_done_callback(callback)
+    deadline = time.monotonic() + 60
+    while len(got) < COUNT and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+    # The wrapped then() hands back what the callback returns, and its errors.
+    base = dist.all_reduce(torch.ones(3), async_op=True).get_future()
+    doubled = base.then(lambda f: f.value()[0] * 2).wait()
+
+    def boom(f: torch.futures.Future) -> None:
+        raise ValueError("raised in the callback")
+
+    try:
+        base.then(boom).wait()
+        raised = ""
+    except Exception as exc:  # noqa: BLE001 - its message is checked
+        raised = str(exc)
+    try:
+        base.then(42)  # type: ignore[arg-type]
+        refused = ""
+    except TypeError as exc:
+        refused = str(exc)
+    return {
+        "got": got,
+        "main": threading.main_thread().name,
+        "doubled": doubled.tolist(),
+        "raised": raised,
+        "refused": refused,
+    }
+
+
+@cache
+def _results() -> list[dict[str, Any]]:
+    return run_ranks(done_callbacks, len(MACHINES), MACHINES, DEFAULT_BACKEND, timeout_s=120)
+
+
+def test_done_callbacks_issue_allreduces_that_pair_up_inline_or_not() -> None:
+    world = len(MACHINES)
+    for rank, r in enumerate(_results()):
+        assert sorted(r["got"]) == list(range(COUNT)), f"rank {rank}: callbacks {sorted(r['got'])}"
+        for i, (value, issued, thread) in r["got"].items():
+            assert value == sum(q + i for q in range(world)), f"rank {rank}, allreduce {i}"
+            assert issued == sum(10 * (q + 1) for q in range(world)), f"rank {rank}, callback {i}"
+            if (rank + i) % 2 == 0:
+                assert thread == r["main"], f"rank {rank}: callback {i} ran on {thread}"
+
+
+def test_wrapped_callbacks_behave_as_torchs_own() -> None:
+    world = len(MACHINES)
+    for rank, r in enumerate(_results()):
+        assert r["doubled"] == [2.0 * world] * 3, f"rank {rank}"
+        assert "raised in the callback" in r["raised"], f"rank {rank}: {r['raised']!r}"
+        assert r["refused"], f"rank {rank}: then(42) was accepted"
