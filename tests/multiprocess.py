@@ -577,6 +577,14 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _start_together(store: Any, world_size: int) -> None:
+    """Wait until every rank has imported torch (seconds apart on a loaded machine), so
+    that a short group timeout bounds what the test is about, not the start-up."""
+    if store.add("fairring_test/started", 1) == world_size:
+        store.set("fairring_test/go", b"1")
+    store.wait(["fairring_test/go"])
+
+
 def _child_main(job_dir: Path, rank: int) -> int:
     import faulthandler
 
@@ -603,7 +611,11 @@ def _child_main(job_dir: Path, rank: int) -> int:
         phase("init")
         if spec["init_group"]:
             timeout = timedelta(seconds=spec["pg_timeout_s"])
-            store = dist.TCPStore("127.0.0.1", spec["store_port"], is_master=False, timeout=timeout)
+            store = dist.TCPStore(
+                "127.0.0.1", spec["store_port"], is_master=False, timeout=timedelta(seconds=600)
+            )
+            _start_together(store, spec["world_size"])
+            store.set_timeout(timeout)
             dist.init_process_group(
                 spec["backend"],
                 store=store,

@@ -15,6 +15,7 @@ issue, while the allreduce is in flight, as DDP does.
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import threading
 import time
@@ -31,12 +32,16 @@ ENV = fairring_env(total_memory=256 * 1024, slice_size=32 * 1024, FAIRRING_SLICE
 SIZES = (1, 7, 1000, 30_000, 200_000)
 ROUNDS = 3  # each case repeats with fresh random timing
 CALLBACK_THREAD = "fairring-cb"
+# The random delays derive from this seed (FAIRRING_TEST_SEED replays a failed run);
+# every error a case reports names it.
+SEED = int(os.environ.get("FAIRRING_TEST_SEED") or random.SystemRandom().randrange(1 << 32))
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
     id: str
     count: int = 16
+    seed: int = SEED
 
 
 def _thread_name() -> str:
@@ -48,19 +53,28 @@ def _rank_sum(world: int, value: Callable[[int], float]) -> float:
     return float(sum(value(r) for r in range(world)))
 
 
-def _delays(case: str, rank: int, n: int, most_s: float) -> list[float]:
-    """Per-rank random pauses: different on every rank and in every run."""
-    rng = random.Random(f"{case}/{rank}/{time.time_ns()}")
+def _delays(case: Case, what: str, rank: int, n: int, most_s: float) -> list[float]:
+    """Per-rank random pauses: different on every rank, in every round and (with a
+    fresh seed) in every run; the same again for the same seed."""
+    rng = random.Random(f"{case.seed}/{case.id}/{what}/{rank}/{_round.index}")
     return [rng.random() * most_s for _ in range(n)]
+
+
+class _Round(threading.local):
+    index = 0
+
+
+_round = _Round()
 
 
 def _rounds(
     one: Callable[[int, int, Case], str | None], rank: int, world: int, case: Case
 ) -> str | None:
     """ROUNDS runs of a check, each with fresh random timing; the first error."""
-    for _ in range(ROUNDS):
+    for index in range(ROUNDS):
+        _round.index = index
         if err := one(rank, world, case):
-            return err
+            return f"{err} (round {index}; FAIRRING_TEST_SEED={case.seed} replays the delays)"
     return None
 
 
@@ -73,8 +87,8 @@ def _expect(what: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
 def _in_order_round(rank: int, world: int, case: Case) -> str | None:
     """Callbacks of concurrent allreduces run in issue order, on completion threads."""
     sizes = [random.Random(f"{case.id}/{i}").choice(SIZES) for i in range(case.count)]
-    issue_pause = _delays(case.id, rank, case.count, 0.004)
-    callback_pause = _delays(case.id + "cb", rank, case.count, 0.004)
+    issue_pause = _delays(case, "issue", rank, case.count, 0.004)
+    callback_pause = _delays(case, "callback", rank, case.count, 0.004)
     ran: list[tuple[int, str]] = []
 
     def make_callback(i: int) -> Callable[[torch.futures.Future], torch.Tensor]:
@@ -100,7 +114,13 @@ def _in_order_round(rank: int, world: int, case: Case) -> str | None:
     # others ran on completion threads, in issue order.
     inline = threading.main_thread().native_id
     order = [i for i, name in ran if name != inline]
-    if order != sorted(order) or len(order) + sum(name == inline for _, name in ran) != case.count:
+    if len(ran) != case.count:
+        return f"{len(ran)} of {case.count} callbacks ran"
+    # Inline runs are the exception: a core that ran every callback inline (or most)
+    # would leave nothing here to check the order of.
+    if len(order) < case.count // 2:
+        return f"only {len(order)} of {case.count} callbacks ran on completion threads"
+    if order != sorted(order):
         return f"callbacks ran in the order {order}"
     threads = {name for _, name in ran if name != inline}
     if threads - {CALLBACK_THREAD}:
@@ -113,8 +133,8 @@ def _issuing_round(rank: int, world: int, case: Case) -> str | None:
     callback of its own, a collective delegated to Gloo) issue them in the same order
     on every rank, with exact results."""
     sizes = [random.Random(f"{case.id}/{i}").choice(SIZES) for i in range(case.count)]
-    issue_pause = _delays(case.id, rank, case.count, 0.003)
-    callback_pause = _delays(case.id + "cb", rank, case.count, 0.003)
+    issue_pause = _delays(case, "issue", rank, case.count, 0.003)
+    callback_pause = _delays(case, "callback", rank, case.count, 0.003)
     errors: list[str] = []
 
     def make_callback(i: int) -> Callable[[torch.futures.Future], torch.Tensor]:
@@ -166,7 +186,7 @@ def _inline_round(rank: int, world: int, case: Case) -> str | None:
     attach at once: the allreduces the callbacks issue still pair up across ranks, in
     issue order, behind slow callbacks of earlier allreduces still running on workers."""
     sizes = [random.Random(f"{case.id}/{i}").choice(SIZES) for i in range(case.count)]
-    callback_pause = _delays(case.id + "cb", rank, case.count, 0.004)
+    callback_pause = _delays(case, "callback", rank, case.count, 0.004)
     ran: list[tuple[int, str]] = []
 
     def make_callback(i: int) -> Callable[[torch.futures.Future], torch.Tensor]:
@@ -202,7 +222,7 @@ def _blocking_round(rank: int, world: int, case: Case) -> str | None:
     works: dict[str, dist.Work] = {}
     issued = threading.Event()
     order: list[str] = []
-    pause = _delays(case.id, rank, 2, 0.01)
+    pause = _delays(case, "issue", rank, 2, 0.01)
 
     def blocked(fut: torch.futures.Future) -> torch.Tensor:
         order.append("a")
@@ -282,7 +302,15 @@ def run_case(rank: int, world: int, case: Case) -> str | None:
     return _rounds(RUNNERS[case.id], rank, world, case)
 
 
-JOB = CaseJob("completion", run_case, CASES, MACHINES, BACKEND, env=ENV, timeout_s=240)
+JOB = CaseJob(
+    f"completion (FAIRRING_TEST_SEED={SEED})",
+    run_case,
+    CASES,
+    MACHINES,
+    BACKEND,
+    env=ENV,
+    timeout_s=240,
+)
 
 
 def test_callbacks_run_in_issue_order_on_completion_threads() -> None:

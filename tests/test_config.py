@@ -236,6 +236,12 @@ def test_consistent_across_ranks() -> None:
         ("total_memory", 8 * MIB, "FAIRRING_TOTAL_MEMORY", str(8 * MIB)),
         ("slice_scaling", False, "FAIRRING_SLICE_SCALING", "'off'"),
         ("pipeline_chunk", 64 * KIB, "FAIRRING_PIPELINE_CHUNK", str(64 * KIB)),
+        ("lanes", 3, "FAIRRING_LANES", "3"),
+        # Ranks that disagree on these take different paths (direct or five steps, the
+        # sub-group path or not, local Gloo or not) and pair mismatched collectives.
+        ("direct_below", 0, "FAIRRING_DIRECT_BELOW", "0"),
+        ("test_cpu_subgroups", True, "FAIRRING_TEST_CPU_SUBGROUPS", "'on'"),
+        ("test_local_gloo", True, "FAIRRING_TEST_LOCAL_GLOO", "'on'"),
     ],
 )
 def test_mismatch_across_ranks(field: str, value: Any, var: str, shown: str) -> None:

@@ -6,10 +6,11 @@ chains two more allreduces inside ``.then()``, ``static_graph``,
 ``gradient_as_bucket_view``, ``no_sync()``), each rank on its own data, with SGD and
 buckets of a few KB, so that every step has several buckets of different sizes in
 flight. fairring runs the hooks as they are: their callbacks issue collectives while
-the next buckets' allreduces are still in flight. The Gloo reference waits for each
-hook's future inside the hook, so its callbacks never race the next bucket's
-allreduce (Gloo issues in arrival order, and that race can pair different operations
-across ranks); the operations and their order per bucket are the same.
+the next buckets' allreduces are still in flight. In the Gloo reference every
+allreduce completes before it returns (reference.inline_collectives), so its
+callbacks run inline, in program order, never on Gloo's threads (where they could
+race the next bucket's allreduce and pair different operations across ranks, or
+outlive the interpreter); the operations and their order per bucket are the same.
 """
 
 # No `from __future__ import annotations` here: DDP checks a hook's annotations at
@@ -96,18 +97,7 @@ def _raising_hook(_state: object, bucket: dist.GradBucket) -> torch.futures.Futu
     return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(fail)
 
 
-def _waited(hook: Callable[..., torch.futures.Future]) -> Callable[..., torch.futures.Future]:
-    """The reference's form of a hook: done before the next bucket is issued."""
-
-    def run(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        done.set_result(hook(state, bucket).wait())
-        return done
-
-    return run
-
-
-def _register(ddp: DDP, name: str | None, reference: bool) -> None:
+def _register(ddp: DDP, name: str | None) -> None:
     if name is None:
         return
     state: object = None
@@ -130,10 +120,10 @@ def _register(ddp: DDP, name: str | None, reference: bool) -> None:
         hook = _raising_hook
     else:
         raise ValueError(name)
-    ddp.register_comm_hook(state, _waited(hook) if reference else hook)
+    ddp.register_comm_hook(state, hook)
 
 
-def _train(rank: int, config: dict[str, Any], reference: bool) -> dict[str, Any]:
+def _train(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(0)
     model = _model()
     ddp = DDP(
@@ -142,7 +132,7 @@ def _train(rank: int, config: dict[str, Any], reference: bool) -> dict[str, Any]
         static_graph=config.get("static_graph", False),
         gradient_as_bucket_view=config.get("gradient_as_bucket_view", False),
     )
-    _register(ddp, config.get("hook"), reference)
+    _register(ddp, config.get("hook"))
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
@@ -167,7 +157,7 @@ def _train(rank: int, config: dict[str, Any], reference: bool) -> dict[str, Any]
 
 def _raising(rank: int) -> str:
     ddp = DDP(_model(), bucket_cap_mb=BUCKET_CAP_MB)
-    _register(ddp, "raising", reference=False)
+    _register(ddp, "raising")
     loss = ddp(torch.randn(4, 24)).sum()
     try:
         loss.backward()
@@ -177,7 +167,12 @@ def _raising(rank: int) -> str:
 
 
 def train_all(rank: int, world: int, reference: bool) -> dict[str, Any]:
-    out: dict[str, Any] = {name: _train(rank, cfg, reference) for name, cfg in CONFIGS.items()}
+    if reference:
+        # Gloo's callbacks would run on its threads (reference.py says why not).
+        from reference import inline_collectives
+
+        inline_collectives()
+    out: dict[str, Any] = {name: _train(rank, cfg) for name, cfg in CONFIGS.items()}
     out["raising"] = _raising(rank)
     dist.barrier()
     return out
