@@ -8,6 +8,7 @@
 #include "backend/fairring_backend.h"
 #include "backend/python_callback.h"
 #include "pipeline/allreduce_engine.h"
+#include "pipeline/slice_plan.h"
 #include "staging/staging_pool.h"
 #include "subgroups/subgroup_allreduce.h"
 #include "subgroups/unit_plan.h"
@@ -84,4 +85,55 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("slice_size"), py::arg("num_machines"), py::arg("local_size"),
       "Bytes of one lane's staging in the sub-group path (must equal fairring_pg.config's formula).");
+
+  // The two plans, laid out for tests (tests/test_plans.py) that check them over many shapes.
+  m.def(
+      "slice_plan",
+      [](int64_t numel, int64_t sliceElems, int64_t chunkElems, int localSize, int numMachines) {
+        const fairring::SlicePlan plan(numel, sliceElems, chunkElems, localSize, numMachines);
+        py::list slices;
+        for (int64_t s = 0; s < plan.numSlices(); ++s) {
+          py::list segments;
+          for (int g = 0; g < plan.numSegments(s); ++g) {
+            py::list chunks;
+            for (int l = 0; l < localSize; ++l) {
+              py::list shards;
+              for (int m = 0; m < numMachines; ++m) {
+                const fairring::Range r = plan.shard(s, g, l, m);
+                shards.append(py::make_tuple(r.begin, r.end));
+              }
+              const fairring::Range c = plan.chunk(s, g, l);
+              chunks.append(py::make_tuple(c.begin, c.end, shards));
+            }
+            const fairring::Range seg = plan.segment(s, g);
+            segments.append(
+                py::make_tuple(seg.begin, seg.end, plan.chunkOffset(g), plan.shardOffset(g), chunks));
+          }
+          const fairring::Range sl = plan.slice(s);
+          slices.append(py::make_tuple(sl.begin, sl.end, segments));
+        }
+        return py::dict(
+            py::arg("slices") = slices, py::arg("segment_elems") = plan.segmentElems(),
+            py::arg("max_chunk_elems") = plan.maxChunkElems(),
+            py::arg("max_shard_elems") = plan.maxShardElems());
+      },
+      py::arg("numel"), py::arg("slice_elems"), py::arg("chunk_elems"), py::arg("local_size"),
+      py::arg("num_machines"),
+      "SlicePlan laid out: slices of (begin, end, segments); segments of (begin, end, chunk "
+      "offset, shard offset, chunks); chunks of (begin, end, shards); shards of (begin, end).");
+
+  m.def(
+      "plan_units",
+      [](int64_t numel, size_t elemSize, size_t sliceBytes, int localSize, int numMachines,
+         size_t directBelowBytes) {
+        py::list units;
+        for (const auto& u :
+             fairring::planUnits(numel, elemSize, sliceBytes, localSize, numMachines, directBelowBytes)) {
+          units.append(py::make_tuple(u.begin, u.size, u.direct));
+        }
+        return units;
+      },
+      py::arg("numel"), py::arg("elem_size"), py::arg("slice_bytes"), py::arg("local_size"),
+      py::arg("num_machines"), py::arg("direct_below"),
+      "planUnits as a list of (begin, size, direct).");
 }

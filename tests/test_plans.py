@@ -1,0 +1,108 @@
+"""The two plans that cut an allreduce, checked directly over many shapes (L local ranks,
+M machines): SlicePlan (src/pipeline/slice_plan.h, the CPU pipeline) and planUnits
+(src/subgroups/unit_plan.h, the sub-group path). Every element must be covered exactly
+once, each piece must go to the local rank (chunk l) and the machine (shard m) its index
+names, and the staging offsets must put each segment's pieces where the segments before
+it end. The bindings (core.slice_plan, core.plan_units) only lay the plans out."""
+
+from __future__ import annotations
+
+import itertools
+from functools import cache
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+SHAPES = [(L, M) for L in (1, 2, 3, 4, 8) for M in (1, 2, 3, 5)]
+SIZES = (0, 1, 2, 5, 7, 12, 59, 60, 61, 997, 1024, 4099)
+
+
+@cache
+def _core() -> ModuleType:
+    from fairring_pg._build import load_extension
+
+    return load_extension()
+
+
+def _balanced(begin: int, end: int, n: int) -> list[tuple[int, int]]:
+    """Piece i of [begin, end) cut into n pieces whose sizes differ by at most one."""
+    size = end - begin
+    return [(begin + size * i // n, begin + size * (i + 1) // n) for i in range(n)]
+
+
+def _check_slice_plan(numel: int, slice_elems: int, chunk_elems: int, L: int, M: int) -> None:
+    plan: dict[str, Any] = _core().slice_plan(numel, slice_elems, chunk_elems, L, M)
+    what = f"numel={numel} slice={slice_elems} chunk={chunk_elems} L={L} M={M}"
+    seg_elems = plan["segment_elems"]
+    if M > 1 and seg_elems < slice_elems:
+        assert seg_elems % (L * M) == 0, what
+    covered = [0] * numel
+    expected_slices = max(1, -(-numel // slice_elems)) if numel else 0
+    assert len(plan["slices"]) == expected_slices, what
+    for s, (begin, end, segments) in enumerate(plan["slices"]):
+        assert (begin, end) == (s * slice_elems, min(numel, (s + 1) * slice_elems)), what
+        at = begin
+        chunk_at, shard_at = 0, 0  # where this segment's pieces start in the staging
+        for g, (sb, se, chunk_offset, shard_offset, chunks) in enumerate(segments):
+            assert sb == at and se <= end and (se - sb <= seg_elems), (what, s, g)
+            at = se
+            assert chunk_offset == chunk_at, f"{what}: segment {g} chunk offset"
+            assert shard_offset == shard_at, f"{what}: segment {g} shard offset"
+            assert len(chunks) == L, what
+            for local, (cb, ce, shards) in enumerate(chunks):
+                # Chunk l goes to local rank l: the l-th of L balanced pieces.
+                assert (cb, ce) == _balanced(sb, se, L)[local], (what, s, g, local)
+                assert chunk_offset + (ce - cb) <= plan["max_chunk_elems"], (what, s, g, local)
+                assert len(shards) == M, what
+                for m, (hb, he) in enumerate(shards):
+                    # Shard m goes to machine m: the m-th of M balanced pieces.
+                    assert (hb, he) == _balanced(cb, ce, M)[m], (what, s, g, local, m)
+                    assert shard_offset + (he - hb) <= plan["max_shard_elems"], what
+                    for i in range(hb, he):
+                        covered[i] += 1
+            # Every chunk (shard) of a segment but the last is the same size.
+            chunk_at += chunks[0][1] - chunks[0][0]
+            shard_at += chunks[0][2][0][1] - chunks[0][2][0][0]
+        assert at == end, what
+    assert covered == [1] * numel, f"{what}: elements not covered exactly once"
+
+
+@pytest.mark.parametrize(("L", "M"), SHAPES, ids=[f"{L}x{M}" for L, M in SHAPES])
+def test_slice_plan_covers_every_element_once(L: int, M: int) -> None:
+    unit = L * M
+    for numel, slice_units, chunk in itertools.product(SIZES, (1, 3, 16), (1, 4, 7, 64)):
+        # Slices are whole multiples of 8*L*M bytes (fairring_pg.config): here of L*M.
+        _check_slice_plan(numel, slice_units * unit, chunk, L, M)
+
+
+def _check_units(
+    numel: int, elem: int, slice_bytes: int, L: int, M: int, direct_below: int
+) -> None:
+    units = _core().plan_units(numel, elem, slice_bytes, L, M, direct_below)
+    what = f"numel={numel} elem={elem} slice={slice_bytes} L={L} M={M} direct<{direct_below}"
+    if numel == 0 or L * M == 1:
+        assert units == [], what
+        return
+    if M == 1 or numel * elem < direct_below or numel < L * M:
+        assert units == [(0, numel, True)], what
+        return
+    at = 0
+    for i, (begin, size, direct) in enumerate(units):
+        assert begin == at and size > 0, (what, i)
+        at += size
+        if direct:
+            # Only the tail, fewer than L*M elements, skips the five steps.
+            assert i == len(units) - 1 and size < L * M, (what, i)
+        else:
+            assert size % (L * M) == 0 and size * elem <= slice_bytes, (what, i)
+    assert at == numel, f"{what}: units cover {at} of {numel} elements"
+    assert units[-1][2] == (numel % (L * M) != 0), f"{what}: the tail"
+
+
+@pytest.mark.parametrize(("L", "M"), SHAPES, ids=[f"{L}x{M}" for L, M in SHAPES])
+def test_plan_units_cover_every_element_once(L: int, M: int) -> None:
+    for numel, elem, slices, direct_below in itertools.product(
+        SIZES + (20_003,), (1, 2, 4, 8), (1, 4), (0, 64, 4096)
+    ):
+        _check_units(numel, elem, slices * 8 * L * M, L, M, direct_below)
