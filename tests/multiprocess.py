@@ -45,6 +45,8 @@ SHAPES: dict[str, list[str]] = {
     "2x2": ["m0", "m0", "m1", "m1"],
     "3x1": ["m0", "m1", "m2"],
     "1x3": ["m0", "m0", "m0"],
+    # L = 3 local ranks on M = 2 machines: L != M, both above one.
+    "2x3": ["m0", "m0", "m0", "m1", "m1", "m1"],
     # Ranks of a machine are not contiguous: rank r is on machine r % 2.
     "interleaved": ["m0", "m1", "m0", "m1"],
 }

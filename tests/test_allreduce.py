@@ -16,6 +16,8 @@ default (one chunk per slice there).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import itertools
 import warnings
 import zlib
 from collections.abc import Callable
@@ -23,7 +25,9 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import DEFAULT_BACKEND, SHAPES, CaseJob, fairring_env
+from multiprocess import DEFAULT_BACKEND, SHAPES, CaseJob, fairring_env, run_ranks
+from values import FLOAT_DTYPES, INT_DTYPES, compare, reference
+from values import make_values as _make_values
 
 BACKEND = DEFAULT_BACKEND
 SLICE_SIZE = 4 * 1024
@@ -40,8 +44,6 @@ SCALED_ENV = fairring_env(total_memory=TOTAL_MEMORY, slice_size=SLICE_SIZE)
 JOB_TIMEOUT_S = 300
 
 OPS = ("SUM", "AVG", "MIN", "MAX", "PRODUCT")
-FLOAT_DTYPES = ("float32", "float64", "float16", "bfloat16")
-INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8")
 DTYPES = FLOAT_DTYPES + INT_DTYPES + ("bool",)
 # Empty, one element, fewer elements than ranks, not divisible by M*L, many slices.
 SIZES = (0, 1, 2, 7, 1001, 10_000)
@@ -64,12 +66,33 @@ class Case:
     op: str = "SUM"
     dtype: str = "float32"
     numel: int = 7
+    values: str = "small"  # tests/values.py: small, wide or limits
+
+
+def wide_cases(dtypes: tuple[str, ...] = FLOAT_DTYPES + INT_DTYPES) -> list[Case]:
+    """Values that see width and precision, on 10,000 elements (many slices of every
+    dtype); integers also at the ends of their range, wrapping around."""
+    cases = []
+    for dtype in dtypes:
+        ops = OPS if dtype in FLOAT_DTYPES else tuple(o for o in OPS if o != "AVG")
+        kinds = ("wide",) if dtype in FLOAT_DTYPES else ("wide", "limits")
+        for op, kind in itertools.product(ops, kinds):
+            cases.append(Case(f"{kind}-{op}-{dtype}-n10000", "plain", op, dtype, 10_000, kind))
+    return cases
 
 
 def build_cases(shape: str) -> list[Case]:
     """The case list of one job. Cases that must raise come last, followed by one
     allreduce that checks the process group still works after them."""
     cases: list[Case] = []
+    if shape == "2x3":
+        # L != M: every op and a few dtypes through the plans, small and wide values.
+        for op, dtype, n in itertools.product(OPS, ("float32", "bfloat16", "int16"), (7, 1001)):
+            if not (op == "AVG" and dtype not in FLOAT_DTYPES):
+                cases.append(Case(f"{op}-{dtype}-n{n}", "plain", op, dtype, n))
+        cases += wide_cases(("float64", "float16", "int16", "int64"))
+        cases.append(Case("big-SUM-float32-n300000", "plain", "SUM", "float32", 300_000))
+        return cases
     if shape == "interleaved":
         combos = [
             (op, dtype, n)
@@ -97,6 +120,8 @@ def build_cases(shape: str) -> list[Case]:
             cases.append(Case(f"{kind}-{op}-{dtype}", kind, op, dtype, 0))
     for op, dtype, n in big:
         cases.append(Case(f"big-{op}-{dtype}-n{n}", "plain", op, dtype, n))
+    if shape != "interleaved":
+        cases += wide_cases()
     cases += [
         Case("async-SUM-float32", "async", "SUM", "float32", 1001),
         Case("async-MAX-int64", "async", "MAX", "int64", 10_000),
@@ -132,60 +157,19 @@ def _dtype(name: str) -> torch.dtype:
 def make_values(
     rank: int, case_id: str, op: str, dtype: str, numel: int, world: int
 ) -> torch.Tensor:
-    """Deterministic small integer values (int64) for one rank's input."""
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{case_id}/{rank}".encode()))
-    if dtype == "bool":
-        return torch.randint(0, 2, (numel,), generator=gen)
-    unsigned = dtype == "uint8"
-    if op == "SUM":
-        lo, hi = (0, 8) if unsigned else (-8, 8)
-        return torch.randint(lo, hi + 1, (numel,), generator=gen)
-    if op == "AVG":
-        # Multiples of the world size: the average is an integer, whatever the order
-        # of division and summation, so it is exact in every float dtype.
-        return world * torch.randint(-8, 9, (numel,), generator=gen)
-    if op in ("MIN", "MAX"):
-        lo, hi = (0, 200) if unsigned else (-100, 100)
-        return torch.randint(lo, hi + 1, (numel,), generator=gen)
-    if op == "PRODUCT":
-        choices = torch.tensor([1, 2] if unsigned else [1, 2, -1, 1])
-        return choices[torch.randint(0, len(choices), (numel,), generator=gen)]
-    raise ValueError(op)
+    """Deterministic small integer values for one rank's input (tests/values.py)."""
+    return _make_values(case_id, rank, op, dtype, numel, world).to(torch.int64)
 
 
 def make_input(rank: int, case: Case, numel: int, world: int) -> torch.Tensor:
-    values = make_values(rank, case.id, case.op, case.dtype, numel, world)
-    return values.to(_dtype(case.dtype))
+    return _make_values(case.id, rank, case.op, case.dtype, numel, world, case.values)
 
 
 def reduce_exact(inputs: list[torch.Tensor], op: str, dtype: str) -> torch.Tensor:
-    """The exact reduction of the ranks' inputs, computed wide and cast back."""
-    if dtype == "bool":
-        stacked = torch.stack(inputs)
-        if op in ("SUM", "MAX"):
-            return stacked.any(dim=0)
-        if op in ("MIN", "PRODUCT"):
-            return stacked.all(dim=0)
-        raise ValueError(f"no bool reference for {op}")
-    is_float = dtype in FLOAT_DTYPES
-    wide = torch.stack([t.to(torch.float64 if is_float else torch.int64) for t in inputs])
-    if op == "SUM":
-        out = wide.sum(dim=0)
-    elif op == "AVG":
-        out = wide.sum(dim=0) / len(inputs)
-    elif op == "MIN":
-        out = wide.amin(dim=0)
-    elif op == "MAX":
-        out = wide.amax(dim=0)
-    elif op == "PRODUCT":
-        out = wide.prod(dim=0)
-    else:
-        raise ValueError(op)
-    if not is_float and out.numel():
-        info = torch.iinfo(_dtype(dtype))
-        # A self-check of the test data: the reference must not overflow.
-        assert info.min <= int(out.min()) and int(out.max()) <= info.max, (op, dtype)
-    return out.to(_dtype(dtype))
+    """The exact reduction of small-integer inputs (tests/values.py's reference)."""
+    expected, tolerance = reference(inputs, op, dtype)
+    assert tolerance is None or not bool(tolerance.any()), "not exact: use values.reference"
+    return expected
 
 
 def _view_of(
@@ -253,11 +237,13 @@ def run_case(rank: int, world: int, case: Case) -> str | None:
         base = bases[rank].clone(memory_format=torch.preserve_format)
         view = view_of(base)
         dist.all_reduce(view, op=_op(case.op))
+        expected, tolerance = reference([view_of(b) for b in bases], case.op, case.dtype)
+        if err := compare(view, expected, tolerance, "result"):
+            return err
+        # Elements outside the view must not change.
         expected_base = bases[rank].clone(memory_format=torch.preserve_format)
-        view_of(expected_base).copy_(reduce_exact([view_of(b) for b in bases], case.op, case.dtype))
-        return _compare(view, view_of(expected_base), "result") or _compare(
-            base, expected_base, "base tensor (elements outside the view must not change)"
-        )
+        view_of(expected_base).copy_(view)
+        return _compare(base, expected_base, "base tensor (elements outside the view)")
 
     if case.kind in ("async", "future_then"):
         inputs = [make_input(r, case, case.numel, world) for r in range(world)]
@@ -371,7 +357,7 @@ def run_case(rank: int, world: int, case: Case) -> str | None:
 
 # ----------------------------------------------------------------- the pytest side
 
-JOB_SHAPES = ("2x2", "3x1", "1x3", "interleaved")
+JOB_SHAPES = ("2x2", "3x1", "1x3", "interleaved", "2x3")
 JOBS = {
     shape: CaseJob(
         f"allreduce {shape}",
@@ -392,3 +378,38 @@ JOBS = {
 )
 def test_allreduce(shape: str, case_id: str) -> None:
     JOBS[shape].check(case_id)
+
+
+# ----------------------------------------------------------------- the same bits every run
+
+
+def reduced_bits(rank: int, world: int) -> list[str]:
+    """Digests of non-integer float allreduces (where the order of summation shows in
+    the last bits), each reduced twice in this job."""
+    digests = []
+    for dtype, op in itertools.product(FLOAT_DTYPES, ("SUM", "AVG", "PRODUCT")):
+        inputs = [
+            _make_values(f"bits-{op}-{dtype}", r, op, dtype, 20_000, world, "wide")
+            for r in range(world)
+        ]
+        for _ in range(2):
+            tensor = inputs[rank].clone()
+            dist.all_reduce(tensor, op=_op(op))
+            raw = tensor.view(torch.uint8).numpy().tobytes()
+            digests.append(f"{op}-{dtype}:{hashlib.sha256(raw).hexdigest()[:16]}")
+    return digests
+
+
+def test_same_bits_on_every_rank_and_in_every_run() -> None:
+    """README: every rank gets the same bits, and so does every run. Two jobs, each
+    reducing the same non-integer inputs twice: all digests of a case are equal."""
+    shape = SHAPES["2x2"]
+    runs = [
+        run_ranks(reduced_bits, len(shape), shape, BACKEND, JOB_ENV, timeout_s=JOB_TIMEOUT_S)
+        for _ in range(2)
+    ]
+    first = runs[0][0]
+    for job, per_rank in enumerate(runs):
+        for rank, digests in enumerate(per_rank):
+            assert digests[0::2] == digests[1::2], f"job {job} rank {rank}: twice in one job"
+            assert digests == first, f"job {job} rank {rank} differs from job 0 rank 0"

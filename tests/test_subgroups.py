@@ -60,7 +60,7 @@ def subgroup_env(**extra: str | int | None) -> dict[str, str | None]:
 
 # --------------------------------------------------------------- exact results, all cases
 
-JOB_SHAPES = ("2x2", "3x1", "1x3")
+JOB_SHAPES = ("2x2", "3x1", "1x3", "2x3")
 JOBS = {
     shape: CaseJob(
         f"subgroups {shape}",

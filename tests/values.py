@@ -1,0 +1,233 @@
+"""Inputs for allreduce checks and their references, shared by the exact-result tests,
+the bad-input tests and the soak (scripts/soak.py).
+
+Three families, by ``kind``:
+
+- "small": small integers (SUM in [-8, 8], MIN/MAX in [-100, 100], PRODUCT of 1, 2
+  and -1); every dtype holds them and every reduction of them exactly, in any order.
+- "wide": values that see the dtype's width and precision. Integers reach most of the
+  dtype's range without overflowing the reduction (int16 far beyond int8, int32
+  beyond int16, int64 beyond int32); floats are non-integers spread over several
+  orders of magnitude, reduced in float64 and held to the dtype's rounding.
+- "limits": integers at the ends of the dtype's range; SUM and PRODUCT wrap around
+  (modulo 2**bits, as two's complement arithmetic does whatever the order), MIN and
+  MAX pick the extremes.
+
+``reference`` computes what every rank must get from all ranks' inputs, wide (Python
+integers, float64) and independently of torch's reductions, and how far the result
+may be from it (zero for integers, for MIN/MAX and for "small").
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+FLOAT_DTYPES = ("float32", "float64", "float16", "bfloat16")
+INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8")
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def _generator(tag: str, rank: int) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(f"{tag}/{rank}".encode()))
+
+
+def small_values(tag: str, rank: int, op: str, dtype: str, numel: int, world: int) -> torch.Tensor:
+    """Small integers (int64), deterministic in (tag, rank)."""
+    gen = _generator(tag, rank)
+    if dtype == "bool":
+        return torch.randint(0, 2, (numel,), generator=gen)
+    unsigned = dtype == "uint8"
+    if op == "SUM":
+        lo, hi = (0, 8) if unsigned else (-8, 8)
+        return torch.randint(lo, hi + 1, (numel,), generator=gen)
+    if op == "AVG":
+        # Multiples of the world size: the average is an integer, whatever the order
+        # of division and summation, so it is exact in every float dtype.
+        return world * torch.randint(-8, 9, (numel,), generator=gen)
+    if op in ("MIN", "MAX"):
+        lo, hi = (0, 200) if unsigned else (-100, 100)
+        return torch.randint(lo, hi + 1, (numel,), generator=gen)
+    if op == "PRODUCT":
+        choices = torch.tensor([1, 2] if unsigned else [1, 2, -1, 1])
+        return choices[torch.randint(0, len(choices), (numel,), generator=gen)]
+    raise ValueError(op)
+
+
+def _int_range(dtype: str) -> tuple[int, int]:
+    info = torch.iinfo(_dtype(dtype))
+    return int(info.min), int(info.max)
+
+
+def _randint(lo: int, hi: int, numel: int, gen: torch.Generator) -> torch.Tensor:
+    """Uniform integers in [lo, hi] (int64), also for spans beyond int64's randint."""
+    if hi - lo < 2**62:
+        offsets = torch.randint(0, hi - lo + 1, (numel,), generator=gen, dtype=torch.int64)
+        return offsets + lo
+    # The whole int64 range: random bits, reinterpreted.
+    low = torch.randint(0, 2**32, (numel,), generator=gen, dtype=torch.int64)
+    high = torch.randint(-(2**31), 2**31, (numel,), generator=gen, dtype=torch.int64)
+    return high * 2**32 + low
+
+
+def _wide_int(gen: torch.Generator, op: str, dtype: str, numel: int, world: int) -> torch.Tensor:
+    lo, hi = _int_range(dtype)
+    if op == "SUM":
+        # As wide as the dtype allows without overflowing the sum of `world` values.
+        return _randint(lo // world + 1 if lo else 0, hi // world, numel, gen)
+    if op in ("MIN", "MAX"):
+        return _randint(lo, hi, numel, gen)
+    if op == "PRODUCT":
+        # |v| up to the world-th root of the maximum: the product fits, barely.
+        top = 1
+        while (top + 1) ** world <= hi:
+            top += 1
+        v = _randint(1, top, numel, gen)
+        if lo < 0:
+            v = v * (1 - 2 * torch.randint(0, 2, (numel,), generator=gen))
+        return v
+    raise ValueError(op)
+
+
+def _limit_int(gen: torch.Generator, op: str, dtype: str, numel: int) -> torch.Tensor:
+    lo, hi = _int_range(dtype)
+    near = min(50, (hi - lo) // 4)
+    top = _randint(hi - near, hi, numel, gen)
+    bottom = _randint(lo, lo + near, numel, gen)
+    return torch.where(torch.randint(0, 2, (numel,), generator=gen).bool(), top, bottom)
+
+
+def _wide_float(gen: torch.Generator, op: str, dtype: str, numel: int) -> torch.Tensor:
+    """Non-integers (float64) over several orders of magnitude, then rounded to
+    ``dtype`` so that every rank's input is exactly what the reference adds up."""
+    mantissa = torch.rand(numel, generator=gen, dtype=torch.float64) + 0.5  # [0.5, 1.5)
+    sign = 1 - 2 * torch.randint(0, 2, (numel,), generator=gen).double()
+    if op == "PRODUCT":
+        v = sign * mantissa * 1.3  # [0.65, 1.95): products stay in range
+    else:
+        scale = 2.0 ** torch.randint(-6, 10, (numel,), generator=gen).double()
+        v = sign * mantissa * scale
+    return v.to(_dtype(dtype)).to(torch.float64)
+
+
+def make_values(
+    tag: str, rank: int, op: str, dtype: str, numel: int, world: int, kind: str = "small"
+) -> torch.Tensor:
+    """One rank's input, in ``dtype``, deterministic in (tag, rank)."""
+    if kind == "small" or dtype == "bool":
+        return small_values(tag, rank, op, dtype, numel, world).to(_dtype(dtype))
+    gen = _generator(f"{kind}/{tag}", rank)
+    if dtype in FLOAT_DTYPES:
+        if kind != "wide":
+            raise ValueError(f"no {kind} values for {dtype}")
+        return _wide_float(gen, op, dtype, numel).to(_dtype(dtype))
+    if kind == "wide":
+        values = _wide_int(gen, op, dtype, numel, world)
+    elif kind == "limits":
+        values = _limit_int(gen, op, dtype, numel)
+    else:
+        raise ValueError(kind)
+    return values.to(_dtype(dtype))
+
+
+def _wrap(value: int, dtype: str) -> int:
+    """Two's complement wrap-around of an exact integer into ``dtype``."""
+    lo, hi = _int_range(dtype)
+    span = hi - lo + 1
+    return (value - lo) % span + lo
+
+
+def _reduce_ints(columns: list[list[int]], op: str, dtype: str) -> list[int]:
+    out = []
+    for column in columns:
+        if op == "SUM":
+            exact = sum(column)
+        elif op == "PRODUCT":
+            exact = 1
+            for v in column:
+                exact *= v
+        else:
+            raise ValueError(f"no integer reference for {op}")
+        out.append(_wrap(exact, dtype))
+    return out
+
+
+def reference(
+    inputs: list[torch.Tensor], op: str, dtype: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(expected result in ``dtype``, allowed absolute error per element in float64, or
+    None where the result must be exact)."""
+    if dtype == "bool":
+        stacked = torch.stack(inputs)
+        if op in ("SUM", "MAX"):
+            return stacked.any(dim=0), None
+        if op in ("MIN", "PRODUCT"):
+            return stacked.all(dim=0), None
+        raise ValueError(f"no bool reference for {op}")
+    if dtype not in FLOAT_DTYPES:
+        if op in ("MIN", "MAX"):  # a choice, never out of range
+            stacked = torch.stack(inputs)
+            return (stacked.amin(dim=0) if op == "MIN" else stacked.amax(dim=0)), None
+        # Python integers: exact, then wrapped as the dtype's arithmetic wraps.
+        columns = [list(c) for c in zip(*(t.flatten().tolist() for t in inputs), strict=True)]
+        values = _reduce_ints(columns, op, dtype)
+        return torch.tensor(values, dtype=torch.int64).reshape(inputs[0].shape).to(
+            _dtype(dtype)
+        ), None
+    wide = torch.stack([t.to(torch.float64) for t in inputs])
+    world = len(inputs)
+    if op in ("MIN", "MAX"):
+        out = wide.amin(dim=0) if op == "MIN" else wide.amax(dim=0)
+        return out.to(_dtype(dtype)), None
+    if op in ("SUM", "AVG"):
+        exact = wide.sum(dim=0)
+        magnitude = wide.abs().sum(dim=0)
+        if op == "AVG":
+            exact, magnitude = exact / world, magnitude / world
+    elif op == "PRODUCT":
+        exact = wide.prod(dim=0)
+        magnitude = exact.abs()
+    else:
+        raise ValueError(op)
+    # Reducing `world` values in the dtype, in any order (and dividing once, for AVG):
+    # at most `world` roundings, each within half an ulp (eps/2) of what it rounds,
+    # which is never more than the sum of magnitudes; then the cast of the reference.
+    eps = torch.finfo(_dtype(dtype)).eps
+    tolerance = (world + 2) * eps / 2 * magnitude
+    # Small integers (every partial result too) are exact in every dtype, bfloat16's
+    # 8 significant bits included.
+    integers = (wide == wide.round()).all(dim=0) & (exact == exact.round())
+    exact_here = integers & (wide.abs().sum(dim=0) <= 2**8)
+    tolerance = torch.where(exact_here, torch.zeros_like(tolerance), tolerance)
+    return exact.to(_dtype(dtype)), tolerance
+
+
+def compare(
+    got: torch.Tensor, expected: torch.Tensor, tolerance: torch.Tensor | None, what: str
+) -> str | None:
+    """None if ``got`` is ``expected`` (within ``tolerance`` of it, where given),
+    else the first difference."""
+    if got.dtype != expected.dtype or got.shape != expected.shape:
+        return (
+            f"{what}: got {got.dtype}{tuple(got.shape)}, "
+            f"expected {expected.dtype}{tuple(expected.shape)}"
+        )
+    if tolerance is None or not bool(tolerance.any()):
+        bad = (got != expected).flatten()
+    else:
+        err = (got.to(torch.float64) - expected.to(torch.float64)).abs().flatten()
+        bad = ~(err <= tolerance.flatten())
+    if not bool(bad.any()):
+        return None
+    index = bad.nonzero().flatten()
+    first = int(index[0])
+    g, e = got.flatten()[first].item(), expected.flatten()[first].item()
+    allowed = "" if tolerance is None else f" (within {float(tolerance.flatten()[first]):.3g})"
+    return (
+        f"{what}: {index.numel()} of {got.numel()} elements differ; first at flat index "
+        f"{first}: got {g!r}, expected {e!r}{allowed}"
+    )
