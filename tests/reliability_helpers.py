@@ -406,7 +406,7 @@ def store_barrier(store: Any, key: str, world: int, timeout_s: float) -> None:
 # these offsets (then pid and memory probe, zero when unused).
 HELLO_BYTES = 64
 HELLO_MAGIC = 0x46524832
-WIRE_VERSION = 2  # kVersion in src/transport/handshake.cpp
+WIRE_VERSION = 3  # kVersion in src/transport/handshake.cpp
 HELLO_VERSION = slice(4, 6)
 HELLO_LANE = 6
 HELLO_RANK = slice(8, 12)

@@ -53,6 +53,18 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::run(
     c10d::OpType opType,
     const char* profilingTitle,
     const std::vector<at::Tensor>& inputs) {
+  return runOn(
+      [&](AllreduceEngine& engine) {
+        return engine.enqueue(std::move(work), op, std::move(outputs), std::move(finish));
+      },
+      opType, profilingTitle, inputs);
+}
+
+c10::intrusive_ptr<c10d::Work> CpuAllreduce::runOn(
+    const Post& post,
+    c10d::OpType opType,
+    const char* profilingTitle,
+    const std::vector<at::Tensor>& inputs) {
   bool fromCallback = OrderedCompletion::onWorkerThread();
   if (!fromCallback && insidePythonFutureCallback()) {
     // A callback run inline by then() on a future that was already complete:
@@ -62,7 +74,7 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::run(
     completion_.awaitMarkedCallbacks();
   }
   AllreduceEngine& engine = fromCallback ? callbackEngine() : engine_;
-  auto source = engine.enqueue(std::move(work), op, std::move(outputs), std::move(finish));
+  auto source = post(engine);
   auto user = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
   // Before the gate that chain() adds: Work.wait() and the profiler range end
   // when the future is marked, not when its turn to run callbacks comes.

@@ -44,6 +44,15 @@ class CpuAllreduce {
       const char* profilingTitle,
       const std::vector<at::Tensor>& inputs);
 
+  // What run() does, for any operation of the engine: `post` issues it on the
+  // engine this call belongs to (main, or callbacks') and returns its future.
+  using Post = std::function<c10::intrusive_ptr<c10::ivalue::Future>(AllreduceEngine&)>;
+  c10::intrusive_ptr<c10d::Work> runOn(
+      const Post& post,
+      c10d::OpType opType,
+      const char* profilingTitle,
+      const std::vector<at::Tensor>& inputs);
+
   // Stops the callback engine and the completion threads; the caller shuts
   // the main engine down first, which fails what is in flight. Idempotent.
   void shutdown();

@@ -61,6 +61,7 @@ FairringBackend::FairringBackend(
   engine_->start(*store);
   cpuAllreduce_ = std::make_unique<CpuAllreduce>(
       rank, *engine_, engineOptions, c10::make_intrusive<c10d::PrefixStore>("callbacks/", store));
+  cpuSharded_ = std::make_unique<CpuSharded>(*cpuAllreduce_, size);
 }
 
 FairringBackend::~FairringBackend() {
@@ -165,6 +166,9 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allgather(
     std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  if (onCpuEngine(inputs, outputs)) {
+    return cpuSharded_->allGatherList(outputs, inputs);
+  }
   return delegateFor(inputs, outputs).allgather(outputs, inputs, opts);
 }
 
@@ -172,6 +176,9 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::_allgather_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::AllgatherOptions& opts) {
+  if (onCpuEngine(input, output)) {
+    return cpuSharded_->allGatherBase(output, input);
+  }
   return delegateFor(input, output)._allgather_base(output, input, opts);
 }
 
@@ -186,6 +193,9 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  if (onCpuEngine(inputs, outputs)) {
+    return cpuSharded_->allGatherCoalesced(outputs, inputs);
+  }
   return delegateFor(inputs, outputs).allgather_into_tensor_coalesced(outputs, inputs, opts);
 }
 
@@ -207,6 +217,9 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs,
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  if (onCpuEngine(outputs, inputs)) {
+    return cpuSharded_->reduceScatterList(outputs, inputs, opts.reduceOp.op_);
+  }
   return delegateFor(outputs, inputs).reduce_scatter(outputs, inputs, opts);
 }
 
@@ -214,6 +227,9 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::_reduce_scatter_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::ReduceScatterOptions& opts) {
+  if (onCpuEngine(input, output)) {
+    return cpuSharded_->reduceScatterBase(output, input, opts.reduceOp.op_);
+  }
   return delegateFor(input, output)._reduce_scatter_base(output, input, opts);
 }
 
@@ -221,6 +237,9 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  if (onCpuEngine(inputs, outputs)) {
+    return cpuSharded_->reduceScatterCoalesced(outputs, inputs, opts.reduceOp.op_);
+  }
   return delegateFor(inputs, outputs).reduce_scatter_tensor_coalesced(outputs, inputs, opts);
 }
 

@@ -11,6 +11,7 @@
 #include <optional>
 
 #include "backend/cpu_allreduce.h"
+#include "backend/cpu_sharded.h"
 #include "pipeline/allreduce_engine.h"
 #include "subgroups/subgroup_allreduce.h"
 
@@ -42,8 +43,9 @@ struct BackendOptions {
 
 // The c10d backend: allreduce on CPU tensors runs the reduction-server
 // pipeline over fairring's own TCP mesh, on CUDA tensors the same algorithm
-// composed of NCCL sub-group collectives; every other collective goes to the
-// delegate backend for the tensors' device.
+// composed of NCCL sub-group collectives; reduce-scatter and all-gather on CPU
+// tensors run on the same engine (CUDA: NCCL's own); every other collective
+// goes to the delegate backend for the tensors' device.
 class FairringBackend : public c10d::Backend {
  public:
   FairringBackend(
@@ -148,6 +150,19 @@ class FairringBackend : public c10d::Backend {
     return delegateForAll(all);
   }
   c10d::Backend& delegateForAll(const std::vector<at::Tensor>& tensors);
+  // Whether a reduce-scatter or all-gather of `sets` runs on fairring's CPU
+  // engine: its first defined tensor is not on a GPU (as delegateFor decides).
+  template <typename... Sets>
+  bool onCpuEngine(const Sets&... sets) {
+    std::vector<at::Tensor> all;
+    (collect(all, sets), ...);
+    for (const at::Tensor& t : all) {
+      if (t.defined()) {
+        return cpuSharded_ && !t.device().is_cuda();
+      }
+    }
+    return cpuSharded_ != nullptr;
+  }
   static void collect(std::vector<at::Tensor>& all, const at::Tensor& t) {
     all.push_back(t);
   }
@@ -164,6 +179,7 @@ class FairringBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> cuda_;
   std::unique_ptr<AllreduceEngine> engine_; // null when CPU tensors take the sub-group path
   std::unique_ptr<CpuAllreduce> cpuAllreduce_; // uses engine_: declared after it
+  std::unique_ptr<CpuSharded> cpuSharded_; // uses cpuAllreduce_
   std::unique_ptr<SubgroupAllreduce> cpuSubgroups_;
   std::unique_ptr<SubgroupAllreduce> cudaSubgroups_;
 };

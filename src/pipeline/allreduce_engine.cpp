@@ -6,6 +6,7 @@
 #include <set>
 
 #include "ops/reduce_kind.h"
+#include "pipeline/engine_state.h"
 #include "pipeline/ordered_completion.h"
 
 namespace fairring {
@@ -14,8 +15,6 @@ using Clock = std::chrono::steady_clock;
 using RedOp = c10d::ReduceOp::RedOpType;
 
 namespace {
-constexpr int kNumPhases = 4;
-
 std::mutex gRegistryMu;
 std::set<AllreduceEngine*>& registry() {
   static auto* engines = new std::set<AllreduceEngine*>(); // never destroyed: used at exit
@@ -33,76 +32,6 @@ std::exception_ptr makeError(const std::string& message) {
   return std::make_exception_ptr(c10::DistBackendError(message));
 }
 } // namespace
-
-// One segment of a slice on its way through the five steps.
-struct AllreduceEngine::Segment {
-  int index{0};
-  uint64_t id{0}; // its timeline row
-  // Which peers' pieces have been announced, per phase, indexed by the
-  // sender's local rank (intra-node phases) or machine (rail phases).
-  std::vector<char> announced[kNumPhases];
-  int received[kNumPhases] = {0, 0, 0, 0};
-  int pendingReads{0};
-  int sendsInFlight{0};
-  bool reducing{false};
-  bool rsReduced{false};
-  bool collectSent{false};
-  bool shardReduced{false};
-  bool diffuseSent{false};
-  bool chunkFinal{false};
-  bool agSent{false};
-  bool done{false};
-  // Timeline stamps (microseconds), taken only when the timeline is on.
-  int64_t tRsReduced{0};
-  int64_t tReduceStart{0};
-  int64_t tShardReduced{0};
-  int64_t tChunkFinal{0};
-};
-
-// A slice holds one staging slot for all of its segments: each segment's
-// pieces have their own place in it (SlicePlan::chunkOffset, shardOffset).
-struct AllreduceEngine::Slice {
-  int64_t index{0};
-  bool active{false};
-  int slot{-1};
-  uint8_t* staging{nullptr};
-  std::vector<Segment> segments;
-  int segmentsLeft{0}; // not yet done
-  int segmentsStaged{0}; // whose staged pieces are not yet reduced
-  bool done{false};
-  int64_t tActive{0};
-};
-
-struct AllreduceEngine::Op {
-  uint64_t seq{0};
-  at::Tensor work;
-  RedOp op{RedOp::SUM};
-  SlicePlan plan{0, 1, 1, 1, 1};
-  size_t elemSize{1};
-  int64_t slicesLeft{0};
-  Clock::time_point deadline;
-  c10::intrusive_ptr<Future> future;
-  std::vector<at::Tensor> outputs;
-  std::function<void()> finish;
-  std::vector<Slice> slices;
-  int64_t tEnqueued{0};
-
-  DataHeader header(int64_t s, int g, Phase phase) const {
-    DataHeader h;
-    h.opSeq = seq;
-    h.slice = s;
-    h.segment = g;
-    h.phase = phase;
-    h.numel = plan.numel();
-    h.dtype = static_cast<int8_t>(work.scalar_type());
-    h.op = static_cast<uint8_t>(op);
-    return h;
-  }
-
-  uint8_t* at(Range r) const {
-    return static_cast<uint8_t*>(work.data_ptr()) + r.begin * static_cast<int64_t>(elemSize);
-  }
-};
 
 AllreduceEngine::AllreduceEngine(RankLayout layout, EngineOptions options)
     : layout_(std::move(layout)),
@@ -162,6 +91,33 @@ c10::intrusive_ptr<AllreduceEngine::Future> AllreduceEngine::enqueue(
     throw c10::DistBackendError(reducible.message());
   }
   auto future = c10::make_intrusive<Future>(c10::ListType::create(c10::TensorType::get()));
+  auto o = newOp(OpKind::kAllreduce, work.view({-1}), op, std::move(outputs), std::move(finish), future);
+  o->plan = SlicePlan(
+      work.numel(), static_cast<int64_t>(options_.sliceBytes / o->elemSize),
+      static_cast<int64_t>(options_.chunkBytes / o->elemSize), layout_.localSize(), layout_.numMachines());
+  admit(std::move(o));
+  return future;
+}
+
+std::unique_ptr<AllreduceEngine::Op> AllreduceEngine::newOp(
+    OpKind kind,
+    at::Tensor work,
+    RedOp op,
+    std::vector<at::Tensor> outputs,
+    std::function<void()> finish,
+    const c10::intrusive_ptr<Future>& future) {
+  auto o = std::make_unique<Op>();
+  o->kind = kind;
+  o->work = std::move(work);
+  o->op = op;
+  o->elemSize = o->work.element_size();
+  o->future = future;
+  o->outputs = std::move(outputs);
+  o->finish = std::move(finish);
+  return o;
+}
+
+void AllreduceEngine::admit(std::unique_ptr<Op> o) {
   Actions actions;
   std::string refusal;
   {
@@ -171,58 +127,82 @@ c10::intrusive_ptr<AllreduceEngine::Future> AllreduceEngine::enqueue(
     }
     refusal = failure_;
     if (refusal.empty()) {
-      admitLocked(std::move(work), op, std::move(outputs), std::move(finish), future, actions);
+      admitLocked(std::move(o), actions);
     }
   }
   run(actions);
   if (!refusal.empty()) {
     throw c10::DistBackendError(refusal + " (this process group failed earlier and cannot be used)");
   }
-  return future;
 }
 
-void AllreduceEngine::admitLocked(
-    at::Tensor work,
-    RedOp op,
-    std::vector<at::Tensor> outputs,
-    std::function<void()> finish,
-    const c10::intrusive_ptr<Future>& future,
-    Actions& actions) {
-  auto o = std::make_unique<Op>();
+void AllreduceEngine::refuse(const std::string& message) {
+  Actions actions;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // The turn this operation would have had, and every later one.
+    failLocked(message, actions, nextSeq_);
+  }
+  run(actions);
+  throw c10::DistBackendError(message);
+}
+
+void AllreduceEngine::admitLocked(std::unique_ptr<Op> o, Actions& actions) {
   o->seq = nextSeq_++;
-  o->work = work.view({-1});
-  o->op = op;
-  o->elemSize = work.element_size();
-  o->plan = SlicePlan(
-      work.numel(), static_cast<int64_t>(options_.sliceBytes / o->elemSize),
-      static_cast<int64_t>(options_.chunkBytes / o->elemSize), layout_.localSize(), layout_.numMachines());
   o->deadline = Clock::now() + options_.timeout;
-  o->future = future;
-  o->outputs = std::move(outputs);
-  o->finish = std::move(finish);
+  const bool allreduce = o->isAllreduce();
   // An empty tensor still takes one (empty) slice: its headers must travel so
   // that a rank calling with 0 elements where others have more is caught.
-  o->slicesLeft = std::max<int64_t>(1, o->plan.numSlices());
+  o->slicesLeft = std::max<int64_t>(1, allreduce ? o->plan.numSlices() : o->sharded.numSlices());
   stamp(timeline_, o->tEnqueued);
   o->slices.resize(o->slicesLeft);
+  const int L = layout_.localSize();
+  const int M = layout_.numMachines();
   for (int64_t s = 0; s < o->slicesLeft; ++s) {
     Slice& slice = o->slices[s];
     slice.index = s;
-    slice.segments.resize(o->plan.numSegments(s));
+    slice.segments.resize(allreduce ? o->plan.numSegments(s) : o->sharded.numSegments(s));
     slice.segmentsLeft = slice.segmentsStaged = static_cast<int>(slice.segments.size());
     for (size_t g = 0; g < slice.segments.size(); ++g) {
       Segment& seg = slice.segments[g];
       seg.index = static_cast<int>(g);
       seg.id = nextSegmentId_++;
-      seg.announced[static_cast<int>(Phase::kReduceScatter)].assign(layout_.localSize(), 0);
-      seg.announced[static_cast<int>(Phase::kAllGather)].assign(layout_.localSize(), 0);
-      seg.announced[static_cast<int>(Phase::kCollect)].assign(layout_.numMachines(), 0);
-      seg.announced[static_cast<int>(Phase::kDiffuse)].assign(layout_.numMachines(), 0);
+      for (int phase = 0; phase < kNumPhases; ++phase) {
+        const Phase p = static_cast<Phase>(phase);
+        const bool intraNode = p == Phase::kReduceScatter || p == Phase::kAllGather;
+        const bool used = allreduce || p == Phase::kReduceScatter || p == Phase::kCollect ||
+            (p == Phase::kAllGather && o->kind == OpKind::kAllGather);
+        if (used) {
+          seg.announced[phase].assign(static_cast<size_t>((intraNode ? L : M) * piecesPer(*o, p)), 0);
+        }
+      }
+      if (o->kind == OpKind::kAllGather) {
+        seg.forwarded.assign(L, 0);
+      }
     }
     waitingForSlot_.emplace_back(o->seq, s);
   }
   ops_[o->seq] = std::move(o);
   pump(actions);
+}
+
+int AllreduceEngine::piecesPer(const Op& op, Phase phase) const {
+  // A reduce-scatter sends a local peer the parts of the M ranks of its rail;
+  // an all-gather forwards the M parts of its own rail.
+  const bool mParts = (op.kind == OpKind::kReduceScatter && phase == Phase::kReduceScatter) ||
+      (op.kind == OpKind::kAllGather && phase == Phase::kAllGather);
+  return mParts ? layout_.numMachines() : 1;
+}
+
+std::string AllreduceEngine::phaseLabel(const Op& op, Phase phase) const {
+  if (op.kind == OpKind::kAllGather) {
+    switch (phase) {
+      case Phase::kReduceScatter: return "ready";
+      case Phase::kCollect: return "rail gather";
+      default: break;
+    }
+  }
+  return phaseName(phase);
 }
 
 void AllreduceEngine::run(Actions& actions) {
@@ -244,14 +224,19 @@ void AllreduceEngine::pump(Actions& actions) {
       waitingForSlot_.pop_front();
       continue;
     }
-    const int slot = staging_.tryAcquire();
-    if (slot < 0) {
-      return;
+    Slice& slice = it->second->slices[s];
+    // An all-gather stages nothing (every message lands in its output), but
+    // its slices still activate in the global order: that is what keeps its
+    // messages in order on the reduce lane.
+    if (it->second->kind != OpKind::kAllGather) {
+      const int slot = staging_.tryAcquire();
+      if (slot < 0) {
+        return;
+      }
+      slice.slot = slot;
+      slice.staging = staging_.data(slot);
     }
     waitingForSlot_.pop_front();
-    Slice& slice = it->second->slices[s];
-    slice.slot = slot;
-    slice.staging = staging_.data(slot);
     activate(*it->second, slice, actions);
   }
 }
@@ -262,13 +247,18 @@ void AllreduceEngine::activate(Op& op, Slice& slice, Actions& actions) {
   const int L = layout_.localSize();
   const int l = layout_.localRank();
   const int m = layout_.machine();
-  // Every segment's reduce-scatter at once, in segment order: the staging
-  // slot has room for all of them.
-  for (Segment& seg : slice.segments) {
-    for (int k = 1; k < L; ++k) {
-      const int j = (l + k) % L;
-      sendPiece(op, slice, seg, layout_.rankOf(m, j), Phase::kReduceScatter, op.plan.chunk(slice.index, seg.index, j),
-                actions);
+  if (!op.isAllreduce()) {
+    openSharded(op, slice, actions);
+  } else {
+    // Every segment's reduce-scatter at once, in segment order: the staging
+    // slot has room for all of them.
+    for (Segment& seg : slice.segments) {
+      for (int k = 1; k < L; ++k) {
+        const int j = (l + k) % L;
+        sendPiece(
+            op, slice, seg, layout_.rankOf(m, j), Phase::kReduceScatter, op.plan.chunk(slice.index, seg.index, j),
+            actions);
+      }
     }
   }
   auto parked = parked_.find({op.seq, slice.index});
@@ -300,13 +290,25 @@ void AllreduceEngine::sendPiece(
     Phase phase,
     Range range,
     Actions& actions) {
+  sendBytes(op, slice, seg, peer, phase, 0, op.at(range), static_cast<size_t>(range.size()) * op.elemSize, actions);
+}
+
+void AllreduceEngine::sendBytes(
+    Op& op,
+    Slice& slice,
+    Segment& seg,
+    int peer,
+    Phase phase,
+    int piece,
+    uint8_t* data,
+    size_t bytes,
+    Actions& actions) {
   ++seg.sendsInFlight;
   const Lane lane = laneOf(phase);
   const int key = outboxOf(peer);
   Outbox& box = outboxes_[{key, lane}];
-  box.queue.push_back(Outgoing{
-      encode(op.header(slice.index, seg.index, phase)), op.at(range), static_cast<size_t>(range.size()) * op.elemSize,
-      op.seq, slice.index, seg.index, peer});
+  box.queue.push_back(
+      Outgoing{encode(op.header(slice.index, seg.index, phase, piece)), data, bytes, op.seq, slice.index, seg.index, peer});
   if (!box.draining) {
     box.draining = true;
     actions.push_back([this, key, lane] { drain(key, lane); });
@@ -347,6 +349,14 @@ void AllreduceEngine::drain(int key, Lane lane) {
 
 void AllreduceEngine::advance(Op& op, Slice& slice, Segment& seg, Actions& actions) {
   if (!slice.active || seg.done || seg.reducing) {
+    return;
+  }
+  if (op.kind == OpKind::kReduceScatter) {
+    advanceReduceScatter(op, slice, seg, actions);
+    return;
+  }
+  if (op.kind == OpKind::kAllGather) {
+    advanceAllGather(op, slice, seg, actions);
     return;
   }
   const int L = layout_.localSize();
@@ -453,19 +463,33 @@ void AllreduceEngine::reduceLater(
   for (int p = 0; p < numPieces; ++p) {
     pieces.push_back(at::from_blob(firstPiece + p * pieceStride, {mine.size()}, op.work.options()));
   }
+  const RedOp redop = op.op;
+  const int worldSize = layout_.worldSize();
+  reduceTask(
+      op, slice, seg,
+      [dst, pieces, redop, worldSize, last] {
+        for (const auto& piece : pieces) {
+          reduceInto(dst, piece, redop);
+        }
+        if (last) {
+          finishReduction(dst, redop, worldSize);
+        }
+      },
+      std::move(then));
+}
+
+void AllreduceEngine::reduceTask(
+    Op& op,
+    Slice& slice,
+    Segment& seg,
+    std::function<void()> task,
+    std::function<void(Slice&, Segment&, Actions&)> then) {
   seg.reducing = true;
   const uint64_t seq = op.seq;
   const int64_t s = slice.index;
   const int g = seg.index;
-  const RedOp redop = op.op;
-  const int worldSize = layout_.worldSize();
-  tasks_.post([this, seq, s, g, dst, pieces, redop, worldSize, last, then = std::move(then)] {
-    for (const auto& piece : pieces) {
-      reduceInto(dst, piece, redop);
-    }
-    if (last) {
-      finishReduction(dst, redop, worldSize);
-    }
+  tasks_.post([this, seq, s, g, task = std::move(task), then = std::move(then)] {
+    task();
     Actions actions;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -485,6 +509,14 @@ void AllreduceEngine::reduceLater(
 void AllreduceEngine::finishSegment(Op& op, Slice& slice, Segment& seg, Actions& actions) {
   seg.done = true;
   recordSegment(op, slice, seg);
+  // A reduce-scatter sends its partial sums from the slot: it is free only
+  // once those sends are done too.
+  if (op.kind == OpKind::kReduceScatter && --slice.segmentsStaged == 0) {
+    staging_.release(slice.slot);
+    slice.slot = -1;
+    slice.staging = nullptr;
+    pump(actions);
+  }
   if (--slice.segmentsLeft == 0) {
     finishSlice(op, slice, actions);
   }
@@ -528,6 +560,10 @@ void AllreduceEngine::recordSegment(const Op& op, const Slice& slice, const Segm
   if (!timeline_.enabled()) {
     return;
   }
+  if (!op.isAllreduce()) {
+    recordShardedSegment(op, slice, seg);
+    return;
+  }
   const int64_t tDone = Timeline::now();
   const uint64_t id = seg.id;
   const std::string args = "{\"op\":" + std::to_string(op.seq) + ",\"slice\":" + std::to_string(slice.index) +
@@ -557,27 +593,30 @@ void AllreduceEngine::recordOp(const Op& op) {
   }
   const DataHeader h = op.header(0, 0, Phase::kReduceScatter);
   timeline_.span(
-      "ops", "allreduce #" + std::to_string(op.seq), op.tEnqueued, Timeline::now(),
+      "ops", std::string(opKindName(op.kind)) + " #" + std::to_string(op.seq), op.tEnqueued, Timeline::now(),
       "{\"elements\":" + std::to_string(h.numel) + ",\"dtype\":\"" +
           dtypeName(op.work.scalar_type()) + "\",\"op\":\"" + opName(op.op) +
           "\",\"slices\":" + std::to_string(op.slices.size()) + "}");
 }
 
 std::string AllreduceEngine::describeOp(const DataHeader& h) const {
-  return std::to_string(h.numel) + " elements of " +
-      dtypeName(static_cast<at::ScalarType>(h.dtype)) + " with ReduceOp." +
-      opName(static_cast<RedOp>(h.op));
+  const auto kind = static_cast<OpKind>(h.kind);
+  const std::string what = kind == OpKind::kAllreduce ? "" : std::string(opKindName(kind)) + " of ";
+  const std::string perRank = kind == OpKind::kAllreduce ? "" : " per rank";
+  const std::string reduction = kind == OpKind::kAllGather ? "" : " with ReduceOp." + opName(static_cast<RedOp>(h.op));
+  return what + std::to_string(h.numel) + " elements" + perRank + " of " +
+      dtypeName(static_cast<at::ScalarType>(h.dtype)) + reduction;
 }
 
 bool AllreduceEngine::sameOp(const Op& op, const DataHeader& h) const {
   const DataHeader mine = op.header(0, 0, h.phase);
-  return h.numel == mine.numel && h.dtype == mine.dtype && h.op == mine.op && h.slice >= 0 &&
+  return h.numel == mine.numel && h.dtype == mine.dtype && h.op == mine.op && h.kind == mine.kind && h.slice >= 0 &&
       h.slice < static_cast<int64_t>(op.slices.size()) && h.segment >= 0 &&
       h.segment < static_cast<int32_t>(op.slices[h.slice].segments.size());
 }
 
 std::string AllreduceEngine::describeMismatch(const Op& op, int peer, const DataHeader& h) const {
-  return "fairring: allreduce #" + std::to_string(op.seq) + " differs between ranks: " +
+  return "fairring: " + std::string(opKindName(op.kind)) + " #" + std::to_string(op.seq) + " differs between ranks: " +
       layout_.describe(layout_.rank()) + " has " + describeOp(op.header(0, 0, h.phase)) + ", " +
       layout_.describe(peer) + " has " + describeOp(h);
 }
@@ -620,7 +659,8 @@ void AllreduceEngine::onMessage(int peer, Lane lane, Status status, std::string 
         }
       } else if (h->opSeq < nextSeq_) {
         failLocked(
-            "fairring: allreduce #" + std::to_string(h->opSeq) + " differs between ranks: " +
+            "fairring: " + std::string(opKindName(static_cast<OpKind>(h->kind))) + " #" + std::to_string(h->opSeq) +
+                " differs between ranks: " +
                 layout_.describe(peer) + " sent " + describeOp(*h) + " but it has already finished on " +
                 layout_.describe(layout_.rank()) + " (with fewer elements)",
             actions, h->opSeq);
@@ -648,19 +688,23 @@ void AllreduceEngine::deliver(Op& op, Slice& slice, int peer, const DataHeader& 
   const bool samePlace = intraNode ? layout_.machineOf(peer) == m : layout_.localRankOf(peer) == l;
   const int from = intraNode ? layout_.localRankOf(peer) : layout_.machineOf(peer);
   const int phase = static_cast<int>(h.phase);
-  if (!samePlace || peer == layout_.rank() || seg.announced[phase][from]) {
+  const int pieces = piecesPer(op, h.phase);
+  const size_t index = static_cast<size_t>(from) * pieces + h.piece;
+  Range range;
+  uint8_t* dst = nullptr;
+  if (!samePlace || peer == layout_.rank() || h.piece < 0 || h.piece >= pieces ||
+      index >= seg.announced[phase].size() || seg.announced[phase][index] ||
+      (!op.isAllreduce() && !shardedTarget(op, slice, seg, h.phase, from, h.piece, range, dst))) {
     failLocked(
-        "fairring: unexpected " + std::string(phaseName(h.phase)) + " message from " + layout_.describe(peer) +
-            " for allreduce #" + std::to_string(op.seq),
+        "fairring: unexpected " + phaseLabel(op, h.phase) + " message from " + layout_.describe(peer) + " for " +
+            opKindName(op.kind) + " #" + std::to_string(op.seq),
         actions);
     return;
   }
   const int64_t elem = static_cast<int64_t>(op.elemSize);
   const int64_t maxChunkBytes = op.plan.maxChunkElems() * elem;
   const int64_t maxShardBytes = op.plan.maxShardElems() * elem;
-  Range range;
-  uint8_t* dst = nullptr;
-  switch (h.phase) {
+  switch (op.isAllreduce() ? h.phase : static_cast<Phase>(kNumPhases)) {
     case Phase::kReduceScatter:
       range = op.plan.chunk(s, g, l);
       dst = slice.staging + (from < l ? from : from - 1) * maxChunkBytes + op.plan.chunkOffset(g) * elem;
@@ -678,17 +722,18 @@ void AllreduceEngine::deliver(Op& op, Slice& slice, int peer, const DataHeader& 
       range = op.plan.chunk(s, g, from);
       dst = op.at(range);
       break;
+    default: break; // set by shardedTarget
   }
   const size_t expected = static_cast<size_t>(range.size()) * op.elemSize;
   if (bytes != expected) {
     failLocked(
         "fairring: " + layout_.describe(peer) + " sent " + std::to_string(bytes) + " bytes for the " +
-            phaseName(h.phase) + " of allreduce #" + std::to_string(op.seq) + " where " +
+            phaseLabel(op, h.phase) + " of " + opKindName(op.kind) + " #" + std::to_string(op.seq) + " where " +
             std::to_string(expected) + " were expected",
         actions);
     return;
   }
-  seg.announced[phase][from] = 1;
+  seg.announced[phase][index] = 1;
   ++seg.pendingReads;
   const uint64_t seq = op.seq;
   const Phase p = h.phase;
@@ -799,9 +844,13 @@ bool AllreduceEngine::needsFrom(int peer, Lane lane) const {
                             : (lane == Lane::kReduce ? Phase::kCollect : Phase::kDiffuse);
   const int from = local ? layout_.localRankOf(peer) : layout_.machineOf(peer);
   for (const auto& [seq, op] : ops_) {
+    const int pieces = piecesPer(*op, phase);
     for (const Slice& slice : op->slices) {
       for (const Segment& seg : slice.segments) {
-        if (seg.done || seg.announced[static_cast<int>(phase)][from]) {
+        const auto& announced = seg.announced[static_cast<int>(phase)];
+        const auto first = announced.begin() + std::min<size_t>(announced.size(), static_cast<size_t>(from) * pieces);
+        const auto last = announced.begin() + std::min<size_t>(announced.size(), static_cast<size_t>(from + 1) * pieces);
+        if (seg.done || std::all_of(first, last, [](char a) { return a != 0; })) {
           continue;
         }
         auto parked = parked_.find({seq, slice.index});
@@ -837,12 +886,15 @@ std::string AllreduceEngine::describeWait(const Op& op) const {
       std::string missing;
       for (int phase = 0; phase < kNumPhases; ++phase) {
         const bool intraNode = phase == 0 || phase == 3;
-        for (size_t i = 0; i < seg.announced[phase].size(); ++i) {
-          const int peer = intraNode ? layout_.rankOf(layout_.machine(), static_cast<int>(i))
-                                     : layout_.rankOf(static_cast<int>(i), layout_.localRank());
-          if (peer != layout_.rank() && !seg.announced[phase][i]) {
-            missing += (missing.empty() ? "" : ", ") + std::string(phaseName(static_cast<Phase>(phase))) +
-                " from " + layout_.describe(peer);
+        const int pieces = piecesPer(op, static_cast<Phase>(phase));
+        for (size_t i = 0; i < seg.announced[phase].size(); i += pieces) {
+          const int from = static_cast<int>(i) / pieces;
+          const int peer = intraNode ? layout_.rankOf(layout_.machine(), from) : layout_.rankOf(from, layout_.localRank());
+          const bool all = std::all_of(
+              seg.announced[phase].begin() + i, seg.announced[phase].begin() + i + pieces, [](char a) { return a != 0; });
+          if (peer != layout_.rank() && !all) {
+            missing += (missing.empty() ? "" : ", ") + phaseLabel(op, static_cast<Phase>(phase)) + " from " +
+                layout_.describe(peer);
           }
         }
         if (!missing.empty()) {
@@ -884,7 +936,8 @@ void AllreduceEngine::watchdog() {
       if (now > op->deadline) {
         Actions actions;
         failLocked(
-            "fairring: allreduce #" + std::to_string(seq) + " (" + describeOp(op->header(0, 0, Phase::kReduceScatter)) +
+            "fairring: " + std::string(opKindName(op->kind)) + " #" + std::to_string(seq) + " (" +
+                describeOp(op->header(0, 0, Phase::kReduceScatter)) +
                 ") timed out after " + std::to_string(options_.timeout.count()) + " ms on " +
                 layout_.describe(layout_.rank()) + ": " + describeWait(*op),
             actions);

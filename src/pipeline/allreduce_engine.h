@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "pipeline/op_kind.h"
 #include "pipeline/slice_plan.h"
 #include "pipeline/task_queue.h"
 #include "staging/staging_pool.h"
@@ -65,6 +66,24 @@ class AllreduceEngine {
       std::vector<at::Tensor> outputs,
       std::function<void()> finish);
 
+  // Reduce-scatter (input: W parts, output: this rank's part) or all-gather
+  // (input: this rank's part, output: W parts) of flat contiguous tensors of
+  // one dtype; `op` is ignored by the all-gather. As enqueue otherwise.
+  // Sizes that break that shape are refused with refuse().
+  c10::intrusive_ptr<Future> enqueueSharded(
+      OpKind kind,
+      at::Tensor input,
+      at::Tensor output,
+      c10d::ReduceOp::RedOpType op,
+      std::vector<at::Tensor> outputs,
+      std::function<void()> finish);
+
+  // Refuses the operation this rank was about to issue, on every rank: the
+  // peers cannot know that it will never come, so the group fails from that
+  // turn on, with `message` (naming this rank) as the reason everywhere.
+  // Earlier operations finish. Always throws.
+  [[noreturn]] void refuse(const std::string& message);
+
   // Fails what is in flight, closes the connections and joins the threads.
   void shutdown();
 
@@ -109,22 +128,63 @@ class AllreduceEngine {
   };
   using Actions = std::vector<std::function<void()>>;
 
-  void admitLocked(
+  std::unique_ptr<Op> newOp(
+      OpKind kind,
       at::Tensor work,
       c10d::ReduceOp::RedOpType op,
       std::vector<at::Tensor> outputs,
       std::function<void()> finish,
-      const c10::intrusive_ptr<Future>& future,
-      Actions& actions);
+      const c10::intrusive_ptr<Future>& future);
+  // Posts `o` (its plan set), or throws the group's failure.
+  void admit(std::unique_ptr<Op> o);
+  void admitLocked(std::unique_ptr<Op> o, Actions& actions);
   void onMessage(int peer, Lane lane, Status status, std::string header, size_t bytes);
   void deliver(Op& op, Slice& slice, int peer, const DataHeader& h, size_t bytes, Actions& actions);
   void onReceived(uint64_t seq, int64_t s, int g, Phase phase, Status status);
+  // How many pieces one peer sends per segment in `phase` (see Segment::announced).
+  int piecesPer(const Op& op, Phase phase) const;
+  std::string phaseLabel(const Op& op, Phase phase) const;
   void onSent(uint64_t seq, int64_t s, int g, int peer, Status status);
 
   void pump(Actions& actions);
   void activate(Op& op, Slice& slice, Actions& actions);
   void advance(Op& op, Slice& slice, Segment& seg, Actions& actions);
   void sendPiece(Op& op, Slice& slice, Segment& seg, int peer, Phase phase, Range range, Actions& actions);
+  void sendBytes(
+      Op& op,
+      Slice& slice,
+      Segment& seg,
+      int peer,
+      Phase phase,
+      int piece,
+      uint8_t* data,
+      size_t bytes,
+      Actions& actions);
+  // Runs `task` on the reduction thread, then `then` and advance() under the lock.
+  void reduceTask(
+      Op& op,
+      Slice& slice,
+      Segment& seg,
+      std::function<void()> task,
+      std::function<void(Slice&, Segment&, Actions&)> then);
+
+  // The reduce-scatter's and all-gather's steps (sharded_steps.cpp).
+  void openSharded(Op& op, Slice& slice, Actions& actions);
+  void advanceReduceScatter(Op& op, Slice& slice, Segment& seg, Actions& actions);
+  void advanceAllGather(Op& op, Slice& slice, Segment& seg, Actions& actions);
+  // Where a reduce-scatter's or all-gather's message lands: false if its
+  // kind has no such phase.
+  bool shardedTarget(
+      const Op& op,
+      const Slice& slice,
+      const Segment& seg,
+      Phase phase,
+      int from,
+      int piece,
+      Range& range,
+      uint8_t*& dst) const;
+  at::Tensor stagedPiece(const Op& op, const Slice& slice, const Segment& seg, int index) const;
+  void recordShardedSegment(const Op& op, const Slice& slice, const Segment& seg);
   void finishSegment(Op& op, Slice& slice, Segment& seg, Actions& actions);
   void finishSlice(Op& op, Slice& slice, Actions& actions);
   // The outbox key of messages to `peer`: the peer, or kRailPeers.

@@ -9,7 +9,7 @@ namespace {
 constexpr uint32_t kHelloMagic = 0x46524832; // "FRH2"
 constexpr uint32_t kReplyMagic = 0x46525231; // "FRR1"
 // 2: data headers name the segment of a slice.
-constexpr uint16_t kVersion = 2;
+constexpr uint16_t kVersion = 3; // 3: headers carry the operation's kind and the piece
 
 template <typename T>
 void put(uint8_t* out, size_t at, T v) {

@@ -5,7 +5,7 @@
 namespace fairring {
 
 namespace {
-constexpr uint32_t kDataMagic = 0x46524432; // "FRD2": with the segment
+constexpr uint32_t kDataMagic = 0x46524433; // "FRD3": with the kind and piece
 constexpr uint32_t kAbortMagic = 0x46524131; // "FRA1"
 constexpr size_t kMaxReasonBytes = 4096;
 
@@ -45,6 +45,8 @@ std::string encode(const DataHeader& h) {
   put(out, h.numel);
   put(out, h.dtype);
   put(out, h.op);
+  put(out, h.kind);
+  put(out, h.piece);
   return out;
 }
 
@@ -55,7 +57,8 @@ std::optional<DataHeader> decodeData(const std::string& in) {
   DataHeader h;
   if (!take(in, pos, magic) || magic != kDataMagic || !take(in, pos, h.opSeq) ||
       !take(in, pos, h.slice) || !take(in, pos, h.segment) || !take(in, pos, phase) || !take(in, pos, h.numel) ||
-      !take(in, pos, h.dtype) || !take(in, pos, h.op) || pos != in.size() || phase > 3) {
+      !take(in, pos, h.dtype) || !take(in, pos, h.op) || !take(in, pos, h.kind) ||
+      !take(in, pos, h.piece) || pos != in.size() || phase > 3) {
     return std::nullopt;
   }
   h.phase = static_cast<Phase>(phase);

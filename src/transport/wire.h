@@ -33,9 +33,13 @@ struct DataHeader {
   int64_t slice{0};
   int32_t segment{0}; // of the slice (see SlicePlan)
   Phase phase{Phase::kReduceScatter};
-  int64_t numel{0};
+  int64_t numel{0}; // allreduce: the tensor; reduce-scatter, all-gather: one rank's part
   int8_t dtype{0};
   uint8_t op{0};
+  uint8_t kind{0}; // OpKind: an allreduce must not pair with a reduce-scatter of equal size
+  // Which of the pieces one (peer, phase) sends per segment: a reduce-scatter
+  // sends a local peer the parts of M ranks, an all-gather forwards M parts.
+  int32_t piece{0};
 };
 
 std::string encode(const DataHeader& h);

@@ -1,0 +1,319 @@
+#include "backend/cpu_sharded.h"
+
+#include "ops/reduce_kind.h"
+
+namespace fairring {
+
+namespace {
+
+// What the engine cannot take, as a sentence naming the tensor; empty if fine.
+std::string problemWith(const at::Tensor& t, const std::string& name) {
+  if (!t.defined()) {
+    return name + " is undefined";
+  }
+  if (t.layout() != at::kStrided) {
+    return name + " is not a dense (strided) tensor";
+  }
+  if (!t.device().is_cpu()) {
+    return name + " is on device " + t.device().str() + " while the first tensor is on the CPU";
+  }
+  return "";
+}
+
+std::string firstProblem(const std::vector<at::Tensor>& tensors, const std::string& what) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    std::string p = problemWith(tensors[i], what + " " + std::to_string(i));
+    if (!p.empty()) {
+      return p;
+    }
+  }
+  return "";
+}
+
+// A flat contiguous view of `t`, or a dense copy.
+at::Tensor flatInput(const at::Tensor& t) {
+  return t.contiguous().view({-1});
+}
+
+// A flat contiguous tensor to receive `t`'s result, and the write-back if it
+// is a copy.
+at::Tensor flatOutput(const at::Tensor& t, std::vector<std::function<void()>>& writeBacks) {
+  if (t.is_contiguous()) {
+    return t.view({-1});
+  }
+  at::Tensor dense = at::empty({t.numel()}, t.options().memory_format(at::MemoryFormat::Contiguous));
+  writeBacks.push_back([t, dense]() mutable { t.copy_(dense.view(t.sizes())); });
+  return dense;
+}
+
+std::function<void()> all(std::vector<std::function<void()>> steps) {
+  if (steps.empty()) {
+    return nullptr;
+  }
+  return [steps = std::move(steps)] {
+    for (const auto& step : steps) {
+      step();
+    }
+  };
+}
+
+std::string sameDtype(const std::vector<at::Tensor>& tensors, const std::string& what) {
+  for (size_t i = 1; i < tensors.size(); ++i) {
+    if (tensors[i].scalar_type() != tensors[0].scalar_type()) {
+      return what + " " + std::to_string(i) + " has dtype " + dtypeName(tensors[i].scalar_type()) + " but " + what +
+          " 0 has " + dtypeName(tensors[0].scalar_type());
+    }
+  }
+  return "";
+}
+
+} // namespace
+
+c10::intrusive_ptr<c10d::Work> CpuSharded::issue(
+    Call call,
+    c10d::OpType opType,
+    const char* profilingTitle,
+    const std::vector<at::Tensor>& inputs) {
+  return runner_.runOn(
+      [&](AllreduceEngine& engine) {
+        if (!call.problem.empty()) {
+          engine.refuse(
+              std::string("fairring: ") + opKindName(call.kind) + " on " +
+              engine.layout().describe(engine.layout().rank()) + ": " + call.problem);
+        }
+        return engine.enqueueSharded(
+            call.kind, call.input, call.output, call.op, std::move(call.results), std::move(call.finish));
+      },
+      opType, profilingTitle, inputs);
+}
+
+c10::intrusive_ptr<c10d::Work> CpuSharded::reduceScatterBase(
+    at::Tensor& output,
+    at::Tensor& input,
+    c10d::ReduceOp::RedOpType op) {
+  Call call{OpKind::kReduceScatter};
+  call.op = op;
+  call.problem = problemWith(input, "the input");
+  if (call.problem.empty()) {
+    call.problem = problemWith(output, "the output");
+  }
+  std::vector<std::function<void()>> writeBacks;
+  if (call.problem.empty()) {
+    call.input = flatInput(input);
+    call.output = flatOutput(output, writeBacks);
+  }
+  call.results = {output};
+  call.finish = all(std::move(writeBacks));
+  return issue(std::move(call), c10d::OpType::_REDUCE_SCATTER_BASE, "fairring:_reduce_scatter_base", {input});
+}
+
+c10::intrusive_ptr<c10d::Work> CpuSharded::reduceScatterList(
+    std::vector<at::Tensor>& outputs,
+    std::vector<std::vector<at::Tensor>>& inputs,
+    c10d::ReduceOp::RedOpType op) {
+  Call call{OpKind::kReduceScatter};
+  call.op = op;
+  if (outputs.size() != 1 || inputs.size() != 1) {
+    call.problem = "takes one output and one list of inputs per process, got " + std::to_string(outputs.size()) +
+        " and " + std::to_string(inputs.size());
+  } else if (inputs[0].size() != static_cast<size_t>(worldSize_)) {
+    call.problem = "the input list has " + std::to_string(inputs[0].size()) + " tensors, expected the world size " +
+        std::to_string(worldSize_);
+  } else {
+    call.problem = problemWith(outputs[0], "the output");
+    if (call.problem.empty()) {
+      call.problem = firstProblem(inputs[0], "input");
+    }
+    for (size_t r = 0; call.problem.empty() && r < inputs[0].size(); ++r) {
+      if (inputs[0][r].numel() != outputs[0].numel() || inputs[0][r].scalar_type() != outputs[0].scalar_type()) {
+        call.problem = "input " + std::to_string(r) + " has " + std::to_string(inputs[0][r].numel()) +
+            " elements of " + dtypeName(inputs[0][r].scalar_type()) + ", the output " +
+            std::to_string(outputs[0].numel()) + " of " + dtypeName(outputs[0].scalar_type()) +
+            "; every input must match the output";
+      }
+    }
+  }
+  std::vector<std::function<void()>> writeBacks;
+  if (call.problem.empty()) {
+    std::vector<at::Tensor> flat;
+    for (const at::Tensor& t : inputs[0]) {
+      flat.push_back(t.reshape({-1}));
+    }
+    call.input = at::cat(flat);
+    call.output = flatOutput(outputs[0], writeBacks);
+  }
+  call.results = outputs;
+  call.finish = all(std::move(writeBacks));
+  std::vector<at::Tensor> profiled = inputs.empty() ? std::vector<at::Tensor>{} : inputs[0];
+  return issue(std::move(call), c10d::OpType::REDUCE_SCATTER, "fairring:reduce_scatter", profiled);
+}
+
+c10::intrusive_ptr<c10d::Work> CpuSharded::reduceScatterCoalesced(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    c10d::ReduceOp::RedOpType op) {
+  Call call{OpKind::kReduceScatter};
+  call.op = op;
+  if (outputs.size() != inputs.size() || outputs.empty()) {
+    call.problem = "got " + std::to_string(inputs.size()) + " inputs and " + std::to_string(outputs.size()) +
+        " outputs; expected as many of each, at least one";
+  } else {
+    call.problem = firstProblem(inputs, "input");
+    if (call.problem.empty()) {
+      call.problem = firstProblem(outputs, "output");
+    }
+    if (call.problem.empty()) {
+      std::vector<at::Tensor> both = inputs;
+      both.insert(both.end(), outputs.begin(), outputs.end());
+      call.problem = sameDtype(both, "tensor");
+    }
+    for (size_t t = 0; call.problem.empty() && t < inputs.size(); ++t) {
+      if (inputs[t].numel() != outputs[t].numel() * worldSize_) {
+        call.problem = "input " + std::to_string(t) + " has " + std::to_string(inputs[t].numel()) +
+            " elements, expected the world size (" + std::to_string(worldSize_) + ") x output " + std::to_string(t) +
+            "'s " + std::to_string(outputs[t].numel());
+      }
+    }
+  }
+  if (call.problem.empty()) {
+    // Rank r's part of the packed input: rank r's part of every input, in order.
+    std::vector<at::Tensor> parts;
+    std::vector<at::Tensor> flatInputs;
+    for (const at::Tensor& t : inputs) {
+      flatInputs.push_back(t.reshape({-1}));
+    }
+    for (int r = 0; r < worldSize_; ++r) {
+      for (size_t t = 0; t < inputs.size(); ++t) {
+        const int64_t n = outputs[t].numel();
+        parts.push_back(flatInputs[t].slice(0, r * n, (r + 1) * n));
+      }
+    }
+    call.input = at::cat(parts);
+    int64_t total = 0;
+    for (const at::Tensor& t : outputs) {
+      total += t.numel();
+    }
+    call.output = at::empty({total}, outputs[0].options().memory_format(at::MemoryFormat::Contiguous));
+    call.finish = [packed = call.output, outputs]() mutable {
+      int64_t offset = 0;
+      for (at::Tensor& t : outputs) {
+        t.copy_(packed.slice(0, offset, offset + t.numel()).view(t.sizes()));
+        offset += t.numel();
+      }
+    };
+  }
+  call.results = outputs;
+  return issue(
+      std::move(call), c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED, "fairring:reduce_scatter_tensor_coalesced",
+      inputs);
+}
+
+c10::intrusive_ptr<c10d::Work> CpuSharded::allGatherBase(at::Tensor& output, at::Tensor& input) {
+  Call call{OpKind::kAllGather};
+  call.problem = problemWith(input, "the input");
+  if (call.problem.empty()) {
+    call.problem = problemWith(output, "the output");
+  }
+  std::vector<std::function<void()>> writeBacks;
+  if (call.problem.empty()) {
+    call.input = flatInput(input);
+    call.output = flatOutput(output, writeBacks);
+  }
+  call.results = {output};
+  call.finish = all(std::move(writeBacks));
+  return issue(std::move(call), c10d::OpType::_ALLGATHER_BASE, "fairring:_allgather_base", {input});
+}
+
+c10::intrusive_ptr<c10d::Work> CpuSharded::allGatherList(
+    std::vector<std::vector<at::Tensor>>& outputs,
+    std::vector<at::Tensor>& inputs) {
+  Call call{OpKind::kAllGather};
+  if (outputs.size() != 1 || inputs.size() != 1) {
+    call.problem = "takes one input and one list of outputs per process, got " + std::to_string(inputs.size()) +
+        " and " + std::to_string(outputs.size());
+  } else if (outputs[0].size() != static_cast<size_t>(worldSize_)) {
+    call.problem = "the output list has " + std::to_string(outputs[0].size()) + " tensors, expected the world size " +
+        std::to_string(worldSize_);
+  } else {
+    call.problem = problemWith(inputs[0], "the input");
+    if (call.problem.empty()) {
+      call.problem = firstProblem(outputs[0], "output");
+    }
+    for (size_t r = 0; call.problem.empty() && r < outputs[0].size(); ++r) {
+      if (outputs[0][r].numel() != inputs[0].numel() || outputs[0][r].scalar_type() != inputs[0].scalar_type()) {
+        call.problem = "output " + std::to_string(r) + " has " + std::to_string(outputs[0][r].numel()) +
+            " elements of " + dtypeName(outputs[0][r].scalar_type()) + ", the input " +
+            std::to_string(inputs[0].numel()) + " of " + dtypeName(inputs[0].scalar_type()) +
+            "; every output must match the input (sizes that differ between ranks go to all_gather_object)";
+      }
+    }
+  }
+  if (call.problem.empty()) {
+    const int64_t n = inputs[0].numel();
+    call.input = flatInput(inputs[0]);
+    call.output = at::empty({n * worldSize_}, inputs[0].options().memory_format(at::MemoryFormat::Contiguous));
+    call.finish = [packed = call.output, list = outputs[0], n]() mutable {
+      for (size_t r = 0; r < list.size(); ++r) {
+        list[r].copy_(packed.slice(0, r * n, (r + 1) * n).view(list[r].sizes()));
+      }
+    };
+  }
+  call.results = outputs.empty() ? std::vector<at::Tensor>{} : outputs[0];
+  return issue(std::move(call), c10d::OpType::ALLGATHER, "fairring:all_gather", inputs);
+}
+
+c10::intrusive_ptr<c10d::Work> CpuSharded::allGatherCoalesced(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs) {
+  Call call{OpKind::kAllGather};
+  if (outputs.size() != inputs.size() || outputs.empty()) {
+    call.problem = "got " + std::to_string(inputs.size()) + " inputs and " + std::to_string(outputs.size()) +
+        " outputs; expected as many of each, at least one";
+  } else {
+    call.problem = firstProblem(inputs, "input");
+    if (call.problem.empty()) {
+      call.problem = firstProblem(outputs, "output");
+    }
+    if (call.problem.empty()) {
+      std::vector<at::Tensor> both = inputs;
+      both.insert(both.end(), outputs.begin(), outputs.end());
+      call.problem = sameDtype(both, "tensor");
+    }
+    for (size_t t = 0; call.problem.empty() && t < inputs.size(); ++t) {
+      if (outputs[t].numel() != inputs[t].numel() * worldSize_) {
+        call.problem = "output " + std::to_string(t) + " has " + std::to_string(outputs[t].numel()) +
+            " elements, expected the world size (" + std::to_string(worldSize_) + ") x input " + std::to_string(t) +
+            "'s " + std::to_string(inputs[t].numel());
+      }
+    }
+  }
+  if (call.problem.empty()) {
+    std::vector<at::Tensor> flat;
+    int64_t total = 0;
+    for (const at::Tensor& t : inputs) {
+      flat.push_back(t.reshape({-1}));
+      total += t.numel();
+    }
+    call.input = at::cat(flat);
+    call.output = at::empty({total * worldSize_}, inputs[0].options().memory_format(at::MemoryFormat::Contiguous));
+    // Rank r's part of the packed output is rank r's part of every output.
+    call.finish = [packed = call.output, outputs, inputs, total, world = worldSize_]() mutable {
+      int64_t offset = 0;
+      for (size_t t = 0; t < outputs.size(); ++t) {
+        const int64_t n = inputs[t].numel();
+        at::Tensor out = outputs[t].is_contiguous() ? outputs[t].view({-1}) : at::empty({outputs[t].numel()}, outputs[t].options());
+        for (int r = 0; r < world; ++r) {
+          out.slice(0, r * n, (r + 1) * n).copy_(packed.slice(0, r * total + offset, r * total + offset + n));
+        }
+        if (!out.is_same(outputs[t]) && !outputs[t].is_contiguous()) {
+          outputs[t].copy_(out.view(outputs[t].sizes()));
+        }
+        offset += n;
+      }
+    };
+  }
+  call.results = outputs;
+  return issue(std::move(call), c10d::OpType::ALLGATHER_COALESCED, "fairring:all_gather_into_tensor_coalesced", inputs);
+}
+
+} // namespace fairring

@@ -1,0 +1,26 @@
+#pragma once
+
+#include <cstdint>
+
+namespace fairring {
+
+// The collectives the engine runs. Every message carries its operation's kind,
+// so that ranks that issue different collectives at the same turn fail with
+// both named instead of pairing messages of equal size.
+enum class OpKind : uint8_t {
+  kAllreduce = 0,
+  kReduceScatter = 1, // W parts in, this rank's part (reduced over all ranks) out
+  kAllGather = 2, // this rank's part in, all W parts out
+};
+
+// As torch names the collective.
+inline const char* opKindName(OpKind kind) {
+  switch (kind) {
+    case OpKind::kAllreduce: return "allreduce";
+    case OpKind::kReduceScatter: return "reduce_scatter";
+    case OpKind::kAllGather: return "all_gather";
+  }
+  return "unknown collective";
+}
+
+} // namespace fairring
