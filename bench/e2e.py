@@ -1,7 +1,8 @@
-"""End-to-end DDP training of the benchmark Transformer: words/s, fairring vs Gloo.
+"""End-to-end DDP (or FSDP2) training of the benchmark Transformer: words/s, fairring vs Gloo.
 
     python bench/e2e.py                        # 2 machines x 2 ranks, loopback
     python bench/e2e.py --shape 4x1 --rate 1gbit
+    python bench/e2e.py --fsdp --rate 1gbit    # FSDP2: fully_shard per block, then the root
 
 The model, corpus and step are bench/train_ddp.py's (bench/transformer.py). Unlike
 scripts/main_job.sh, which runs each backend as a separate job, both backends train
@@ -39,6 +40,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--bucket-cap-mb", type=float, default=None, help="default: DDP's own, as DDP(model)"
     )
+    p.add_argument(
+        "--fsdp", action="store_true", help="FSDP2 (fully_shard per block) instead of DDP"
+    )
     p.add_argument("--rate", default=None)
     p.add_argument("--netns", action="store_true")
     p.add_argument("--name", default=None)
@@ -48,7 +52,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 class Trainer:
-    """One DDP replica of the model over one process group, as bench/train_ddp.py steps it."""
+    """One replica of the model over one process group, as bench/train_ddp.py steps it:
+    DDP, or with --fsdp FSDP2 (each Transformer block its own unit, then the root), which
+    all-gathers parameters and reduce-scatters gradients instead of allreducing."""
 
     def __init__(self, group: Any, args: argparse.Namespace, rank: int) -> None:
         import torch
@@ -57,11 +63,22 @@ class Trainer:
 
         self.cfg = ModelConfig()
         self.batch = args.batch
-        self.model = DDP(
-            build_model(self.cfg, seed=0),
-            process_group=group,
-            **bucket_kwargs(args.bucket_cap_mb),
-        )
+        self.fsdp = args.fsdp
+        if args.fsdp:
+            from torch.distributed.device_mesh import DeviceMesh
+            from torch.distributed.fsdp import fully_shard
+
+            self.model = build_model(self.cfg, seed=0)
+            mesh = DeviceMesh.from_group(group, "cpu")
+            for block in self.model.encoder.layers:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+        else:
+            self.model = DDP(
+                build_model(self.cfg, seed=0),
+                process_group=group,
+                **bucket_kwargs(args.bucket_cap_mb),
+            )
         opt = torch.optim.Adam if args.optimizer == "adam" else torch.optim.SGD
         self.optimizer = opt(self.model.parameters(), lr=args.lr)
         self.corpus = SyntheticCorpus(self.cfg.vocab, seed=0, rank=rank)
@@ -77,6 +94,12 @@ class Trainer:
         loss.backward()  # on CPU, returns once every bucket's allreduce has finished
         self.optimizer.step()
         self.loss = loss.item()
+
+    def full_state(self) -> dict[str, Any]:
+        """Every parameter whole (FSDP shards them), to compare the two backends."""
+        if self.fsdp:
+            return {k: v.full_tensor() for k, v in self.model.state_dict().items()}
+        return self.model.module.state_dict()
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -102,7 +125,7 @@ def worker(args: argparse.Namespace) -> None:
                 trainer.step()
             dist.barrier()  # the block ends when the slowest rank is done
             seconds[name].append(time.perf_counter() - start)
-    a, b = (t.model.module.state_dict() for t in trainers.values())
+    a, b = (t.full_state() for t in trainers.values())
     diff = max((a[k] - b[k]).abs().max().item() for k in a)
     losses = {name: t.loss for name, t in trainers.items()}
     loss_tensor = torch.tensor(list(losses.values()), dtype=torch.float64)
@@ -128,7 +151,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def driver(args: argparse.Namespace) -> int:
     machines, ranks = common.parse_shape(args.shape)
-    place = common.placement(args, "e2e")
+    place = common.placement(args, "e2e_fsdp" if args.fsdp else "e2e")
     forwarded = [
         "--blocks",
         str(args.blocks),
@@ -142,6 +165,7 @@ def driver(args: argparse.Namespace) -> int:
         args.optimizer,
         "--lr",
         str(args.lr),
+        *(["--fsdp"] if args.fsdp else []),
     ]
     if args.bucket_cap_mb is not None:
         forwarded += ["--bucket-cap-mb", str(args.bucket_cap_mb)]
@@ -159,6 +183,7 @@ def driver(args: argparse.Namespace) -> int:
         "batch": args.batch,
         "optimizer": args.optimizer,
         "bucket_cap_mb": args.bucket_cap_mb,
+        "fsdp": args.fsdp,
     }
     common.stamp_and_save("e2e", place.name, config, render, results, args.out)
     return 0
@@ -186,8 +211,11 @@ def render(data: dict[str, Any]) -> tuple[str, Any]:
     ]
     cap = cfg.get("bucket_cap_mb")
     buckets = "DDP's default buckets" if cap is None else f"DDP buckets of {cap} MB"
+    wrapper = "DDP"
+    if cfg.get("fsdp"):
+        buckets, wrapper = "FSDP2, fully_shard per block and the root", "FSDP2"
     markdown = (
-        f"# End-to-end DDP Transformer: {cfg['shape']} ({cfg['where']})\n\n"
+        f"# End-to-end {wrapper} Transformer: {cfg['shape']} ({cfg['where']})\n\n"
         + report.stamp_lines(data["stamp"])
         + f"\n{data['grad_mib']:.1f} MiB of gradients, {buckets},"
         f" {cfg['batch']} sequences/rank/step; {cfg['blocks']} alternating blocks of"
@@ -209,7 +237,7 @@ def render(data: dict[str, Any]) -> tuple[str, Any]:
             {f"{cfg['shape']} {cfg['where']}": series},
             "block",
             "steps/s",
-            title="DDP Transformer, steps/s per block",
+            title=f"{wrapper} Transformer, steps/s per block",
         )
 
     return markdown, plot

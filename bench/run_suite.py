@@ -6,7 +6,8 @@
 
 Runs, in order: one-shot allreduce vs size on loopback (2x2, 4x1, 1x4); the same on
 4 namespace hosts x 1 rank with 1 Gbit/s links (only with root and iproute2); overlap
-at 2x2; scaling with machines (1, 2, 4, 8 x 1); end-to-end DDP at 2x2. Every figure
+at 2x2; scaling with machines (1, 2, 4, 8 x 1); end-to-end DDP at 2x2; FSDP's
+reduce-scatter and all-gather at 2x2, and FSDP2 training at 2x2 on 1 Gbit/s links. Every figure
 is fairring against Gloo measured in the same run, in the same processes.
 """
 
@@ -56,6 +57,12 @@ STEPS: list[tuple[str, list[str], bool]] = [  # (script, arguments, needs the ne
     (  # the main job's setting (scripts/main_job.sh): machines joined by a shaped link
         "e2e.py",
         ["--shape", "2x2", "--rate", LINK_RATE, "--blocks", "6", "--block-steps", "4"],
+        True,
+    ),
+    ("fsdp.py", ["--shape", "2x2", "--iters", "7"], False),
+    (
+        "e2e.py",
+        ["--fsdp", "--shape", "2x2", "--rate", LINK_RATE, "--blocks", "6", "--block-steps", "4"],
         True,
     ),
 ]
@@ -205,6 +212,67 @@ def target_rows(out: Path) -> list[Row]:
 
         f, g = steps_per_s(e2e_link, "fairring"), steps_per_s(e2e_link, "gloo")
         add(label, f"{f / g:.2f}x ({f:.3f} vs {g:.3f})", f >= 1.1 * g)
+    else:
+        add(label, missing, None)
+    rows += fsdp_target_rows(out)
+    return rows
+
+
+def fsdp_target_rows(out: Path) -> list[Row]:
+    """Issue 20's targets: FSDP's collectives at 2x2 loopback, FSDP2 training at 1 Gbit/s."""
+    from fsdp import summarize
+
+    rows: list[Row] = []
+    missing = "not measured"
+
+    def add(target: str, measured: str, ok: bool | None) -> None:
+        rows.append([target, measured, missing if ok is None else _verdict(ok)])
+
+    data = _load(out, "fsdp")
+    found = {(r["collective"], r["size"]): r for r in summarize(data)} if data else {}
+
+    def measured(r: dict[str, Any]) -> str:
+        return (
+            f"{r['speedup']:.2f}x ({report.ms(r['fairring_s'])} vs {report.ms(r['gloo_s'])} ms;"
+            f" best of: {r['speedup_best']:.2f}x)"
+        )
+
+    for size in (25 * common.MIB, 100 * common.MIB):
+        r = found.get(("reduce_scatter", size))
+        add(
+            f"reduce-scatter 2x2 loopback, {common.show_size(size)}: >= 1.8x Gloo",
+            measured(r) if r else missing,
+            r["speedup"] >= 1.8 if r else None,
+        )
+        r = found.get(("all_gather", size))
+        add(
+            f"all-gather 2x2 loopback, {common.show_size(size)}: >= 1.0x Gloo (goal 1.3x)",
+            measured(r) if r else missing,
+            r["speedup"] >= 1.0 if r else None,
+        )
+    for name in ("reduce_scatter", "all_gather"):
+        r = found.get((name, 64 * common.KIB))
+        add(
+            f"{name} 2x2 loopback, 64 KiB: <= 1.5x Gloo's time",
+            f"{1 / r['speedup']:.2f}x Gloo's time ({report.ms(r['fairring_s'])} vs"
+            f" {report.ms(r['gloo_s'])} ms)"
+            if r
+            else missing,
+            1 / r["speedup"] <= 1.5 if r else None,
+        )
+    e2e = _load(out, f"e2e_fsdp_netns_{LINK_RATE}")
+    label = "FSDP2 Transformer 2x2 at 1 Gbit/s: steps/s >= 1.3x Gloo's, same loss"
+    if e2e:
+        from e2e import steps_per_s
+
+        f, g = steps_per_s(e2e, "fairring"), steps_per_s(e2e, "gloo")
+        loss = e2e["final_loss"]
+        same = abs(loss["fairring"] - loss["gloo"]) <= 1e-3 * abs(loss["gloo"])
+        add(
+            label,
+            f"{f / g:.2f}x ({f:.3f} vs {g:.3f}); loss {loss['fairring']:.4f} vs {loss['gloo']:.4f}",
+            f >= 1.3 * g and same,
+        )
     else:
         add(label, missing, None)
     return rows

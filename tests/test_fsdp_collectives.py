@@ -19,7 +19,9 @@ refusal (every rank raises with the reason), so later cases must not share it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
@@ -177,7 +179,10 @@ def part_inputs(case: Case, world: int, tag: str = "") -> list[torch.Tensor]:
 
 def compare(got: torch.Tensor, expected: torch.Tensor, what: str) -> str | None:
     if got.dtype != expected.dtype or got.shape != expected.shape:
-        return f"{what}: got {got.dtype}{tuple(got.shape)}, expected {expected.dtype}{tuple(expected.shape)}"
+        shapes = (
+            f"got {got.dtype}{tuple(got.shape)}, expected {expected.dtype}{tuple(expected.shape)}"
+        )
+        return f"{what}: {shapes}"
     if torch.equal(got, expected):
         return None
     bad = (got != expected).flatten().nonzero().flatten()
@@ -359,50 +364,57 @@ BAD_CASES = (
 )
 
 
+DIFFERS = "differs between ranks"
+
+
 @dataclasses.dataclass(frozen=True)
 class BadCase:
     id: str
 
 
+def _bad_call(
+    rank: int, world: int, case_id: str, group: dist.ProcessGroup
+) -> tuple[Callable[[], object], str]:
+    """The call a bad case makes on this rank, and what every rank's error must say."""
+    if case_id.startswith("rs_not_world_x_output"):
+        extra = 1 if case_id.endswith("all") or rank == 2 else 0
+        inp = torch.ones(world * 4 + extra)
+        expect = "input has 17 elements, expected the world size (4) x the output's 4 = 16"
+        return functools.partial(
+            dist.reduce_scatter_tensor, torch.empty(4), inp, group=group
+        ), expect
+    if case_id == "rs_sizes_differ":
+        n = 5 if rank == 0 else 4
+        inp = torch.ones(world * n)
+        return functools.partial(
+            dist.reduce_scatter_tensor, torch.empty(n), inp, group=group
+        ), DIFFERS
+    if case_id == "ag_sizes_differ":
+        n = 6 if rank == 3 else 4
+        out = torch.empty(world * n)
+        return functools.partial(
+            dist.all_gather_into_tensor, out, torch.ones(n), group=group
+        ), DIFFERS
+    if case_id == "ag_dtypes_differ":
+        dt = torch.int32 if rank == 1 else torch.float32
+        out, inp = torch.empty(world * 4, dtype=dt), torch.ones(4, dtype=dt)
+        return functools.partial(dist.all_gather_into_tensor, out, inp, group=group), DIFFERS
+    assert case_id == "rs_list_length", case_id
+    inputs = [torch.ones(4) for _ in range(world - 1 if rank == 3 else world)]
+    expect = "the input list has 3 tensors, expected the world size 4"
+    return functools.partial(dist.reduce_scatter, torch.empty(4), inputs, group=group), expect
+
+
 def run_bad_case(rank: int, world: int, case: BadCase) -> str | None:
     """Each case on a fresh group: a refusal fails the group on every rank."""
     group = dist.new_group(backend="fairring", timeout=timedelta(seconds=30))
-    expect: str
-    if case.id.startswith("rs_not_world_x_output"):
-        bad = case.id.endswith("all") or rank == 2
-        inp = torch.ones(world * 4 + (1 if bad else 0))
-        call = lambda: dist.reduce_scatter_tensor(torch.empty(4), inp, group=group)  # noqa: E731
-        expect = "input has 17 elements, expected the world size (4) x the output's 4 = 16"
-    elif case.id == "rs_sizes_differ":
-        n = 5 if rank == 0 else 4
-        call = lambda: dist.reduce_scatter_tensor(
-            torch.empty(n), torch.ones(world * n), group=group
-        )  # noqa: E731
-        expect = "differs between ranks"
-    elif case.id == "ag_sizes_differ":
-        n = 6 if rank == 3 else 4
-        call = lambda: dist.all_gather_into_tensor(
-            torch.empty(world * n), torch.ones(n), group=group
-        )  # noqa: E731
-        expect = "differs between ranks"
-    elif case.id == "ag_dtypes_differ":
-        dt = torch.int32 if rank == 1 else torch.float32
-        call = lambda: dist.all_gather_into_tensor(  # noqa: E731
-            torch.empty(world * 4, dtype=dt), torch.ones(4, dtype=dt), group=group
-        )
-        expect = "differs between ranks"
-    else:
-        length = world - 1 if rank == 3 else world
-        call = lambda: dist.reduce_scatter(  # noqa: E731
-            torch.empty(4), [torch.ones(4) for _ in range(length)], group=group
-        )
-        expect = "the input list has 3 tensors, expected the world size 4"
+    call, expect = _bad_call(rank, world, case.id, group)
     try:
         call()
-        dist.barrier(group=group)  # a rank whose own call went out waits here for the verdict
-        torch.ones(1)
+        # A rank whose own call went out learns the verdict at its next operation.
+        dist.reduce_scatter_tensor(torch.empty(1), torch.ones(world), group=group)
         return "did not raise"
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - the message matters
         msg = str(exc)
         if expect not in msg:
             return f"error does not say {expect!r}: {type(exc).__name__}: {msg}"
