@@ -146,51 +146,26 @@ def plan(cfg: SoakConfig) -> list[list[Op]]:
 
 
 def values(seed: int, op: Op, rank: int) -> Any:
-    """Small integers whose reduction over 4 ranks is exact in every dtype."""
-    import torch
+    """tests/values.py's wide inputs: integers across their dtype's range, non-integer
+    floats (bool: 0 and 1)."""
+    from values import make_values
 
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + op.index) * 8 + rank)
-    n = op.numel
-    if op.dtype == "bool":
-        v = torch.randint(0, 2, (n,), generator=gen)
-    elif op.op == "SUM":
-        v = torch.randint(0 if op.dtype == "uint8" else -8, 9, (n,), generator=gen)
-    elif op.op == "AVG":
-        v = WORLD * torch.randint(-8, 9, (n,), generator=gen)
-    elif op.op in ("MIN", "MAX"):
-        v = torch.randint(0 if op.dtype == "uint8" else -100, 101, (n,), generator=gen)
-    else:  # PRODUCT: |product| <= 16
-        choices = torch.tensor([1, 2] if op.dtype == "uint8" else [1, 2, -1])
-        v = choices[torch.randint(0, len(choices), (n,), generator=gen)]
-    return v.to(getattr(torch, op.dtype))
+    return make_values(f"soak/{seed}/{op.index}", rank, op.op, op.dtype, op.numel, WORLD, "wide")
 
 
-def expected(seed: int, op: Op) -> Any:
-    import torch
+def check(seed: int, op: Op, got: Any) -> str | None:
+    """None if ``got`` is the reduction of every rank's input (within the dtype's
+    rounding, for floats), else what differs."""
+    from values import compare, reference
 
-    inputs = [values(seed, op, r) for r in range(WORLD)]
-    if op.dtype == "bool":
-        stacked = torch.stack(inputs)
-        return stacked.any(0) if op.op in ("SUM", "MAX") else stacked.all(0)
-    wide = torch.stack([t.to(torch.float64 if op.dtype in FLOATS else torch.int64) for t in inputs])
-    if op.op == "SUM":
-        out = wide.sum(0)
-    elif op.op == "AVG":
-        out = wide.sum(0) / WORLD
-    elif op.op == "MIN":
-        out = wide.amin(0)
-    elif op.op == "MAX":
-        out = wide.amax(0)
-    else:
-        out = wide.prod(0)
-    return out.to(getattr(torch, op.dtype))
+    want, tolerance = reference([values(seed, op, r) for r in range(WORLD)], op.op, op.dtype)
+    return compare(got, want, tolerance, f"allreduce #{op.index} {op}")
 
 
 # ---------------------------------------------------------------------- rank side
 
 
 def soak_rank(rank: int, world: int, cfg: SoakConfig) -> dict[str, Any]:
-    import torch
     import torch.distributed as dist
 
     assert world == WORLD
@@ -213,10 +188,8 @@ def soak_rank(rank: int, world: int, cfg: SoakConfig) -> dict[str, Any]:
             except Exception as exc:  # noqa: BLE001 - reported; the group is now broken
                 errors.append(f"allreduce #{op.index} {op}: {exc}")
                 return {"errors": errors, "series": series, "done": done}
-            want = expected(cfg.seed, op)
-            if not torch.equal(tensor, want):
-                bad = int((tensor != want).sum())
-                errors.append(f"allreduce #{op.index} {op}: {bad} of {op.numel} elements wrong")
+            if err := check(cfg.seed, op, tensor):
+                errors.append(err)
             done += 1
         if b == 0 or done // 1000 != (done - len(batch)) // 1000:
             series.append(_figures(done))

@@ -32,6 +32,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from multiprocess import SHAPES, RankOutcome, fairring_env, launch
 from reliability_helpers import BareOutcome, run_bare, store_barrier
+from values import FLOAT_DTYPES as FLOATS
+from values import INT_DTYPES, make_values, reference
 
 SHAPE = SHAPES["2x2"]
 WORLD = len(SHAPE)
@@ -348,7 +350,6 @@ def test_meta_tensor_keeps_the_group_in_step() -> None:
 # ------------------------------------------------------------------ hypothesis
 
 
-FLOATS = ("float32", "float64", "float16", "bfloat16")
 INTS = ("int8", "int16", "int32", "int64", "uint8")
 DTYPES = FLOATS + INTS + ("bool",)
 OPS = ("SUM", "AVG", "MIN", "MAX", "PRODUCT")
@@ -412,21 +413,10 @@ def draw_steps(count: int) -> list[Valid | Refused]:
 
 
 def _values(step: Valid, rank: int, numel: int) -> torch.Tensor:
-    """Small integers whose reduction is exact in every dtype (4 ranks)."""
-    gen = torch.Generator().manual_seed(step.seed * 31 + rank)
-    unsigned = step.dtype == "uint8"
-    if step.dtype == "bool":
-        v = torch.randint(0, 2, (numel,), generator=gen)
-    elif step.op == "SUM":
-        v = torch.randint(0 if unsigned else -8, 9, (numel,), generator=gen)
-    elif step.op == "AVG":
-        v = WORLD * torch.randint(-8, 9, (numel,), generator=gen)
-    elif step.op in ("MIN", "MAX"):
-        v = torch.randint(0 if unsigned else -100, 101, (numel,), generator=gen)
-    else:  # PRODUCT: |product| <= 16
-        choices = torch.tensor([1, 2] if unsigned else [1, 2, -1])
-        v = choices[torch.randint(0, len(choices), (numel,), generator=gen)]
-    return v.to(getattr(torch, step.dtype))
+    """tests/values.py's inputs: integers across their dtype's range (exact, in any
+    order), small integers for floats (exact in every float dtype)."""
+    kind = "wide" if step.dtype in INT_DTYPES else "small"
+    return make_values(f"bad_input/{step.seed}", rank, step.op, step.dtype, numel, WORLD, kind)
 
 
 def _base_and_view(step: Valid, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -456,21 +446,9 @@ def _base_and_view(step: Valid, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _reference(views: list[torch.Tensor], op: str, dtype: str) -> torch.Tensor:
-    if dtype == "bool":
-        stacked = torch.stack(views)
-        return stacked.any(0) if op in ("SUM", "MAX") else stacked.all(0)
-    wide = torch.stack([v.to(torch.float64 if dtype in FLOATS else torch.int64) for v in views])
-    if op == "SUM":
-        out = wide.sum(0)
-    elif op == "AVG":
-        out = wide.sum(0) / len(views)
-    elif op == "MIN":
-        out = wide.amin(0)
-    elif op == "MAX":
-        out = wide.amax(0)
-    else:
-        out = wide.prod(0)
-    return out.to(getattr(torch, dtype))
+    expected, tolerance = reference(views, op, dtype)
+    assert tolerance is None or not bool(tolerance.any()), (op, dtype)  # exact inputs only
+    return expected
 
 
 def _run_steps(rank: int, world: int, steps: list[Valid | Refused]) -> list[str]:

@@ -76,7 +76,7 @@ def _randint(lo: int, hi: int, numel: int, gen: torch.Generator) -> torch.Tensor
 
 def _wide_int(gen: torch.Generator, op: str, dtype: str, numel: int, world: int) -> torch.Tensor:
     lo, hi = _int_range(dtype)
-    if op == "SUM":
+    if op in ("SUM", "AVG"):  # AVG: inputs for a call that must be refused
         # As wide as the dtype allows without overflowing the sum of `world` values.
         return _randint(lo // world + 1 if lo else 0, hi // world, numel, gen)
     if op in ("MIN", "MAX"):
