@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import pickle
 import signal
@@ -38,7 +39,7 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 # Simulated cluster shapes: machine id of each rank.
 SHAPES: dict[str, list[str]] = {
@@ -61,6 +62,7 @@ _POLL_S = 0.02
 # the first fairring job, and does not count against any job's deadline.
 _BUILD_TIMEOUT_S = 1200
 _built = False
+_T = TypeVar("_T")
 
 
 def fairring_env(
@@ -323,6 +325,28 @@ def run_ranks(
         msg += "\n" + "\n".join(o.describe() for o in bad)
         raise RankFailure(msg, outcomes)
     return [o.value for o in outcomes]
+
+
+def memoised(job: Callable[..., _T]) -> Callable[..., _T]:
+    """A job runner (arguments hashable) that runs once per arguments for the whole
+    test session: what it returned, or what it raised (a RankFailure), is handed to
+    every later caller, so that the tests sharing a failed job fail at once with its
+    error instead of each running it again."""
+    outcomes: dict[tuple[Any, ...], tuple[bool, Any]] = {}
+
+    @functools.wraps(job)
+    def run(*args: Any) -> _T:
+        if args not in outcomes:
+            try:
+                outcomes[args] = (True, job(*args))
+            except Exception as exc:  # noqa: BLE001 - kept, raised again below
+                outcomes[args] = (False, exc)
+        ok, value = outcomes[args]
+        if not ok:
+            raise value
+        return value
+
+    return run
 
 
 # ---------------------------------------------------------------------------- case jobs

@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from multiprocess import DEFAULT_BACKEND, SHAPES, CaseJob, fairring_env, run_ranks
-from values import FLOAT_DTYPES, INT_DTYPES, compare, reference
+from values import FLOAT_DTYPES, INT_DTYPES, compare, compare_exact, reduce_op, reference
 from values import make_values as _make_values
 
 BACKEND = DEFAULT_BACKEND
@@ -205,27 +205,6 @@ def _make_base(rank: int, case: Case, world: int, shape: tuple[int, ...]) -> tor
     return base
 
 
-def _compare(got: torch.Tensor, expected: torch.Tensor, what: str) -> str | None:
-    if got.dtype != expected.dtype or got.shape != expected.shape:
-        return (
-            f"{what}: got {got.dtype}{tuple(got.shape)}, "
-            f"expected {expected.dtype}{tuple(expected.shape)}"
-        )
-    if torch.equal(got, expected):
-        return None
-    bad = (got != expected).flatten().nonzero().flatten()
-    first = int(bad[0])
-    g, e = got.flatten()[first].item(), expected.flatten()[first].item()
-    return (
-        f"{what}: {bad.numel()} of {got.numel()} elements differ; first at flat index "
-        f"{first}: got {g}, expected {e}"
-    )
-
-
-def _op(name: str) -> dist.ReduceOp.RedOpType:
-    return getattr(dist.ReduceOp, name)
-
-
 # ----------------------------------------------------------------- the rank side
 
 
@@ -236,29 +215,29 @@ def run_case(rank: int, world: int, case: Case) -> str | None:
         bases = [_make_base(r, case, world, shape) for r in range(world)]
         base = bases[rank].clone(memory_format=torch.preserve_format)
         view = view_of(base)
-        dist.all_reduce(view, op=_op(case.op))
+        dist.all_reduce(view, op=reduce_op(case.op))
         expected, tolerance = reference([view_of(b) for b in bases], case.op, case.dtype)
         if err := compare(view, expected, tolerance, "result"):
             return err
         # Elements outside the view must not change.
         expected_base = bases[rank].clone(memory_format=torch.preserve_format)
         view_of(expected_base).copy_(view)
-        return _compare(base, expected_base, "base tensor (elements outside the view)")
+        return compare_exact(base, expected_base, "base tensor (elements outside the view)")
 
     if case.kind in ("async", "future_then"):
         inputs = [make_input(r, case, case.numel, world) for r in range(world)]
         expected = reduce_exact(inputs, case.op, case.dtype)
         tensor = inputs[rank].clone()
-        work = dist.all_reduce(tensor, op=_op(case.op), async_op=True)
+        work = dist.all_reduce(tensor, op=reduce_op(case.op), async_op=True)
         assert work is not None
         if case.kind == "async":
             work.wait()
             if not work.is_completed():
                 return "work.is_completed() is False after wait()"
-            return _compare(tensor, expected, "result")
+            return compare_exact(tensor, expected, "result")
         fut = work.get_future().then(lambda f: f.value()[0] * 2)
         doubled = fut.wait()
-        return _compare(doubled, expected * 2, "value of the chained future") or _compare(
+        return compare_exact(doubled, expected * 2, "value of the chained future") or compare_exact(
             tensor, expected, "result"
         )
 
@@ -274,10 +253,10 @@ def run_case(rank: int, world: int, case: Case) -> str | None:
         tensors = [t.clone() for t in all_inputs[rank]]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # deprecated, still there
-            dist.all_reduce_coalesced(tensors, op=_op(case.op))
+            dist.all_reduce_coalesced(tensors, op=reduce_op(case.op))
         for i, tensor in enumerate(tensors):
             expected = reduce_exact([ins[i] for ins in all_inputs], case.op, case.dtype)
-            err = _compare(tensor, expected, f"tensor {i} of {len(sizes)}")
+            err = compare_exact(tensor, expected, f"tensor {i} of {len(sizes)}")
             if err:
                 return err
         return None
@@ -293,7 +272,7 @@ def run_case(rank: int, world: int, case: Case) -> str | None:
         tensor = inputs[rank].clone()
         dist.all_reduce(tensor)
         expected = torch.stack([t.to(torch.complex128) for t in inputs]).sum(0)
-        return _compare(tensor, expected.to(torch.complex64), "result")
+        return compare_exact(tensor, expected.to(torch.complex64), "result")
 
     if case.kind == "avg_fraction":
         # Averages that are not integers: compare within a rounding error.
@@ -341,7 +320,7 @@ def run_case(rank: int, world: int, case: Case) -> str | None:
         tensor = inputs[rank].clone()
         pg = dist.distributed_c10d._get_default_group()
         try:
-            pg.allreduce([tensor], _op(case.op)).wait()
+            pg.allreduce([tensor], reduce_op(case.op)).wait()
         except Exception as exc:  # noqa: BLE001
             msg = str(exc)
             if case.dtype in msg:
@@ -350,7 +329,7 @@ def run_case(rank: int, world: int, case: Case) -> str | None:
         if case.op != "SUM":
             return f"allreduce {case.op} of {case.dtype} did not raise"
         expected = torch.stack([t.to(torch.complex128) for t in inputs]).sum(0)
-        return _compare(tensor, expected.to(torch.complex64), "result of a complex SUM")
+        return compare_exact(tensor, expected.to(torch.complex64), "result of a complex SUM")
 
     raise ValueError(f"unknown case kind {case.kind}")
 
@@ -394,7 +373,7 @@ def reduced_bits(rank: int, world: int) -> list[str]:
         ]
         for _ in range(2):
             tensor = inputs[rank].clone()
-            dist.all_reduce(tensor, op=_op(op))
+            dist.all_reduce(tensor, op=reduce_op(op))
             raw = tensor.view(torch.uint8).numpy().tobytes()
             digests.append(f"{op}-{dtype}:{hashlib.sha256(raw).hexdigest()[:16]}")
     return digests

@@ -100,19 +100,27 @@ def test_import_fairring_pg_first() -> None:
 def test_hook_is_cheap() -> None:
     out = _python(
         """
-        import sys, time, torch
+        import sys, time
+        t0 = time.perf_counter()
+        import torch
         import torch.distributed as dist
+        baseline = time.perf_counter() - t0
         t0 = time.perf_counter()
         import fairring_pg
         dt = time.perf_counter() - t0
         assert "fairring" in dist.Backend.backend_list
-        print(dt, "fairring_pg._build" in sys.modules)
+        print(dt, baseline, "fairring_pg._build" in sys.modules)
         """,
         env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"},
     )
-    seconds, built = out.split()
-    assert built == "False"
-    assert float(seconds) < 0.25, f"registration took {float(seconds):.3f}s"
+    seconds, baseline, built = out.split()
+    assert built == "False"  # neither compiled nor loaded
+    # Relative to `import torch` in the same process (a loaded machine slows both):
+    # registration is a few small modules, not a second torch (measured: 0.03 s
+    # against 1.5 s on 2 idle cores).
+    assert float(seconds) < 0.1 * float(baseline), (
+        f"registration took {float(seconds):.3f} s, import torch {float(baseline):.3f} s"
+    )
 
 
 def test_register_is_idempotent() -> None:

@@ -18,7 +18,6 @@ dtypes, ops) interleaved with refused calls on random ranks through one group.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import time
 import zlib
@@ -30,7 +29,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from multiprocess import SHAPES, RankOutcome, fairring_env, launch
+from multiprocess import SHAPES, RankOutcome, fairring_env, launch, memoised
 from reliability_helpers import BareOutcome, run_bare, store_barrier
 from values import FLOAT_DTYPES as FLOATS
 from values import INT_DTYPES, make_values, reference
@@ -139,7 +138,7 @@ def _config_cases(rank: int, world: int, store: Any, cases: list[ConfigCase]) ->
     return results
 
 
-@functools.cache
+@memoised
 def _config_job() -> tuple[BareOutcome, ...]:
     return tuple(run_bare(_config_cases, SHAPE, timeout_s=300, cases=CONFIG_CASES))
 
@@ -296,7 +295,7 @@ def _try_meta() -> dict[str, Any]:
     return {"error": None, "elapsed_s": time.monotonic() - t0}
 
 
-@functools.cache
+@memoised
 def _invalid_job() -> tuple[RankOutcome, ...]:
     return tuple(
         launch(

@@ -33,13 +33,12 @@ from test_allreduce import (
     OPS,
     VIEW_KINDS,
     Case,
-    _compare,
     _make_base,
-    _op,
     _view_of,
     make_input,
     reduce_exact,
 )
+from values import compare_exact, reduce_op
 
 pytestmark = [
     pytest.mark.cuda,
@@ -103,25 +102,25 @@ def run_cuda_case(rank: int, world: int, case: Case) -> str | None:
         bases = [_make_base(r, case, world, shape) for r in range(world)]
         base = bases[rank].clone(memory_format=torch.preserve_format).to(dev)
         view = view_of(base)
-        dist.all_reduce(view, op=_op(case.op))
+        dist.all_reduce(view, op=reduce_op(case.op))
         expected_base = bases[rank].clone(memory_format=torch.preserve_format)
         view_of(expected_base).copy_(reduce_exact([view_of(b) for b in bases], case.op, case.dtype))
-        return _compare(view.cpu(), view_of(expected_base), "result") or _compare(
+        return compare_exact(view.cpu(), view_of(expected_base), "result") or compare_exact(
             base.cpu(), expected_base, "base tensor (elements outside the view must not change)"
         )
     if case.kind in ("async", "future_then"):
         inputs = [make_input(r, case, case.numel, world) for r in range(world)]
         expected = reduce_exact(inputs, case.op, case.dtype)
         tensor = inputs[rank].to(dev)
-        work = dist.all_reduce(tensor, op=_op(case.op), async_op=True)
+        work = dist.all_reduce(tensor, op=reduce_op(case.op), async_op=True)
         assert work is not None
         if case.kind == "async":
             work.wait()  # the current stream waits; reading the tensor syncs with it
             if work.exception() is not None or not work.is_success():
                 return f"a successful allreduce reports {work.exception()!r}"
-            return _compare(tensor.cpu(), expected, "result after wait()")
+            return compare_exact(tensor.cpu(), expected, "result after wait()")
         doubled = work.get_future().then(lambda f: f.value()[0] * 2).wait()
-        return _compare(doubled.cpu(), expected * 2, "value of the chained future")
+        return compare_exact(doubled.cpu(), expected * 2, "value of the chained future")
     if case.kind in ("coalesced", "coalesced_churn"):
         sizes = (5, 1, 1001, 3000)
         all_inputs = [
@@ -134,7 +133,7 @@ def run_cuda_case(rank: int, world: int, case: Case) -> str | None:
         tensors = [t.to(dev) for t in all_inputs[rank]]
         pg = dist.distributed_c10d._get_default_group()
         opts = dist.AllreduceCoalescedOptions()
-        opts.reduceOp = _op(case.op)
+        opts.reduceOp = reduce_op(case.op)
         work = pg.allreduce_coalesced(tensors, opts)
         if case.kind == "coalesced_churn":
             # The caller's stream takes fresh blocks of the fused buffers' sizes and
@@ -147,7 +146,7 @@ def run_cuda_case(rank: int, world: int, case: Case) -> str | None:
         work.wait()
         for i, t in enumerate(tensors):
             expected = reduce_exact([ins[i] for ins in all_inputs], case.op, case.dtype)
-            err = _compare(t.cpu(), expected, f"tensor {i} of {len(sizes)}")
+            err = compare_exact(t.cpu(), expected, f"tensor {i} of {len(sizes)}")
             if err:
                 return err
         return None

@@ -9,13 +9,12 @@ several allreduces are in flight per step. The parent compares the runs.
 
 from __future__ import annotations
 
-from functools import cache
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import DEFAULT_BACKEND, SHAPES, run_ranks
+from multiprocess import DEFAULT_BACKEND, SHAPES, memoised, run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -74,7 +73,7 @@ def train(rank: int, world: int, steps: int) -> dict[str, Any]:
     }
 
 
-@cache
+@memoised
 def _run(backend: str) -> list[dict[str, Any]]:
     return run_ranks(train, len(MACHINES), MACHINES, backend=backend, timeout_s=300, steps=STEPS)
 

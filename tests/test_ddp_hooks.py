@@ -15,14 +15,13 @@ outlive the interpreter); the operations and their order per bucket are the same
 
 # No `from __future__ import annotations` here: DDP checks a hook's annotations at
 # registration, and string annotations fail its check.
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import DEFAULT_BACKEND, SHAPES, RankFailure, run_ranks
+from multiprocess import DEFAULT_BACKEND, SHAPES, memoised, run_ranks
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
@@ -178,26 +177,16 @@ def train_all(rank: int, world: int, reference: bool) -> dict[str, Any]:
     return out
 
 
-@functools.cache
-def _job(backend: str) -> list[dict[str, Any]] | RankFailure:
-    try:
-        return run_ranks(
-            train_all,
-            len(MACHINES),
-            MACHINES,
-            backend=backend,
-            timeout_s=240,
-            reference=backend == "gloo",
-        )
-    except RankFailure as exc:  # kept, so that the other tests do not rerun the job
-        return exc
-
-
+@memoised
 def _run(backend: str) -> list[dict[str, Any]]:
-    result = _job(backend)
-    if isinstance(result, RankFailure):
-        raise result
-    return result
+    return run_ranks(
+        train_all,
+        len(MACHINES),
+        MACHINES,
+        backend=backend,
+        timeout_s=240,
+        reference=backend == "gloo",
+    )
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))

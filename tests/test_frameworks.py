@@ -27,13 +27,12 @@ from __future__ import annotations
 import collections
 import tempfile
 from collections.abc import Callable
-from functools import cache
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import run_ranks
+from multiprocess import memoised, run_ranks
 from torch import nn
 
 STEPS = 4
@@ -282,7 +281,7 @@ JOBS: dict[str, tuple[Callable[..., dict[str, Any]], Callable[..., nn.Module]]] 
 }
 
 
-@cache
+@memoised
 def _results(name: str) -> list[dict[str, Any]]:
     job = JOBS[name][0]
     # The jobs (the frameworks) create fairring groups whatever FAIRRING_TEST_BACKEND says;

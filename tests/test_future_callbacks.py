@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import threading
 import time
-from functools import cache
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from multiprocess import DEFAULT_BACKEND, run_ranks
+from multiprocess import DEFAULT_BACKEND, memoised, run_ranks
 
 MACHINES = ["m0", "m0", "m1"]
 COUNT = 12
@@ -69,7 +68,7 @@ def done_callbacks(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-@cache
+@memoised
 def _results() -> list[dict[str, Any]]:
     return run_ranks(done_callbacks, len(MACHINES), MACHINES, DEFAULT_BACKEND, timeout_s=120)
 

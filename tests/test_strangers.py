@@ -33,7 +33,6 @@ One 2x2 job checks it all:
 
 from __future__ import annotations
 
-import functools
 import os
 import select
 import socket
@@ -46,7 +45,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import SHAPES, RankOutcome, fairring_env, launch
+from multiprocess import SHAPES, RankOutcome, fairring_env, launch, memoised
 from reliability_helpers import (
     HELLO_BYTES,
     HELLO_RANK,
@@ -495,7 +494,7 @@ def _strangers_job(rank: int, world: int) -> dict[str, Any]:
     return results
 
 
-@functools.cache
+@memoised
 def _job() -> tuple[RankOutcome, ...]:
     return tuple(launch(_strangers_job, WORLD, SHAPE, env=ENV, timeout_s=240, abort_grace_s=60))
 

@@ -8,8 +8,12 @@ sub-groups, so everything but the CUDA streams is checked here, without a GPU: s
 lanes, the direct path for small tensors and slice tails, every op and dtype (int16
 widened, bool as bytes), views, coalescing, and order across many calls.
 
-The case list and the exact references are test_allreduce's: every rank computes the
-expected result from all ranks' known inputs.
+The case list and the references are test_allreduce's (tests/values.py): every rank
+computes the expected result from all ranks' known inputs. The 2x2, 3x1 and 2x3 jobs
+(2x3: L = 3 local ranks, M = 2 machines, so a mix-up of L and M shows) take the five
+steps for every tensor of L*M elements or more (FAIRRING_DIRECT_BELOW=0); the 1x3 job
+is one machine, which planUnits sends down the direct path whatever the threshold (one
+allreduce on the world group: there is no rail to shard across), and checks that path.
 """
 
 from __future__ import annotations
@@ -22,19 +26,19 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import SHAPES, CaseJob, fairring_env, run_ranks
+from killed_peer import killed_peer, surviving
+from multiprocess import SHAPES, CaseJob, fairring_env, launch, run_ranks
 from test_allreduce import (
     DTYPES,
     FLOAT_DTYPES,
     OPS,
     Case,
-    _compare,
-    _op,
     build_cases,
     make_input,
     reduce_exact,
     run_case,
 )
+from values import compare_exact, reduce_op
 
 from fairring_pg.config import Config, lane_staging_bytes
 
@@ -110,8 +114,8 @@ def run_size_case(rank: int, world: int, case: SizeCase) -> str | None:
     c = Case(case.id, "plain", case.op, case.dtype, case.numel)
     inputs = [make_input(r, c, case.numel, world) for r in range(world)]
     tensor = inputs[rank].clone()
-    dist.all_reduce(tensor, op=_op(case.op))
-    return _compare(tensor, reduce_exact(inputs, case.op, case.dtype), "result")
+    dist.all_reduce(tensor, op=reduce_op(case.op))
+    return compare_exact(tensor, reduce_exact(inputs, case.op, case.dtype), "result")
 
 
 # Lanes from one to three; a direct threshold above some sizes and below others.
@@ -157,11 +161,11 @@ def many_async(rank: int, world: int, count: int) -> list[str]:
         case = Case(f"many/{i}", "plain", op, dtype, numel)
         inputs = [make_input(r, case, numel, world) for r in range(world)]
         tensor = inputs[rank].clone()
-        work = dist.all_reduce(tensor, op=_op(op), async_op=True)
+        work = dist.all_reduce(tensor, op=reduce_op(op), async_op=True)
         pending.append((work, tensor, reduce_exact(inputs, op, dtype), case.id))
     for work, tensor, expected, name in reversed(pending):
         work.wait()
-        err = _compare(tensor, expected, name)
+        err = compare_exact(tensor, expected, name)
         if err:
             errors.append(err)
     return errors
@@ -240,8 +244,6 @@ def _init_only(rank: int, world: int) -> None:
 
 
 def run_ranks_expecting_failure(rank_env: dict[int, dict[str, str]]) -> list[str]:
-    from multiprocess import launch
-
     outcomes = launch(
         _init_only,
         2,
@@ -275,8 +277,6 @@ def test_size_mismatch_never_passes(debug: str) -> None:
     issue different collectives and wait for each other until the group's timeout
     (NCCL's watchdog on CUDA). TORCH_DISTRIBUTED_DEBUG=DETAIL makes torch wrap fairring
     as it wraps NCCL, comparing every collective's shapes first: a clear error at once."""
-    from multiprocess import launch
-
     env = subgroup_env()
     if debug == "DETAIL":
         env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
@@ -413,61 +413,29 @@ def test_ddp_comm_hooks_match_gloo(hook: str) -> None:
 
 # ------------------------------------------------------------------ a killed peer
 
-KILL_TIMEOUT_S = 10
-
-
-def killed_peer(rank: int, world: int) -> dict[str, Any]:
-    """Rank 3 dies (SIGKILL) after a warm-up; the others reduce until they fail, then
-    call once more."""
-    import os
-    import signal
-
-    t = torch.ones(100_000)
-    dist.all_reduce(t)
-    dist.barrier()
-    if rank == world - 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-    start = time.monotonic()
-    first = None
-    for _ in range(1000):
-        try:
-            dist.all_reduce(t)
-        except Exception as exc:  # noqa: BLE001 - the message is the result
-            first = str(exc)
-            break
-    failed_after = time.monotonic() - start
-    start = time.monotonic()
-    try:
-        dist.all_reduce(torch.ones(10))
-        again = None
-    except Exception as exc:  # noqa: BLE001
-        again = str(exc)
-    return {
-        "first": first,
-        "failed_after": failed_after,
-        "again": again,
-        "again_s": time.monotonic() - start,
-    }
+KILL_GROUP_TIMEOUT_S = 10.0
 
 
 def test_killed_peer_fails_every_survivor() -> None:
-    from multiprocess import launch
-
+    """tests/test_faults.py's scenario on the sub-group path: every survivor's allreduce
+    fails (Gloo's sub-groups see the lost connection, or time out), and every later
+    call fails at once with the first error."""
+    victim = 3
     outcomes = launch(
         killed_peer,
         4,
         SHAPES["2x2"],
         env=subgroup_env(),
-        timeout_s=KILL_TIMEOUT_S + 60,
-        pg_timeout_s=KILL_TIMEOUT_S,
+        timeout_s=KILL_GROUP_TIMEOUT_S + 90,
         abort_grace_s=None,
+        group_backend="fairring",
+        victim=victim,
+        big_numel=1 << 20,
+        group_timeout_s=KILL_GROUP_TIMEOUT_S,
     )
-    assert outcomes[3].status == "crashed", outcomes[3].describe()
-    for o in outcomes[:3]:
-        assert o.ok, o.describe()
+    for o in surviving(tuple(outcomes), victim):
         v = o.value
-        assert v["first"] is not None, f"rank {o.rank}: 1000 allreduces passed without rank 3"
-        assert v["failed_after"] < KILL_TIMEOUT_S + 5, v
-        # Every later call fails at once, with the first error.
-        assert v["again"] is not None and "failed earlier" in v["again"], v
-        assert v["again_s"] < 1, v
+        assert v["message"] is not None, f"rank {o.rank}: completed without rank {victim}"
+        assert v["detect_s"] < KILL_GROUP_TIMEOUT_S + 5, v
+        assert v["after_message"] is not None and "failed earlier" in v["after_message"], v
+        assert v["after_s"] < 1, v

@@ -231,3 +231,15 @@ def compare(
         f"{what}: {index.numel()} of {got.numel()} elements differ; first at flat index "
         f"{first}: got {g!r}, expected {e!r}{allowed}"
     )
+
+
+def reduce_op(name: str) -> torch.distributed.ReduceOp.RedOpType:
+    """dist.ReduceOp by name (SUM, AVG, MIN, MAX, PRODUCT)."""
+    import torch.distributed as dist
+
+    return getattr(dist.ReduceOp, name)
+
+
+def compare_exact(got: torch.Tensor, expected: torch.Tensor, what: str) -> str | None:
+    """None if ``got`` is bit for bit ``expected``, else the first difference."""
+    return compare(got, expected, None, what)
