@@ -301,13 +301,8 @@ c10::intrusive_ptr<c10d::Work> CpuSharded::allGatherCoalesced(
       int64_t offset = 0;
       for (size_t t = 0; t < outputs.size(); ++t) {
         const int64_t n = inputs[t].numel();
-        at::Tensor out = outputs[t].is_contiguous() ? outputs[t].view({-1}) : at::empty({outputs[t].numel()}, outputs[t].options());
-        for (int r = 0; r < world; ++r) {
-          out.slice(0, r * n, (r + 1) * n).copy_(packed.slice(0, r * total + offset, r * total + offset + n));
-        }
-        if (!out.is_same(outputs[t]) && !outputs[t].is_contiguous()) {
-          outputs[t].copy_(out.view(outputs[t].sizes()));
-        }
+        at::Tensor parts = packed.view({world, total}).slice(1, offset, offset + n);
+        outputs[t].copy_(parts.reshape(outputs[t].sizes()));
         offset += n;
       }
     };
