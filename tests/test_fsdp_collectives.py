@@ -23,6 +23,7 @@ import functools
 import zlib
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
@@ -361,6 +362,7 @@ BAD_CASES = (
     "ag_sizes_differ",
     "ag_dtypes_differ",
     "rs_list_length",
+    "ag_coalesced_sizes",
 )
 
 
@@ -370,6 +372,13 @@ DIFFERS = "differs between ranks"
 @dataclasses.dataclass(frozen=True)
 class BadCase:
     id: str
+
+
+def _gather_coalesced(outs: list[torch.Tensor], ins: list[torch.Tensor], group: Any) -> None:
+    with dist._coalescing_manager(group=group, async_ops=True) as cm:
+        for out, inp in zip(outs, ins, strict=True):
+            dist.all_gather_into_tensor(out, inp, group=group)
+    cm.wait()
 
 
 def _bad_call(
@@ -399,6 +408,12 @@ def _bad_call(
         dt = torch.int32 if rank == 1 else torch.float32
         out, inp = torch.empty(world * 4, dtype=dt), torch.ones(4, dtype=dt)
         return functools.partial(dist.all_gather_into_tensor, out, inp, group=group), DIFFERS
+    if case_id == "ag_coalesced_sizes":
+        # Coalesced: the second output is one element short, on rank 1 only.
+        outs = [torch.empty(world * 4), torch.empty(world * 3 - (1 if rank == 1 else 0))]
+        ins = [torch.ones(4), torch.ones(3)]
+        expect = "output 1 has 11 elements, expected the world size (4) x input 1's 3"
+        return functools.partial(_gather_coalesced, outs, ins, group), expect
     assert case_id == "rs_list_length", case_id
     inputs = [torch.ones(4) for _ in range(world - 1 if rank == 3 else world)]
     expect = "the input list has 3 tensors, expected the world size 4"

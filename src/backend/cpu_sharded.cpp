@@ -67,6 +67,37 @@ std::string sameDtype(const std::vector<at::Tensor>& tensors, const std::string&
   return "";
 }
 
+// The problem with a coalesced call, if any: `bigs` (reduce-scatter inputs,
+// all-gather outputs) must each hold `world` x the matching one of `parts`.
+std::string coalescedProblem(
+    const std::vector<at::Tensor>& bigs,
+    const std::string& bigName,
+    const std::vector<at::Tensor>& parts,
+    const std::string& partName,
+    int world) {
+  if (bigs.size() != parts.size() || bigs.empty()) {
+    return "got " + std::to_string(bigs.size()) + " " + bigName + "s and " + std::to_string(parts.size()) + " " +
+        partName + "s; expected as many of each, at least one";
+  }
+  std::string problem = firstProblem(bigs, bigName);
+  if (problem.empty()) {
+    problem = firstProblem(parts, partName);
+  }
+  if (problem.empty()) {
+    std::vector<at::Tensor> both = bigs;
+    both.insert(both.end(), parts.begin(), parts.end());
+    problem = sameDtype(both, "tensor");
+  }
+  for (size_t t = 0; problem.empty() && t < bigs.size(); ++t) {
+    if (bigs[t].numel() != parts[t].numel() * world) {
+      problem = bigName + " " + std::to_string(t) + " has " + std::to_string(bigs[t].numel()) +
+          " elements, expected the world size (" + std::to_string(world) + ") x " + partName + " " +
+          std::to_string(t) + "'s " + std::to_string(parts[t].numel());
+    }
+  }
+  return problem;
+}
+
 } // namespace
 
 c10::intrusive_ptr<c10d::Work> CpuSharded::issue(
@@ -154,45 +185,16 @@ c10::intrusive_ptr<c10d::Work> CpuSharded::reduceScatterCoalesced(
     c10d::ReduceOp::RedOpType op) {
   Call call{OpKind::kReduceScatter};
   call.op = op;
-  if (outputs.size() != inputs.size() || outputs.empty()) {
-    call.problem = "got " + std::to_string(inputs.size()) + " inputs and " + std::to_string(outputs.size()) +
-        " outputs; expected as many of each, at least one";
-  } else {
-    call.problem = firstProblem(inputs, "input");
-    if (call.problem.empty()) {
-      call.problem = firstProblem(outputs, "output");
-    }
-    if (call.problem.empty()) {
-      std::vector<at::Tensor> both = inputs;
-      both.insert(both.end(), outputs.begin(), outputs.end());
-      call.problem = sameDtype(both, "tensor");
-    }
-    for (size_t t = 0; call.problem.empty() && t < inputs.size(); ++t) {
-      if (inputs[t].numel() != outputs[t].numel() * worldSize_) {
-        call.problem = "input " + std::to_string(t) + " has " + std::to_string(inputs[t].numel()) +
-            " elements, expected the world size (" + std::to_string(worldSize_) + ") x output " + std::to_string(t) +
-            "'s " + std::to_string(outputs[t].numel());
-      }
-    }
-  }
+  call.problem = coalescedProblem(inputs, "input", outputs, "output", worldSize_);
   if (call.problem.empty()) {
-    // Rank r's part of the packed input: rank r's part of every input, in order.
-    std::vector<at::Tensor> parts;
-    std::vector<at::Tensor> flatInputs;
-    for (const at::Tensor& t : inputs) {
-      flatInputs.push_back(t.reshape({-1}));
-    }
-    for (int r = 0; r < worldSize_; ++r) {
-      for (size_t t = 0; t < inputs.size(); ++t) {
-        const int64_t n = outputs[t].numel();
-        parts.push_back(flatInputs[t].slice(0, r * n, (r + 1) * n));
-      }
-    }
-    call.input = at::cat(parts);
+    // Rank r's part of the packed input is rank r's part of every input, in order.
+    std::vector<at::Tensor> byRank;
     int64_t total = 0;
-    for (const at::Tensor& t : outputs) {
-      total += t.numel();
+    for (size_t t = 0; t < inputs.size(); ++t) {
+      byRank.push_back(inputs[t].reshape({worldSize_, outputs[t].numel()}));
+      total += outputs[t].numel();
     }
+    call.input = at::cat(byRank, 1).reshape({-1});
     call.output = at::empty({total}, outputs[0].options().memory_format(at::MemoryFormat::Contiguous));
     call.finish = [packed = call.output, outputs]() mutable {
       int64_t offset = 0;
@@ -266,27 +268,7 @@ c10::intrusive_ptr<c10d::Work> CpuSharded::allGatherCoalesced(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs) {
   Call call{OpKind::kAllGather};
-  if (outputs.size() != inputs.size() || outputs.empty()) {
-    call.problem = "got " + std::to_string(inputs.size()) + " inputs and " + std::to_string(outputs.size()) +
-        " outputs; expected as many of each, at least one";
-  } else {
-    call.problem = firstProblem(inputs, "input");
-    if (call.problem.empty()) {
-      call.problem = firstProblem(outputs, "output");
-    }
-    if (call.problem.empty()) {
-      std::vector<at::Tensor> both = inputs;
-      both.insert(both.end(), outputs.begin(), outputs.end());
-      call.problem = sameDtype(both, "tensor");
-    }
-    for (size_t t = 0; call.problem.empty() && t < inputs.size(); ++t) {
-      if (outputs[t].numel() != inputs[t].numel() * worldSize_) {
-        call.problem = "output " + std::to_string(t) + " has " + std::to_string(outputs[t].numel()) +
-            " elements, expected the world size (" + std::to_string(worldSize_) + ") x input " + std::to_string(t) +
-            "'s " + std::to_string(inputs[t].numel());
-      }
-    }
-  }
+  call.problem = coalescedProblem(outputs, "output", inputs, "input", worldSize_);
   if (call.problem.empty()) {
     std::vector<at::Tensor> flat;
     int64_t total = 0;
@@ -301,13 +283,8 @@ c10::intrusive_ptr<c10d::Work> CpuSharded::allGatherCoalesced(
       int64_t offset = 0;
       for (size_t t = 0; t < outputs.size(); ++t) {
         const int64_t n = inputs[t].numel();
-        at::Tensor out = outputs[t].is_contiguous() ? outputs[t].view({-1}) : at::empty({outputs[t].numel()}, outputs[t].options());
-        for (int r = 0; r < world; ++r) {
-          out.slice(0, r * n, (r + 1) * n).copy_(packed.slice(0, r * total + offset, r * total + offset + n));
-        }
-        if (!out.is_same(outputs[t]) && !outputs[t].is_contiguous()) {
-          outputs[t].copy_(out.view(outputs[t].sizes()));
-        }
+        at::Tensor parts = packed.view({world, total}).slice(1, offset, offset + n);
+        outputs[t].copy_(parts.reshape(outputs[t].sizes()));
         offset += n;
       }
     };
