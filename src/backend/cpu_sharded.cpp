@@ -122,7 +122,7 @@ c10::intrusive_ptr<c10d::Work> CpuSharded::reduceScatterBase(
     at::Tensor& output,
     at::Tensor& input,
     c10d::ReduceOp::RedOpType op) {
-  Call call{OpKind::kReduceScatter};
+  Call call(OpKind::kReduceScatter);
   call.op = op;
   call.problem = problemWith(input, "the input");
   if (call.problem.empty()) {
@@ -142,7 +142,7 @@ c10::intrusive_ptr<c10d::Work> CpuSharded::reduceScatterList(
     std::vector<at::Tensor>& outputs,
     std::vector<std::vector<at::Tensor>>& inputs,
     c10d::ReduceOp::RedOpType op) {
-  Call call{OpKind::kReduceScatter};
+  Call call(OpKind::kReduceScatter);
   call.op = op;
   if (outputs.size() != 1 || inputs.size() != 1) {
     call.problem = "takes one output and one list of inputs per process, got " + std::to_string(outputs.size()) +
@@ -183,7 +183,7 @@ c10::intrusive_ptr<c10d::Work> CpuSharded::reduceScatterCoalesced(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
     c10d::ReduceOp::RedOpType op) {
-  Call call{OpKind::kReduceScatter};
+  Call call(OpKind::kReduceScatter);
   call.op = op;
   call.problem = coalescedProblem(inputs, "input", outputs, "output", worldSize_);
   if (call.problem.empty()) {
@@ -211,7 +211,7 @@ c10::intrusive_ptr<c10d::Work> CpuSharded::reduceScatterCoalesced(
 }
 
 c10::intrusive_ptr<c10d::Work> CpuSharded::allGatherBase(at::Tensor& output, at::Tensor& input) {
-  Call call{OpKind::kAllGather};
+  Call call(OpKind::kAllGather);
   call.problem = problemWith(input, "the input");
   if (call.problem.empty()) {
     call.problem = problemWith(output, "the output");
@@ -229,7 +229,7 @@ c10::intrusive_ptr<c10d::Work> CpuSharded::allGatherBase(at::Tensor& output, at:
 c10::intrusive_ptr<c10d::Work> CpuSharded::allGatherList(
     std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs) {
-  Call call{OpKind::kAllGather};
+  Call call(OpKind::kAllGather);
   if (outputs.size() != 1 || inputs.size() != 1) {
     call.problem = "takes one input and one list of outputs per process, got " + std::to_string(inputs.size()) +
         " and " + std::to_string(outputs.size());
@@ -267,7 +267,7 @@ c10::intrusive_ptr<c10d::Work> CpuSharded::allGatherList(
 c10::intrusive_ptr<c10d::Work> CpuSharded::allGatherCoalesced(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs) {
-  Call call{OpKind::kAllGather};
+  Call call(OpKind::kAllGather);
   call.problem = coalescedProblem(outputs, "output", inputs, "input", worldSize_);
   if (call.problem.empty()) {
     std::vector<at::Tensor> flat;

@@ -40,6 +40,7 @@ class CpuSharded {
  private:
   // One engine operation. `problem`, if not empty, is refused on every rank.
   struct Call {
+    explicit Call(OpKind k) : kind(k) {}
     OpKind kind;
     std::string problem;
     at::Tensor input; // flat, contiguous
