@@ -1,6 +1,6 @@
-"""A peer SIGKILLed in the middle of an allreduce, the scenario that tests/test_faults.py
-(the CPU pipeline) and tests/test_subgroups.py (the sub-group path) both run: the rank
-function, and the survivors' outcomes."""
+"""A peer SIGKILLed in the middle of an allreduce (tests/test_faults.py): the rank
+function, and the survivors' outcomes. (The sub-group path issues synchronously on CPU,
+so tests/test_subgroups.py kills its peer between allreduces instead.)"""
 
 from __future__ import annotations
 

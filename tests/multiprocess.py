@@ -3,7 +3,10 @@
 A job is a function ``fn(rank, world_size, **kwargs)`` run on every rank after
 ``dist.init_process_group(backend, ...)`` (or, with ``init_group=False``, before any: fn
 or the framework it drives creates the group from the launch environment, as under
-torchrun). Each rank is a fresh ``python`` process (``subprocess`` with its own session,
+torchrun; or, with ``bare=True``, ``fn(rank, world_size, store, **kwargs)`` with a client
+of the job's store and no group, after which the interpreter simply exits, so that
+whatever fn left alive is torn down by interpreter exit: reliability_helpers.run_bare).
+Each rank is a fresh ``python`` process (``subprocess`` with its own session,
 so a whole job can be SIGKILLed), given its own ``FAIRRING_MACHINE_ID`` so that ranks
 with equal ids form one simulated machine.
 
@@ -168,10 +171,20 @@ class RankOutcome:
     # kill: the stacks in the log were dumped just before it, so they may be older.
     phase: str | None = None
     failed_at: float | None = None  # time.time() when the rank reported its error
+    # time.monotonic() (the parent's) when fn's result appeared and the process exited.
+    returned_at: float | None = None
+    exited_at: float | None = None
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    @property
+    def exit_latency_s(self) -> float | None:
+        """Seconds from fn's return to the process's exit."""
+        if self.returned_at is None or self.exited_at is None:
+            return None
+        return self.exited_at - self.returned_at
 
     def describe(self) -> str:
         head = f"rank {self.rank}: {self.status}"
@@ -209,6 +222,7 @@ def launch(
     abort_grace_s: float | None = 15.0,
     pg_timeout_s: float | None = None,
     init_group: bool = True,
+    bare: bool = False,
     **kwargs: Any,
 ) -> list[RankOutcome]:
     """Run ``fn(rank, world_size, **kwargs)`` on ``world_size`` fresh processes and
@@ -221,7 +235,8 @@ def launch(
     init_group=False: the ranks start without a process group, with torchrun's
     variables (``torchrun_agent_environment``), so that fn, or the framework it runs,
     creates it (``backend`` then only says whether to build fairring first); a group
-    left at the end is destroyed.
+    left at the end is destroyed. bare=True: ``fn(rank, world_size, store, **kwargs)``
+    with no group and nothing done after it (see the module's docstring).
     """
     import torch.distributed as dist  # the parent only hosts the store
 
@@ -261,24 +276,32 @@ def launch(
             "store_port": store.port,
             "pg_timeout_s": pg_timeout_s,
             "init_group": init_group,
+            "bare": bare,
             "sys_path": list(sys.path),
         }
         (job_dir / "spec.pkl").write_bytes(pickle.dumps(spec))
         procs: list[subprocess.Popen[bytes]] = []
         try:
             for rank in range(world_size):
-                agent = {} if init_group else torchrun_agent_environment(rank, machine_ids)
+                agent = {} if init_group or bare else torchrun_agent_environment(rank, machine_ids)
                 child_env = rank_environment(
                     rank, machine_ids, store.port, agent, env, (rank_env or {}).get(rank, {})
                 )
                 procs.append(spawn_rank(__file__, job_dir, rank, child_env))
-            killed = _supervise(procs, job_dir, timeout_s, abort_grace_s)
+            times = _Times()
+            killed = _supervise(procs, job_dir, timeout_s, abort_grace_s, times)
         finally:
             for proc in procs:
                 if proc.poll() is None:
                     kill_rank(proc, dump_stacks=False)
             del store
-        return [_collect(rank, procs[rank], job_dir, rank in killed) for rank in range(world_size)]
+        outcomes = [
+            _collect(rank, procs[rank], job_dir, rank in killed) for rank in range(world_size)
+        ]
+        for o in outcomes:
+            o.returned_at = times.returned.get(o.rank)
+            o.exited_at = times.exited.get(o.rank)
+        return outcomes
 
 
 def spawn_rank(
@@ -485,20 +508,38 @@ def ensure_fairring_built() -> None:
     _built = True
 
 
+@dataclasses.dataclass
+class _Times:
+    """time.monotonic() at which each rank's result appeared, and it exited."""
+
+    returned: dict[int, float] = dataclasses.field(default_factory=dict)
+    exited: dict[int, float] = dataclasses.field(default_factory=dict)
+
+    def note(self, procs: list[subprocess.Popen[bytes]], job_dir: Path, now: float) -> None:
+        for rank, proc in enumerate(procs):
+            has_result = (job_dir / f"rank{rank}.result").exists()
+            if rank not in self.returned and has_result:
+                self.returned[rank] = now
+            if rank not in self.exited and proc.poll() is not None:
+                self.exited[rank] = now
+
+
 def _supervise(
     procs: list[subprocess.Popen[bytes]],
     job_dir: Path,
     timeout_s: float,
     abort_grace_s: float | None,
+    times: _Times,
 ) -> set[int]:
     """Wait for the ranks; kill stragglers. Returns the ranks that were killed."""
     deadline = time.monotonic() + timeout_s
     killed: set[int] = set()
     while True:
+        now = time.monotonic()
+        times.note(procs, job_dir, now)
         running = [r for r, p in enumerate(procs) if p.poll() is None]
         if not running:
             return killed
-        now = time.monotonic()
         failed = any(
             p.returncode not in (None, 0) or _read_result(job_dir, r)[0] == "error"
             for r, p in enumerate(procs)
@@ -510,6 +551,7 @@ def _supervise(
             for r in running:
                 kill_rank(procs[r], dump_stacks=True)
                 killed.add(r)
+                times.exited[r] = time.monotonic()
             return killed
         time.sleep(_POLL_S)
 
@@ -629,14 +671,22 @@ def _child_main(job_dir: Path, rank: int) -> int:
         phase("import")
         import torch.distributed as dist
 
-        if spec["backend"] == "fairring":
+        if spec["backend"] == "fairring" and not spec["bare"]:
             import fairring_pg  # noqa: F401 - registers the backend
 
         fn = pickle.loads(spec["fn"])
         kwargs = pickle.loads(spec["kwargs"])
         phase("init")
+        timeout = timedelta(seconds=spec["pg_timeout_s"])
+        if spec["bare"]:
+            store = dist.TCPStore("127.0.0.1", spec["store_port"], is_master=False, timeout=timeout)
+            phase("fn")
+            value = fn(rank, spec["world_size"], store, **kwargs)
+            _write_atomic(result_path, pickle.dumps(("ok", value)))
+            phase("exit")
+            print("fn returned; exiting", flush=True)
+            return 0
         if spec["init_group"]:
-            timeout = timedelta(seconds=spec["pg_timeout_s"])
             store = dist.TCPStore(
                 "127.0.0.1", spec["store_port"], is_master=False, timeout=timedelta(seconds=600)
             )

@@ -18,19 +18,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import pickle
-import signal
 import socket
 import struct
-import subprocess
-import sys
-import tempfile
 import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from multiprocess import RankOutcome, launch
 
 _POLL_S = 0.02
 _LOG_TAIL_LINES = 60
@@ -219,39 +215,9 @@ def wait_key(store: Any, key: str, timeout_s: float) -> bytes:
     return store.get(key)
 
 
-# ---------------------------------------------------------------------- bare launcher
+# ---------------------------------------------------------------------- bare jobs
 
-
-@dataclasses.dataclass
-class BareOutcome:
-    """One bare rank. status: "ok", "error" (fn raised), "crashed" (died without a
-    result), "killed" (still in fn at the deadline), "hung_at_exit" (fn returned but
-    the process was still alive at the deadline), "crashed_at_exit" (fn returned, then
-    the process exited with a non-zero code or a signal)."""
-
-    rank: int
-    status: str
-    value: Any = None
-    error: str | None = None
-    exitcode: int | None = None
-    returned_at: float | None = None  # time.monotonic() in the parent's clock domain
-    exited_at: float | None = None
-    log_tail: str = ""
-
-    @property
-    def exit_latency_s(self) -> float | None:
-        """Seconds from fn's return to the process's exit."""
-        if self.returned_at is None or self.exited_at is None:
-            return None
-        return self.exited_at - self.returned_at
-
-    def describe(self) -> str:
-        head = f"rank {self.rank}: {self.status} (exit code {self.exitcode})"
-        if self.error:
-            head += f"\n  {self.error}"
-        if self.status != "ok" and self.log_tail:
-            head += "\n  log tail:\n" + "\n".join("    " + x for x in self.log_tail.splitlines())
-        return head
+BareOutcome = RankOutcome  # what run_bare returns: the launcher's outcome
 
 
 def run_bare(
@@ -261,131 +227,26 @@ def run_bare(
     rank_env: Mapping[int, Mapping[str, str | int | None]] | None = None,
     timeout_s: float = 120,
     **kwargs: Any,
-) -> list[BareOutcome]:
+) -> list[RankOutcome]:
     """Run ``fn(rank, world_size, store, **kwargs)`` on fresh processes, one per entry
     of ``machine_ids``, with no process group: ``store`` is a client of a TCPStore the
-    parent hosts. After fn returns the interpreter simply exits (``sys.exit(0)``), so
-    whatever fn left alive is torn down by interpreter exit. Ranks still running at the
-    deadline are killed (after a faulthandler stack dump into their logs)."""
-    import torch.distributed as dist
-    from multiprocess import ensure_fairring_built, kill_rank, rank_environment, spawn_rank
-
-    ensure_fairring_built()
-    world_size = len(machine_ids)
-    store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    parent hosts. After fn returns the interpreter simply exits, so whatever fn left
+    alive is torn down by interpreter exit (``exit_latency_s`` says how long that
+    took). Ranks still running at the deadline are killed (after a faulthandler stack
+    dump into their logs). The launcher is multiprocess.launch (``bare=True``)."""
+    return launch(
+        fn,
+        len(machine_ids),
+        machine_ids,
+        "fairring",
+        env,
+        timeout_s,
+        rank_env=rank_env,
+        abort_grace_s=None,
+        pg_timeout_s=60,
+        bare=True,
+        **kwargs,
     )
-    with tempfile.TemporaryDirectory(prefix="fairring_bare_") as tmp:
-        job_dir = Path(tmp)
-        spec = {
-            "fn": pickle.dumps(fn),
-            "kwargs": pickle.dumps(kwargs),
-            "world_size": world_size,
-            "store_port": store.port,
-            "sys_path": list(sys.path),
-        }
-        (job_dir / "spec.pkl").write_bytes(pickle.dumps(spec))
-        procs: list[subprocess.Popen[bytes]] = []
-        exited: dict[int, float] = {}
-        returned: dict[int, float] = {}
-        try:
-            for rank in range(world_size):
-                child_env = rank_environment(
-                    rank, machine_ids, store.port, env, (rank_env or {}).get(rank, {})
-                )
-                procs.append(spawn_rank(__file__, job_dir, rank, child_env))
-            deadline = time.monotonic() + timeout_s
-            killed: set[int] = set()
-            while len(exited) < world_size:
-                now = time.monotonic()
-                for rank, proc in enumerate(procs):
-                    if rank not in returned and (job_dir / f"rank{rank}.result").exists():
-                        returned[rank] = now
-                    if rank not in exited and proc.poll() is not None:
-                        exited[rank] = now
-                        if (job_dir / f"rank{rank}.result").exists():
-                            returned.setdefault(rank, now)
-                if now >= deadline:
-                    for rank, proc in enumerate(procs):
-                        if rank not in exited:
-                            kill_rank(proc, dump_stacks=True)
-                            killed.add(rank)
-                            exited[rank] = time.monotonic()
-                    break
-                time.sleep(_POLL_S)
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    kill_rank(proc, dump_stacks=False)
-            del store
-        return [
-            _bare_outcome(rank, procs[rank], job_dir, returned, exited, rank in killed)
-            for rank in range(world_size)
-        ]
-
-
-def _bare_outcome(
-    rank: int,
-    proc: subprocess.Popen[bytes],
-    job_dir: Path,
-    returned: dict[int, float],
-    exited: dict[int, float],
-    killed: bool,
-) -> BareOutcome:
-    log = job_dir / f"rank{rank}.log"
-    tail = "\n".join(log.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:])
-    result = job_dir / f"rank{rank}.result"
-    out = BareOutcome(rank=rank, status="crashed", exitcode=proc.returncode, log_tail=tail)
-    out.exited_at = exited.get(rank)
-    if result.exists():
-        kind, payload = pickle.loads(result.read_bytes())
-        out.returned_at = returned.get(rank)
-        if kind == "ok":
-            out.value = payload
-            if killed:
-                out.status = "hung_at_exit"
-            elif proc.returncode != 0:
-                out.status = "crashed_at_exit"
-            else:
-                out.status = "ok"
-        else:
-            out.error = payload
-            out.status = "error"
-    elif killed:
-        out.status = "killed"
-    return out
-
-
-def _bare_child(job_dir: Path, rank: int) -> int:
-    import faulthandler
-
-    faulthandler.enable()
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    spec: dict[str, Any] = pickle.loads((job_dir / "spec.pkl").read_bytes())
-    for entry in reversed(spec["sys_path"]):
-        if entry not in sys.path:
-            sys.path.insert(0, entry)
-    import torch.distributed as dist
-
-    result = job_dir / f"rank{rank}.result"
-    try:
-        fn = pickle.loads(spec["fn"])
-        kwargs = pickle.loads(spec["kwargs"])
-        store = dist.TCPStore(
-            "127.0.0.1", spec["store_port"], is_master=False, timeout=timedelta(seconds=60)
-        )
-        payload = ("ok", fn(rank, spec["world_size"], store, **kwargs))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        payload = ("error", traceback.format_exc())
-    tmp = result.with_suffix(".tmp")
-    tmp.write_bytes(pickle.dumps(payload))
-    os.replace(tmp, result)
-    print("fn returned; exiting", flush=True)
-    return 0 if payload[0] == "ok" else 1
-
-
-if __name__ == "__main__":
-    sys.exit(_bare_child(Path(sys.argv[1]), int(sys.argv[2])))
 
 
 def store_barrier(store: Any, key: str, world: int, timeout_s: float) -> None:

@@ -162,10 +162,10 @@ def test_destroy_leaks_nothing() -> None:
 
 
 def _exit_without_destroy(
-    rank: int, world: int, store: Any, in_flight: bool, backend: str = "fairring"
+    rank: int, world: int, store: Any, in_flight: bool, group_backend: str = "fairring"
 ) -> dict[str, Any]:
     dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        group_backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
     )
     t = torch.full((10_000,), float(rank + 1))
     dist.all_reduce(t)
@@ -181,7 +181,7 @@ def _exit_without_destroy(
 def _gloo_exit_latency_s() -> float:
     """The slowest rank's exit latency of the same job on Gloo, now."""
     outcomes = run_bare(
-        _exit_without_destroy, SHAPE, env=ENV, timeout_s=60, in_flight=False, backend="gloo"
+        _exit_without_destroy, SHAPE, env=ENV, timeout_s=60, in_flight=False, group_backend="gloo"
     )
     bad = [o for o in outcomes if o.status != "ok" or o.exit_latency_s is None]
     assert not bad, "the Gloo baseline failed:\n" + "\n".join(o.describe() for o in bad)

@@ -13,9 +13,9 @@ Three families, by ``kind``:
   (modulo 2**bits, as two's complement arithmetic does whatever the order), MIN and
   MAX pick the extremes.
 
-``reference`` computes what every rank must get from all ranks' inputs, wide (Python
-integers, float64) and independently of torch's reductions, and how far the result
-may be from it (zero for integers, for MIN/MAX and for "small").
+``reference`` computes what every rank must get from all ranks' inputs, wide (int64,
+exact modulo 2**64 and so modulo 2**bits; float64), and how far the result may be
+from it (zero for integers, for MIN/MAX and for "small").
 """
 
 from __future__ import annotations
@@ -134,28 +134,6 @@ def make_values(
     return values.to(_dtype(dtype))
 
 
-def _wrap(value: int, dtype: str) -> int:
-    """Two's complement wrap-around of an exact integer into ``dtype``."""
-    lo, hi = _int_range(dtype)
-    span = hi - lo + 1
-    return (value - lo) % span + lo
-
-
-def _reduce_ints(columns: list[list[int]], op: str, dtype: str) -> list[int]:
-    out = []
-    for column in columns:
-        if op == "SUM":
-            exact = sum(column)
-        elif op == "PRODUCT":
-            exact = 1
-            for v in column:
-                exact *= v
-        else:
-            raise ValueError(f"no integer reference for {op}")
-        out.append(_wrap(exact, dtype))
-    return out
-
-
 def reference(
     inputs: list[torch.Tensor], op: str, dtype: str
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -172,12 +150,14 @@ def reference(
         if op in ("MIN", "MAX"):  # a choice, never out of range
             stacked = torch.stack(inputs)
             return (stacked.amin(dim=0) if op == "MIN" else stacked.amax(dim=0)), None
-        # Python integers: exact, then wrapped as the dtype's arithmetic wraps.
-        columns = [list(c) for c in zip(*(t.flatten().tolist() for t in inputs), strict=True)]
-        values = _reduce_ints(columns, op, dtype)
-        return torch.tensor(values, dtype=torch.int64).reshape(inputs[0].shape).to(
-            _dtype(dtype)
-        ), None
+        # int64 arithmetic is exact modulo 2**64, so modulo 2**bits too: wrapped as
+        # the dtype's own arithmetic wraps, whatever the order.
+        wide = torch.stack([t.to(torch.int64) for t in inputs])
+        exact = wide.sum(dim=0) if op == "SUM" else wide.prod(dim=0)
+        if dtype != "int64":
+            lo, hi = _int_range(dtype)
+            exact = torch.remainder(exact - lo, hi - lo + 1) + lo
+        return exact.to(_dtype(dtype)), None
     wide = torch.stack([t.to(torch.float64) for t in inputs])
     world = len(inputs)
     if op in ("MIN", "MAX"):
