@@ -205,9 +205,9 @@ c10::intrusive_ptr<c10d::Work> CpuSharded::reduceScatterCoalesced(
     };
   }
   call.results = outputs;
-  return issue(
-      std::move(call), c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED, "fairring:reduce_scatter_tensor_coalesced",
-      inputs);
+  // OpType::REDUCE_SCATTER_TENSOR_COALESCED is newer than torch 2.11, which the core
+  // must also build against.
+  return issue(std::move(call), c10d::OpType::COALESCED, "fairring:reduce_scatter_tensor_coalesced", inputs);
 }
 
 c10::intrusive_ptr<c10d::Work> CpuSharded::allGatherBase(at::Tensor& output, at::Tensor& input) {
