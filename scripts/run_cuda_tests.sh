@@ -10,6 +10,7 @@
 #   bash scripts/run_cuda_tests.sh              # tests, then the benchmark
 #   bash scripts/run_cuda_tests.sh --no-bench   # tests only
 #   bash scripts/run_cuda_tests.sh --bench-only
+#   bash scripts/run_cuda_tests.sh --no-bench -- -k 2x1   # the rest goes to pytest
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,12 +18,14 @@ out_dir=${OUT:-bench/results/tmp/cuda}
 mkdir -p "$out_dir"
 run_tests=1
 run_bench=1
-for arg in "$@"; do
-    case "$arg" in
+while [[ $# -gt 0 ]]; do
+    case "$1" in
         --no-bench) run_bench=0 ;;
         --bench-only) run_tests=0 ;;
-        *) echo "run_cuda_tests.sh: unknown argument $arg" >&2; exit 2 ;;
+        --) shift; break ;;
+        *) echo "run_cuda_tests.sh: unknown argument $1" >&2; exit 2 ;;
     esac
+    shift
 done
 export PYTHONUNBUFFERED=1
 # What is measured must not depend on the machine's fabric: NCCL between the simulated
@@ -81,7 +84,7 @@ if [[ $run_tests == 1 ]]; then
     # be scheduled while its peers spin would hang the job). The benchmark keeps NCCL's
     # own choice, for fairring and NCCL alike.
     NCCL_MAX_NCHANNELS=${NCCL_MAX_NCHANNELS:-4} \
-        python -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider --durations=15 \
+        python -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider --durations=15 "$@" \
         2>&1 | tee "$out_dir/cuda_tests.log"
     status=${PIPESTATUS[0]}
     set -e
