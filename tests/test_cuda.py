@@ -117,8 +117,10 @@ def run_cuda_case(rank: int, world: int, case: Case) -> str | None:
         assert work is not None
         if case.kind == "async":
             work.wait()  # the current stream waits; reading the tensor syncs with it
-            if work.exception() is not None or not work.is_success():
-                return f"a successful allreduce reports {work.exception()!r}"
+            # Work.exception() is not callable from Python on torch 2.11 (its pybind
+            # binding cannot convert an exception_ptr), so ask is_success().
+            if not work.is_success():
+                return "a successful allreduce reports is_success() False"
             return compare_exact(tensor.cpu(), expected, "result after wait()")
         doubled = work.get_future().then(lambda f: f.value()[0] * 2).wait()
         return compare_exact(doubled.cpu(), expected * 2, "value of the chained future")
