@@ -36,12 +36,15 @@ DEFAULT_PIPELINE_CHUNK = 1 * MIB
 # Who runs the collectives other than allreduce on CUDA tensors (see fairring_pg/cuda.py).
 CUDA_DELEGATES = ("auto", "nccl", "gloo")
 # The sub-group allreduce (CUDA): rail communicators, so that this many slices are on
-# the wire at once. Not yet tuned on a GPU (see docs/design.md).
-DEFAULT_LANES = 4
+# the wire at once. Chosen from a sweep of 1, 2, 4, 8 at 4x1 on an H100 (bench/results/
+# cuda/): 2 was fastest at 100 MiB, with 16 x 25 MiB in flight and in DDP, and its
+# communicators took the least GPU memory; 4 only won at 25 MiB.
+DEFAULT_LANES = 2
 MAX_LANES = 16
 # Below this many bytes a CUDA allreduce is one NCCL allreduce: latency-bound, where
-# one launch beats five. Not yet tuned on a GPU.
-DEFAULT_DIRECT_BELOW = 256 * KIB
+# one launch beats five. On an H100 the five steps took 1.08-1.48x NCCL's time at
+# 1 MiB in every run, and won at 25 MiB (bench/results/cuda/).
+DEFAULT_DIRECT_BELOW = 2 * MIB
 MAX_BYTES = TIB  # anything larger is a typo, not a configuration
 
 _SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?|\.\d+)\s*([kmg]?)(i?b)?$", re.IGNORECASE)

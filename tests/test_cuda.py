@@ -481,6 +481,7 @@ def killed_peer(rank: int, world: int) -> None:
     return "completed 1000 allreduces without the killed peer"
 
 
+@pytest.mark.cuda_fault
 def test_cuda_killed_peer_fails_every_survivor() -> None:
     start = time.monotonic()
     outcomes = launch(
@@ -559,6 +560,7 @@ def mismatch(rank: int, world: int) -> None:
     torch.cuda.synchronize()
 
 
+@pytest.mark.cuda_fault
 @pytest.mark.parametrize("debug", ["off", "DETAIL"])
 def test_cuda_size_mismatch_never_passes(debug: str) -> None:
     # Through the five steps: rank 1 has a slice tail that rank 0 lacks, so the ranks
