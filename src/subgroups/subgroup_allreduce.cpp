@@ -93,6 +93,20 @@ void SubgroupAllreduce::checkTensor(const at::Tensor& t, const std::string& name
               c10::DeviceTypeName(deviceType_, true), " tensor");
 }
 
+void SubgroupAllreduce::refuseCapture(c10::Device device) const {
+  // A captured allreduce would fork the capture onto lanes that never join
+  // the captured stream, and the capture fails far from here, obscurely.
+  // Checked before anything is locked or planned, and thrown as a plain
+  // string: on the H100 the refusal from inside run(), formatted by
+  // TORCH_CHECK, crashed the process (SIGSEGV) instead of raising.
+  if (currentStreamCapturing(device)) {
+    throw c10::DistBackendError(
+        "fairring: allreduce on rank " + std::to_string(options_.rank) +
+        " was issued while the current stream is captured into a CUDA graph; fairring's CUDA allreduce runs on "
+        "streams of its own and cannot be captured: issue it outside the graph");
+  }
+}
+
 void SubgroupAllreduce::await(const c10::intrusive_ptr<c10d::Work>& work) {
   // On a device this only makes the current (lane) stream wait; on CPU it
   // blocks until Gloo is done.
@@ -102,6 +116,7 @@ void SubgroupAllreduce::await(const c10::intrusive_ptr<c10d::Work>& work) {
 
 c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::allreduce(at::Tensor& tensor, RedOp op) {
   checkTensor(tensor, "the allreduce tensor");
+  refuseCapture(tensor.device());
   const Status reducible = checkReducible(op, tensor.scalar_type());
   if (!reducible.ok()) {
     throw c10::DistBackendError(reducible.message());
@@ -127,6 +142,7 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::allreduceCoalesced(std::vector
                 " but tensor 0 is torch.", dtypeName(tensors[0].scalar_type()), " on ", tensors[0].device(),
                 "; coalesced tensors must share dtype and device");
   }
+  refuseCapture(tensors[0].device());
   const Status reducible = checkReducible(op, tensors[0].scalar_type());
   if (!reducible.ok()) {
     throw c10::DistBackendError(reducible.message());
@@ -194,11 +210,6 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::run(
     throw c10::DistBackendError(failure_ + " (this process group failed earlier and cannot be used)");
   }
   TORCH_CHECK(!stopped_, "fairring: allreduce on rank ", options_.rank, " after the process group was shut down");
-  // A captured allreduce would fork the capture onto lanes that never join
-  // the captured stream, and the capture fails far from here, obscurely.
-  TORCH_CHECK(!currentStreamCapturing(work.device()), "fairring: allreduce on rank ", options_.rank,
-              " was issued while the current stream is captured into a CUDA graph; fairring's CUDA allreduce "
-              "runs on streams of its own and cannot be captured: issue it outside the graph");
   useDevice(work.device());
   const std::vector<Unit> units = planUnits(
       work.numel(), work.element_size(), options_.sliceBytes, options_.localSize, options_.numMachines,

@@ -94,6 +94,7 @@ class SubgroupAllreduce {
   void useDevice(c10::Device device);
   void connect();
   std::vector<c10::intrusive_ptr<c10d::Backend>> ownedGroups() const;
+  void refuseCapture(c10::Device device) const;
   void checkTensor(const at::Tensor& t, const std::string& name) const;
 
   const Subgroups groups_;
