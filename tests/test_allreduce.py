@@ -69,21 +69,23 @@ class Case:
     values: str = "small"  # tests/values.py: small, wide or limits
 
 
-def wide_cases(dtypes: tuple[str, ...] = FLOAT_DTYPES + INT_DTYPES) -> list[Case]:
-    """Values that see width and precision, on 10,000 elements (many slices of every
-    dtype); integers also at the ends of their range, wrapping around."""
+def wide_cases(dtypes: tuple[str, ...] = FLOAT_DTYPES + INT_DTYPES, numel: int = 1001) -> list[Case]:
+    """Values that see width and precision (integers also at the ends of their range,
+    wrapping around). 1001 elements are a few slices of every dtype at the suite's
+    4 KiB slices, and a tail; the many-slice cases are the plain ones of 10,000."""
     cases = []
     for dtype in dtypes:
         ops = OPS if dtype in FLOAT_DTYPES else tuple(o for o in OPS if o != "AVG")
         kinds = ("wide",) if dtype in FLOAT_DTYPES else ("wide", "limits")
         for op, kind in itertools.product(ops, kinds):
-            cases.append(Case(f"{kind}-{op}-{dtype}-n10000", "plain", op, dtype, 10_000, kind))
+            cases.append(Case(f"{kind}-{op}-{dtype}-n{numel}", "plain", op, dtype, numel, kind))
     return cases
 
 
-def build_cases(shape: str) -> list[Case]:
+def build_cases(shape: str, big_numel: tuple[int, int] = (1_500_000, 600_000)) -> list[Case]:
     """The case list of one job. Cases that must raise come last, followed by one
-    allreduce that checks the process group still works after them."""
+    allreduce that checks the process group still works after them. ``big_numel``: the
+    float32 and int64 sizes of the cases far larger than the staging memory."""
     cases: list[Case] = []
     if shape == "2x3":
         # L != M: every op and a few dtypes through the plans, small and wide values.
@@ -91,7 +93,8 @@ def build_cases(shape: str) -> list[Case]:
             if not (op == "AVG" and dtype not in FLOAT_DTYPES):
                 cases.append(Case(f"{op}-{dtype}-n{n}", "plain", op, dtype, n))
         cases += wide_cases(("float64", "float16", "int16", "int64"))
-        cases.append(Case("big-SUM-float32-n300000", "plain", "SUM", "float32", 300_000))
+        n = big_numel[0] // 5
+        cases.append(Case(f"big-SUM-float32-n{n}", "plain", "SUM", "float32", n))
         return cases
     if shape == "interleaved":
         combos = [
@@ -112,7 +115,7 @@ def build_cases(shape: str) -> list[Case]:
         ]
         view_dtypes = [("SUM", "float32"), ("MAX", "int32"), ("SUM", "bfloat16")]
         # Several MB, ~100x the staging memory.
-        big = [("SUM", "float32", 1_500_000), ("MAX", "int64", 600_000)]
+        big = [("SUM", "float32", big_numel[0]), ("MAX", "int64", big_numel[1])]
     for op, dtype, n in combos:
         cases.append(Case(f"{op}-{dtype}-n{n}", "plain", op, dtype, n))
     for op, dtype in view_dtypes:
