@@ -69,7 +69,9 @@ class Case:
     values: str = "small"  # tests/values.py: small, wide or limits
 
 
-def wide_cases(dtypes: tuple[str, ...] = FLOAT_DTYPES + INT_DTYPES, numel: int = 1001) -> list[Case]:
+def wide_cases(
+    dtypes: tuple[str, ...] = FLOAT_DTYPES + INT_DTYPES, numel: int = 1001
+) -> list[Case]:
     """Values that see width and precision (integers also at the ends of their range,
     wrapping around). 1001 elements are a few slices of every dtype at the suite's
     4 KiB slices, and a tail; the many-slice cases are the plain ones of 10,000."""
