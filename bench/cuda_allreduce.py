@@ -154,7 +154,8 @@ def worker(args: argparse.Namespace) -> None:
         results["sizes"][text] = {n: common.median(v) / reps for n, v in times.items()}
 
     flight = [
-        torch.ones(common.parse_size(IN_FLIGHT_SIZE) // 4, device=dev) for _ in range(IN_FLIGHT)
+        torch.ones(common.parse_size(IN_FLIGHT_SIZE) // scale // 4, device=dev)
+        for _ in range(IN_FLIGHT)
     ]
 
     def many(group: Any) -> Any:
