@@ -183,7 +183,7 @@ def soak_rank(rank: int, world: int, cfg: SoakConfig) -> dict[str, Any]:
     order = random.Random(f"{cfg.seed}/{rank}")  # wait order differs between ranks
     errors: list[str] = []
     series: list[Figures] = []
-    digests: list[str] = []
+    digests: dict[int, str] = {}
     done = 0
     started = time.monotonic()
     for b, batch in enumerate(batches):
@@ -204,7 +204,7 @@ def soak_rank(rank: int, world: int, cfg: SoakConfig) -> dict[str, Any]:
             # of making this rank's), and against every other rank's by digest.
             if op.index % world == rank and (err := check(cfg.seed, op, tensor)):
                 errors.append(err)
-            digests.append(f"{op.index}:{digest(tensor)}")
+            digests[op.index] = digest(tensor)
             done += 1
         if b == 0 or done // 1000 != (done - len(batch)) // 1000:
             series.append(_figures(done))
@@ -218,7 +218,7 @@ def soak_rank(rank: int, world: int, cfg: SoakConfig) -> dict[str, Any]:
         "error_count": len(errors),
         "series": series,
         "done": done,
-        "digests": sorted(digests, key=lambda d: int(d.split(":")[0])),
+        "digests": digests,
         "elapsed_s": time.monotonic() - started,
     }
 
@@ -286,12 +286,12 @@ def run_soak(cfg: SoakConfig) -> SoakReport:
         if r["done"] != cfg.ops:
             failures.append(f"rank {o.rank}: checked {r['done']} of {cfg.ops}")
         failures += [f"rank {o.rank}: {e}" for e in r["errors"]]
-        first = per_rank[0].get("digests") or []
-        differ = [d for d, d0 in zip(r["digests"], first, strict=False) if d != d0]
+        first = per_rank[0].get("digests") or {}
+        differ = sorted(i for i, d in r.get("digests", {}).items() if i in first and d != first[i])
         if o.rank > 0 and differ:
             failures.append(
                 f"rank {o.rank}: {len(differ)} results differ from rank 0's, first "
-                f"allreduce #{differ[0].split(':')[0]}"
+                f"allreduce #{differ[0]}"
             )
         a, z = r["series"][0], r["series"][-1]
         if z.rss_mib - a.rss_mib > cfg.rss_bound_mib:

@@ -535,13 +535,12 @@ def _supervise(
     deadline = time.monotonic() + timeout_s
     killed: set[int] = set()
     while True:
+        running = [r for r, p in enumerate(procs) if p.poll() is None]
+        # After the poll, so that a rank found gone has its exit noted before the
+        # return below (a CI run lost one that exited between the two).
         now = time.monotonic()
         times.note(procs, job_dir, now)
-        running = [r for r, p in enumerate(procs) if p.poll() is None]
         if not running:
-            # A rank can exit between note() and this poll: note it (a CI run once
-            # lost a rank's exit time here).
-            times.note(procs, job_dir, time.monotonic())
             return killed
         failed = any(
             p.returncode not in (None, 0) or _read_result(job_dir, r)[0] == "error"
