@@ -26,7 +26,7 @@ from types import ModuleType
 from fairring_pg._build_progress import compile_progress
 
 EXTENSION_NAME = "fairring_pg_C"
-CFLAGS = ["-O2", "-std=c++17", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+CFLAGS = ["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"]
 _SOURCE_SUFFIXES = {".cpp", ".cc"}
 _HASHED_SUFFIXES = _SOURCE_SUFFIXES | {".h", ".hpp", ".inl", ".cu", ".cuh"}
 _ERROR_TAIL_LINES = 40
