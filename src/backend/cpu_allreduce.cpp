@@ -81,6 +81,8 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::runOn(
   auto result = c10::make_intrusive<FutureWork>(rank_, opType, profilingTitle, inputs, user);
   if (!fromCallback) {
     completion_.chain(source, user);
+    std::lock_guard<std::mutex> lock(mu_);
+    lastIssued_ = user;
     return result;
   }
   // Inside a callback: done before returning, so that callbacks chained on
@@ -93,6 +95,23 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::runOn(
     user->markCompleted(source->value());
   }
   return result;
+}
+
+void CpuAllreduce::awaitIssued() {
+  c10::intrusive_ptr<c10::ivalue::Future> last;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    last = lastIssued_;
+  }
+  if (!last) {
+    return;
+  }
+  // Bounded: every operation fails at the group's timeout if it cannot finish.
+  last->wait();
+  // A failure fails every operation issued after it, the last one included.
+  if (last->hasError()) {
+    std::rethrow_exception(last->exception_ptr());
+  }
 }
 
 AllreduceEngine& CpuAllreduce::callbackEngine() {

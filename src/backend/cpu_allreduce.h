@@ -53,6 +53,12 @@ class CpuAllreduce {
       const char* profilingTitle,
       const std::vector<at::Tensor>& inputs);
 
+  // Blocks until every operation issued so far on the main engine is done
+  // and its future marked (the callback engine's return done); throws the
+  // group's failure if one of them failed. What barrier() waits for before it
+  // synchronises the ranks, as Gloo's barrier waits for earlier work.
+  void awaitIssued();
+
   // Stops the callback engine and the completion threads; the caller shuts
   // the main engine down first, which fails what is in flight. Idempotent.
   void shutdown();
@@ -67,6 +73,9 @@ class CpuAllreduce {
   OrderedCompletion completion_;
   std::mutex mu_; // guards the three below; held while the callback engine connects
   std::unique_ptr<AllreduceEngine> callbackEngine_;
+  // The future of the last operation issued on the main engine: futures are
+  // marked in issue order, so once it is, all are.
+  c10::intrusive_ptr<c10::ivalue::Future> lastIssued_;
   std::string startFailure_; // a failed start is not retried
   bool stopped_{false};
 };

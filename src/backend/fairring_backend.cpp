@@ -272,10 +272,20 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::recvAnysource(std::vector<at::Te
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::barrier(const c10d::BarrierOptions& opts) {
+  // Gloo's barrier completes only after the work queued before it on the
+  // group (programs read results after it), and the delegate's does that for
+  // what it runs; fairring's own operations are waited for here, before the
+  // ranks synchronise, so that past the barrier they are done on every rank.
+  if (cpuAllreduce_) {
+    cpuAllreduce_->awaitIssued();
+  }
   return cpu_->barrier(opts);
 }
 
 void FairringBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
+  if (cpuAllreduce_) {
+    cpuAllreduce_->awaitIssued();
+  }
   cpu_->monitoredBarrier(opts, waitAllRanks);
 }
 

@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <iterator>
 #include <set>
 
 #include "ops/reduce_kind.h"
@@ -182,8 +183,28 @@ void AllreduceEngine::admitLocked(std::unique_ptr<Op> o, Actions& actions) {
     }
     waitingForSlot_.emplace_back(o->seq, s);
   }
+  expectSends(*o);
   ops_[o->seq] = std::move(o);
   pump(actions);
+}
+
+void AllreduceEngine::expectSends(const Op& op) {
+  const int L = layout_.localSize();
+  const int M = layout_.numMachines();
+  int64_t segments = 0;
+  for (const Slice& slice : op.slices) {
+    segments += static_cast<int64_t>(slice.segments.size());
+  }
+  // Per segment, to each local peer: an allreduce's chunk, a reduce-scatter's
+  // M parts of that peer's rail, an all-gather's "ready"; to the rail: the
+  // collect (or partial sum, or part) for each other machine.
+  const int64_t perLocalPeer = op.kind == OpKind::kReduceScatter ? M : 1;
+  for (int k = 1; k < L; ++k) {
+    sendOrder_.expect(op.seq, layout_.rankOf(layout_.machine(), (layout_.localRank() + k) % L), segments * perLocalPeer);
+  }
+  if (M > 1) {
+    sendOrder_.expect(op.seq, kRailPeers, segments * (M - 1));
+  }
 }
 
 int AllreduceEngine::piecesPer(const Op& op, Phase phase) const {
@@ -303,12 +324,25 @@ void AllreduceEngine::sendBytes(
     uint8_t* data,
     size_t bytes,
     Actions& actions) {
-  ++seg.sendsInFlight;
   const Lane lane = laneOf(phase);
   const int key = outboxOf(peer);
+  if (lane == Lane::kReduce && !sendOrder_.queued(op.seq, key)) {
+    failLocked(
+        "fairring: internal error: " + std::string(opKindName(op.kind)) + " #" + std::to_string(op.seq) +
+            " sends more reduce-lane messages to " + layout_.describe(peer) + " than it announced",
+        actions);
+    return;
+  }
+  ++seg.sendsInFlight;
   Outbox& box = outboxes_[{key, lane}];
-  box.queue.push_back(
-      Outgoing{encode(op.header(slice.index, seg.index, phase, piece)), data, bytes, op.seq, slice.index, seg.index, peer});
+  Outgoing out{encode(op.header(slice.index, seg.index, phase, piece)), data, bytes, op.seq, slice.index, seg.index, peer};
+  // On the reduce lane, behind every message of its own or an earlier
+  // operation: a message held by SendOrder must not hold an earlier one back.
+  auto at = box.queue.end();
+  while (lane == Lane::kReduce && at != box.queue.begin() && std::prev(at)->seq > op.seq) {
+    --at;
+  }
+  box.queue.insert(at, std::move(out));
   if (!box.draining) {
     box.draining = true;
     actions.push_back([this, key, lane] { drain(key, lane); });
@@ -331,6 +365,12 @@ void AllreduceEngine::drain(int key, Lane lane) {
       }
       if (box.queue.empty() || meshClosed_) {
         box.queue.clear();
+        box.draining = false;
+        return;
+      }
+      if (lane == Lane::kReduce && !sendOrder_.mayLeave(box.queue.front().seq, key)) {
+        // An earlier operation has yet to queue its messages here; queueing
+        // them starts a drainer again.
         box.draining = false;
         return;
       }
@@ -528,6 +568,14 @@ void AllreduceEngine::finishSlice(Op& op, Slice& slice, Actions& actions) {
     return;
   }
   recordOp(op);
+  if (sendOrder_.expecting(op.seq)) {
+    // It would hold every later operation's messages forever.
+    failLocked(
+        "fairring: internal error: " + std::string(opKindName(op.kind)) + " #" + std::to_string(op.seq) +
+            " finished without sending every reduce-lane message it announced",
+        actions, op.seq);
+    return;
+  }
   auto it = ops_.find(op.seq);
   std::shared_ptr<Op> finished(std::move(it->second));
   ops_.erase(it);
@@ -803,6 +851,7 @@ void AllreduceEngine::failLocked(const std::string& message, Actions& actions, u
     return; // those operations have failed already
   }
   failSeq_ = fromSeq;
+  sendOrder_.dropFrom(fromSeq);
   if (!stopping_) {
     // On every lane: a peer may hold either one at a message it cannot take yet
     // (parked), and must still learn the reason before it sees this rank close.

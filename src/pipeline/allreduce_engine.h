@@ -18,6 +18,7 @@
 
 #include "common/status.h"
 #include "pipeline/op_kind.h"
+#include "pipeline/send_order.h"
 #include "pipeline/slice_plan.h"
 #include "pipeline/task_queue.h"
 #include "staging/staging_pool.h"
@@ -117,11 +118,12 @@ class AllreduceEngine {
     int peer;
   };
   // Messages to one local peer on one lane, or to all rail peers on one lane
-  // (which share a writer, see PeerMesh), in the order the state machine
-  // decided them. The deadlock argument needs each pipe (and each rail
-  // writer) to carry reduce messages in global slice order; decisions are
-  // made under the lock, but the sends happen after it on whichever thread
-  // made them, so one drainer at a time issues them in queue order.
+  // (which share a writer, see PeerMesh). The deadlock argument needs each
+  // pipe (and each rail writer) to carry reduce messages in global order of
+  // operations and slices (SendOrder); decisions are made under the lock, but
+  // the sends happen after it on whichever thread made them, so one drainer
+  // at a time issues them in queue order. A reduce-lane queue is kept sorted
+  // by operation, and its front waits while SendOrder holds it.
   struct Outbox {
     std::deque<Outgoing> queue;
     bool draining{false};
@@ -190,6 +192,8 @@ class AllreduceEngine {
   // The outbox key of messages to `peer`: the peer, or kRailPeers.
   int outboxOf(int peer) const;
   void drain(int box, Lane lane);
+  // Announces to sendOrder_ the reduce-lane messages `op` will send.
+  void expectSends(const Op& op);
   // Reduces `numPieces` staged pieces into `mine` on the reduction thread
   // (and applies AVG's division if `last`), then runs `then` under the lock.
   void reduceLater(
@@ -251,6 +255,7 @@ class AllreduceEngine {
   std::map<std::pair<uint64_t, int64_t>, std::vector<Parked>> parked_;
   static constexpr int kRailPeers = -1;
   std::map<std::pair<int, Lane>, Outbox> outboxes_;
+  SendOrder sendOrder_;
   StagingPool staging_;
   std::thread watchdog_;
 };
