@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -206,24 +207,30 @@ def test_cleanup_removes_leftovers_of_dead_runs_only() -> None:
 
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv to drop root")
 def test_without_root_says_so_and_exits_cleanly() -> None:
-    done = subprocess.run(
-        [
-            "setpriv",
-            "--reuid=65534",
-            "--regid=65534",
-            "--clear-groups",
-            sys.executable,
-            str(SCRIPT),
-            "--hosts",
-            "2",
-            "--",
-            "true",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "HOME": "/tmp"},
+    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable]
+    env = {**os.environ, "HOME": "/tmp"}
+    probe = subprocess.run(
+        [*as_nobody, "-c", "pass"], capture_output=True, text=True, timeout=60, env=env
     )
+    if probe.returncode != 0:
+        pytest.skip(f"an unprivileged user cannot run {sys.executable}: {probe.stderr.strip()}")
+    # The checkout may sit where that user cannot read it (a clone under /root, a
+    # directory of mode 0700; pytest's tmp_path too): run a copy of the script from a
+    # directory of its own under the system's temporary directory.
+    with tempfile.TemporaryDirectory() as tmp:
+        readable = Path(tmp)
+        readable.chmod(0o755)
+        script = readable / SCRIPT.name
+        shutil.copyfile(SCRIPT, script)
+        script.chmod(0o644)
+        done = subprocess.run(
+            [*as_nobody, str(script), "--hosts", "2", "--", "true"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+            cwd=readable,
+        )
     assert done.returncode == netns_cluster.SKIP_EXIT, done.stdout + done.stderr
     assert "need root" in done.stderr
 
