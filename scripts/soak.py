@@ -5,6 +5,7 @@ descriptors reported at the start and at the end.
 
     python scripts/soak.py                 # the full form: 10,000 allreduces
     python scripts/soak.py --ops 1500      # what tests/test_soak.py runs
+    python scripts/soak.py --kinds all --ops 3000   # every kind and form, see below
 
 Every rank draws the same plan from the seed: batches of 1 to --max-concurrency
 allreduces posted asynchronously and waited in a random order (different on each
@@ -13,6 +14,12 @@ computes the exact expected result of every allreduce from all ranks' inputs. A
 warm-up batch at the largest size in every dtype comes first, so that the allocators
 have grown before the starting figures are taken; after it, resident memory may grow
 by at most --rss-bound-mib and descriptors and threads not at all.
+
+With ``--kinds all`` the plan is a random program of allreduces, reduce-scatters and
+all-gathers in every form (tests/collective_forms.py), the same on every rank, and each
+rank decides on its own, after every call, whether it was synchronous and which of its
+pending operations it waits on before the next call (docs/design.md, "Message order
+across kinds"); every rank checks every result exactly.
 
 Exit status 0 when every result was exact and every figure within its bound.
 """
@@ -52,6 +59,7 @@ class SoakConfig:
     total_memory: int = 1024 * 1024
     rss_bound_mib: float = 32.0
     timeout_s: float = 1800.0
+    kinds: str = "allreduce"  # or "all": every collective of the engine, every form
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +184,10 @@ def check(seed: int, op: Op, got: Any) -> str | None:
 
 
 def soak_rank(rank: int, world: int, cfg: SoakConfig) -> dict[str, Any]:
+    if cfg.kinds == "all":
+        return _soak_kinds_rank(rank, world, cfg)
+    if cfg.kinds != "allreduce":
+        raise ValueError(f"--kinds {cfg.kinds!r}: expected allreduce or all")
     import torch.distributed as dist
 
     assert world == WORLD
@@ -223,6 +235,52 @@ def soak_rank(rank: int, world: int, cfg: SoakConfig) -> dict[str, Any]:
     }
 
 
+def _soak_kinds_rank(rank: int, world: int, cfg: SoakConfig) -> dict[str, Any]:
+    import torch.distributed as dist
+    from collective_forms import FORMS, issue
+
+    program = random.Random(cfg.seed)  # the same collectives on every rank
+    mine = random.Random(f"{cfg.seed}/{rank}")  # when this rank waits on what
+    errors: list[str] = []
+    series: list[Figures] = [_figures(0)]
+    pending: list[Any] = []
+    done = 0
+    started = time.monotonic()
+
+    def finish(op: Any) -> None:
+        nonlocal done
+        op.wait()
+        if err := op.check():
+            errors.append(err)
+        done += 1
+        if done % 1000 == 0:
+            series.append(_figures(done))
+
+    for i in range(cfg.ops):
+        numel = int(math.exp(program.uniform(0, math.log(cfg.max_numel // world))))
+        op = issue(program.choice(FORMS), f"soak/{cfg.seed}/{i}", numel)
+        if mine.random() < 0.2:
+            finish(op)  # a synchronous call
+        else:
+            pending.append(op)
+        while pending and (len(pending) > cfg.max_concurrency or mine.random() < 0.3):
+            finish(pending.pop(mine.randrange(len(pending))))
+    mine.shuffle(pending)
+    for op in pending:
+        finish(op)
+    dist.barrier()
+    series.append(_settled_figures(done, series[0]))
+    dist.barrier()
+    return {
+        "errors": errors[:20],
+        "error_count": len(errors),
+        "series": series,
+        "done": done,
+        "digests": {},
+        "elapsed_s": time.monotonic() - started,
+    }
+
+
 # ---------------------------------------------------------------------- parent side
 
 
@@ -234,8 +292,9 @@ class SoakReport:
     wall_s: float
 
     def lines(self) -> list[str]:
+        what = "collectives of every kind" if self.cfg.kinds == "all" else "allreduces"
         out = [
-            f"soak: {self.cfg.ops} allreduces on 2 machines x 2 ranks "
+            f"soak: {self.cfg.ops} {what} on 2 machines x 2 ranks "
             f"(sizes 0..{self.cfg.max_numel} elements, up to {self.cfg.max_concurrency} in "
             f"flight, {self.cfg.slice_size} B slices, {self.cfg.total_memory} B staging), "
             f"{self.wall_s:.1f} s",

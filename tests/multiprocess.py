@@ -408,6 +408,7 @@ class CaseJob:
         backend: str | None = None,
         env: Mapping[str, str | int | None] | None = None,
         timeout_s: float = 300,
+        pg_timeout_s: float | None = None,
     ) -> None:
         ids = [c.id for c in cases]
         if len(ids) != len(set(ids)):
@@ -419,6 +420,7 @@ class CaseJob:
         self.backend = DEFAULT_BACKEND if backend is None else backend
         self.env = env
         self.timeout_s = timeout_s
+        self.pg_timeout_s = pg_timeout_s
         self._errors: dict[str, list[tuple[int, str]]] | None = None
         self._failure: RankFailure | None = None
         self._failure_shown = False
@@ -438,6 +440,7 @@ class CaseJob:
                 backend=self.backend,
                 env=self.env,
                 timeout_s=self.timeout_s,
+                pg_timeout_s=self.pg_timeout_s,
                 runner=self.runner,
                 cases=self.cases,
             )
