@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -116,15 +116,18 @@ def worker(args: argparse.Namespace) -> None:
     for trainer in trainers.values():
         for _ in range(args.warmup_steps):
             trainer.step()
-    seconds: dict[str, list[float]] = {name: [] for name in trainers}
-    for _ in range(args.blocks):
-        for name, trainer in trainers.items():
-            dist.barrier()
-            start = time.perf_counter()
+
+    def block(trainer: Trainer) -> Callable[[], None]:
+        def run() -> None:
             for _ in range(args.block_steps):
                 trainer.step()
-            dist.barrier()  # the block ends when the slowest rank is done
-            seconds[name].append(time.perf_counter() - start)
+
+        return run
+
+    # Blocks of steps, the backends alternating; a block takes as long as its slowest rank.
+    seconds = common.time_iterations(
+        {name: block(t) for name, t in trainers.items()}, args.blocks, 0, dist.barrier
+    )
     a, b = (t.full_state() for t in trainers.values())
     diff = max((a[k] - b[k]).abs().max().item() for k in a)
     losses = {name: t.loss for name, t in trainers.items()}

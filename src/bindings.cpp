@@ -3,6 +3,7 @@
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/extension.h>
 
 #include "backend/fairring_backend.h"
@@ -65,9 +66,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "Stop every fairring engine of this process (run at interpreter exit), letting posted "
       "operations finish within `grace` first.");
 
-  // fairring_pg.future_callbacks calls these around every Python callback of a torch Future.
+  // fairring_pg.future_callbacks calls these around every Python callback of a future
+  // fairring handed out or one made from it, and asks these which futures those are.
   m.def("enter_future_callback", &fairring::enterPythonFutureCallback);
   m.def("exit_future_callback", &fairring::exitPythonFutureCallback);
+  m.def("is_fairring_future", [](const std::shared_ptr<torch::jit::PythonFutureWrapper>& future) {
+    return future && fairring::isAdoptedFuture(future->fut.get());
+  });
+  m.def("adopt_future", [](const std::shared_ptr<torch::jit::PythonFutureWrapper>& future) {
+    if (future) {
+      fairring::adoptFuture(future->fut);
+    }
+  });
 
   // Same argument order as fairring_pg.config.staging_slot_bytes, which a test compares it with.
   m.def(

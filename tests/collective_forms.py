@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from values import compare_exact
 
 # Allreduce, reduce-scatter and all-gather, each as tensor, list and coalesced calls.
 FORMS = (
@@ -55,9 +56,8 @@ class Issued:
 
     def check(self) -> str | None:
         for i, (got, want) in enumerate(zip(self.results, self.expected, strict=True)):
-            if not torch.equal(got, want):
-                bad = int((got != want).sum()) if got.shape == want.shape else got.numel()
-                return f"{self.form} {self.key}: output {i}: {bad} of {want.numel()} elements wrong"
+            if err := compare_exact(got, want, f"{self.form} {self.key}: output {i}"):
+                return err
         return None
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from multiprocess import DEFAULT_BACKEND, SHAPES, CaseJob, fairring_env
 from test_allreduce import make_values, reduce_exact
+from values import compare_exact
 
 BACKEND = DEFAULT_BACKEND
 SLICE_SIZE = 4 * 1024
@@ -76,10 +77,7 @@ def _inputs(op: _Op, world: int) -> list[torch.Tensor]:
 
 def _check(i: int, op: _Op, got: torch.Tensor, inputs: list[torch.Tensor]) -> str | None:
     expected = reduce_exact(inputs, op.op, op.dtype)
-    if torch.equal(got, expected):
-        return None
-    bad = int((got != expected).sum())
-    return f"allreduce #{i} ({op.op} {op.dtype} x{op.numel}): {bad} of {op.numel} elements wrong"
+    return compare_exact(got, expected, f"allreduce #{i} ({op.op} {op.dtype} x{op.numel})")
 
 
 def _issue_all(rank: int, world: int, batch: list[_Op]) -> tuple[list, list, list]:

@@ -29,6 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from multiprocess import SHAPES, CaseJob, fairring_env
+from values import compare_exact
 
 JOB_ENV = fairring_env(
     total_memory=64 * 1024,
@@ -178,22 +179,6 @@ def part_inputs(case: Case, world: int, tag: str = "") -> list[torch.Tensor]:
     ]
 
 
-def compare(got: torch.Tensor, expected: torch.Tensor, what: str) -> str | None:
-    if got.dtype != expected.dtype or got.shape != expected.shape:
-        shapes = (
-            f"got {got.dtype}{tuple(got.shape)}, expected {expected.dtype}{tuple(expected.shape)}"
-        )
-        return f"{what}: {shapes}"
-    if torch.equal(got, expected):
-        return None
-    bad = (got != expected).flatten().nonzero().flatten()
-    i = int(bad[0])
-    return (
-        f"{what}: {bad.numel()} of {got.numel()} elements differ; first at {i}: "
-        f"got {got.flatten()[i].item()}, expected {expected.flatten()[i].item()}"
-    )
-
-
 def _op(name: str) -> dist.ReduceOp.RedOpType:
     return getattr(dist.ReduceOp, name)
 
@@ -220,18 +205,18 @@ def run_case(rank: int, world: int, case: Case) -> str | None:
                 )
                 if not work.is_completed():
                     return "work.is_completed() is False once its future is done"
-                err = compare(
+                err = compare_exact(
                     doubled, expected.to(torch.float64) * 2, "value of the chained future"
                 )
                 if err:
                     return err
-            return compare(out, expected, "output") or compare(
+            return compare_exact(out, expected, "output") or compare_exact(
                 mine, before, "input (must not change)"
             )
         if case.kind == "rs_list":
             out = torch.empty(n, dtype=dt)
             dist.reduce_scatter(out, list(mine.chunk(world)), op=op)
-            return compare(out, expected, "output")
+            return compare_exact(out, expected, "output")
         if case.kind == "rs_coalesced":
             # Two tensors of different sizes in one coalesced call.
             other = dataclasses.replace(case, numel=13)
@@ -241,7 +226,7 @@ def run_case(rank: int, world: int, case: Case) -> str | None:
                 dist.reduce_scatter_tensor(outs[0], mine, op=op)
                 dist.reduce_scatter_tensor(outs[1], wide2[rank].to(dt), op=op)
             cm.wait()
-            return compare(outs[0], expected, "output 0") or compare(
+            return compare_exact(outs[0], expected, "output 0") or compare_exact(
                 outs[1], rs_expected(wide2, rank, other), "output 1"
             )
         if case.kind == "rs_strided":
@@ -253,7 +238,7 @@ def run_case(rank: int, world: int, case: Case) -> str | None:
             dist.reduce_scatter_tensor(out, base[::2], op=op)
             untouched = torch.full((n, 3), 7, dtype=dt)
             untouched[:, 1] = expected
-            return compare(
+            return compare_exact(
                 out_base, untouched, "output base (the view holds the result, the rest unchanged)"
             )
         if case.kind == "rs_inplace":
@@ -261,7 +246,7 @@ def run_case(rank: int, world: int, case: Case) -> str | None:
             buf = mine.clone()
             out = buf[rank * n : (rank + 1) * n]
             dist.reduce_scatter_tensor(out, buf, op=op)
-            return compare(out, expected, "output")
+            return compare_exact(out, expected, "output")
     if case.kind.startswith("ag"):
         parts = part_inputs(case, world)
         expected = torch.cat(parts)
@@ -272,16 +257,16 @@ def run_case(rank: int, world: int, case: Case) -> str | None:
             if case.kind == "ag_async":
                 assert work is not None
                 got = work.get_future().then(lambda f: f.value()[0].clone()).wait()
-                err = compare(got, expected, "value of the chained future")
+                err = compare_exact(got, expected, "value of the chained future")
                 if err:
                     return err
-            return compare(out, expected, "output") or compare(
+            return compare_exact(out, expected, "output") or compare_exact(
                 mine, parts[rank], "input (must not change)"
             )
         if case.kind == "ag_list":
             outs = [torch.empty(n, dtype=dt) for _ in range(world)]
             dist.all_gather(outs, mine)
-            return compare(torch.cat(outs), expected, "outputs")
+            return compare_exact(torch.cat(outs), expected, "outputs")
         if case.kind == "ag_coalesced":
             other = dataclasses.replace(case, numel=13)
             parts2 = part_inputs(other, world, "/2")
@@ -290,7 +275,7 @@ def run_case(rank: int, world: int, case: Case) -> str | None:
                 dist.all_gather_into_tensor(outs[0], mine)
                 dist.all_gather_into_tensor(outs[1], parts2[rank].clone())
             cm.wait()
-            return compare(outs[0], expected, "output 0") or compare(
+            return compare_exact(outs[0], expected, "output 0") or compare_exact(
                 outs[1], torch.cat(parts2), "output 1"
             )
         if case.kind == "ag_strided":
@@ -300,14 +285,14 @@ def run_case(rank: int, world: int, case: Case) -> str | None:
             dist.all_gather_into_tensor(out_base[:, 0], base[1::3])
             want = torch.full((world * n, 2), 7, dtype=dt)
             want[:, 0] = expected
-            return compare(
+            return compare_exact(
                 out_base, want, "output base (the view holds the result, the rest unchanged)"
             )
         if case.kind == "ag_inplace":
             out = torch.zeros(world * n, dtype=dt)
             out[rank * n : (rank + 1) * n] = mine
             dist.all_gather_into_tensor(out, out[rank * n : (rank + 1) * n])
-            return compare(out, expected, "output")
+            return compare_exact(out, expected, "output")
     if case.kind == "interleaved":
         # Reduce-scatters, all-gathers and allreduces in flight at once, more than the
         # staging holds: each must pair with the same operation on every rank.
@@ -332,7 +317,7 @@ def run_case(rank: int, world: int, case: Case) -> str | None:
         for w in works:
             w.wait()
         for i, (got, want) in enumerate(checks):
-            err = compare(got, want, f"operation {i}")
+            err = compare_exact(got, want, f"operation {i}")
             if err:
                 return err
         return None

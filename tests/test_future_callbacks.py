@@ -68,6 +68,67 @@ def done_callbacks(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def foreign_and_collected(rank: int, world: int) -> dict[str, Any]:
+    """Two programs Gloo completes. (1) An allreduce issued from the callback of a future
+    that is not fairring's (a plain torch Future, run inline) on some ranks and directly
+    on others: it is the program's own collective, in its order, on every rank. (2) A
+    callback of ``collect_all`` over fairring futures issues an allreduce, inline on some
+    ranks and on a completion thread on others: it is a fairring callback everywhere."""
+    foreign = []
+    for i in range(4):
+        x = torch.full((1000 + i,), float(rank + 1))
+        if (rank + i) % 2 == 0:
+            plain: torch.futures.Future[None] = torch.futures.Future()
+            plain.set_result(None)
+            plain.then(lambda f, x=x: dist.all_reduce(x)).wait()
+        else:
+            dist.all_reduce(x)
+        foreign.append(x[0].item())
+    collected = []
+    for i in range(4):
+        futs = [
+            dist.all_reduce(torch.full((7 + j,), float(rank)), async_op=True).get_future()
+            for j in range(2)
+        ]
+        both = torch.futures.collect_all(futs)
+        if (rank + i) % 2 == 0:
+            both.wait()  # complete: the callback runs inline, here
+
+        def issue(f: torch.futures.Future, i: int = i) -> float:
+            y = torch.full((30 + i,), float(10 * (rank + 1)))
+            dist.all_reduce(y)
+            return y[0].item()
+
+        collected.append(both.then(issue).wait())
+    return {"foreign": foreign, "collected": collected}
+
+
+@memoised
+def _foreign_results() -> list[dict[str, Any]]:
+    return run_ranks(
+        foreign_and_collected,
+        len(MACHINES),
+        MACHINES,
+        DEFAULT_BACKEND,
+        timeout_s=90,
+        pg_timeout_s=20,
+    )
+
+
+def test_collectives_from_callbacks_of_other_futures_are_the_programs_own() -> None:
+    world = len(MACHINES)
+    for rank, r in enumerate(_foreign_results()):
+        assert r["foreign"] == [float(sum(q + 1 for q in range(world)))] * 4, f"rank {rank}"
+
+
+def test_callbacks_of_collect_all_over_fairring_futures_are_fairrings() -> None:
+    world = len(MACHINES)
+    for rank, r in enumerate(_foreign_results()):
+        assert r["collected"] == [float(sum(10 * (q + 1) for q in range(world)))] * 4, (
+            f"rank {rank}"
+        )
+
+
 @memoised
 def _results() -> list[dict[str, Any]]:
     return run_ranks(done_callbacks, len(MACHINES), MACHINES, DEFAULT_BACKEND, timeout_s=120)

@@ -76,6 +76,7 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::runOn(
   AllreduceEngine& engine = fromCallback ? callbackEngine() : engine_;
   auto source = post(engine);
   auto user = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+  adoptFuture(user);
   // Before the gate that chain() adds: Work.wait() and the profiler range end
   // when the future is marked, not when its turn to run callbacks comes.
   auto result = c10::make_intrusive<FutureWork>(rank_, opType, profilingTitle, inputs, user);

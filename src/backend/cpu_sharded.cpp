@@ -98,6 +98,40 @@ std::string coalescedProblem(
   return problem;
 }
 
+// The problem with a list call, if any: one `single` tensor per process (a
+// reduce-scatter's output, an all-gather's input) and one list of `world`
+// tensors (its inputs, its outputs) that each match it.
+std::string listProblem(
+    const std::vector<at::Tensor>& singles,
+    const std::string& singleName,
+    const std::vector<std::vector<at::Tensor>>& lists,
+    const std::string& listName,
+    int world,
+    const std::string& hint) {
+  if (singles.size() != 1 || lists.size() != 1) {
+    return "takes one " + singleName + " and one list of " + listName + "s per process, got " +
+        std::to_string(singles.size()) + " and " + std::to_string(lists.size());
+  }
+  const at::Tensor& single = singles[0];
+  const std::vector<at::Tensor>& list = lists[0];
+  if (list.size() != static_cast<size_t>(world)) {
+    return "the " + listName + " list has " + std::to_string(list.size()) + " tensors, expected the world size " +
+        std::to_string(world);
+  }
+  std::string problem = problemWith(single, "the " + singleName);
+  if (problem.empty()) {
+    problem = firstProblem(list, listName);
+  }
+  for (size_t r = 0; problem.empty() && r < list.size(); ++r) {
+    if (list[r].numel() != single.numel() || list[r].scalar_type() != single.scalar_type()) {
+      problem = listName + " " + std::to_string(r) + " has " + std::to_string(list[r].numel()) + " elements of " +
+          dtypeName(list[r].scalar_type()) + ", the " + singleName + " " + std::to_string(single.numel()) + " of " +
+          dtypeName(single.scalar_type()) + "; every " + listName + " must match the " + singleName + hint;
+    }
+  }
+  return problem;
+}
+
 } // namespace
 
 c10::intrusive_ptr<c10d::Work> CpuSharded::issue(
@@ -118,12 +152,8 @@ c10::intrusive_ptr<c10d::Work> CpuSharded::issue(
       opType, profilingTitle, inputs);
 }
 
-c10::intrusive_ptr<c10d::Work> CpuSharded::reduceScatterBase(
-    at::Tensor& output,
-    at::Tensor& input,
-    c10d::ReduceOp::RedOpType op) {
-  Call call(OpKind::kReduceScatter);
-  call.op = op;
+CpuSharded::Call CpuSharded::tensorCall(OpKind kind, at::Tensor& output, at::Tensor& input) {
+  Call call(kind);
   call.problem = problemWith(input, "the input");
   if (call.problem.empty()) {
     call.problem = problemWith(output, "the output");
@@ -135,6 +165,15 @@ c10::intrusive_ptr<c10d::Work> CpuSharded::reduceScatterBase(
   }
   call.results = {output};
   call.finish = all(std::move(writeBacks));
+  return call;
+}
+
+c10::intrusive_ptr<c10d::Work> CpuSharded::reduceScatterBase(
+    at::Tensor& output,
+    at::Tensor& input,
+    c10d::ReduceOp::RedOpType op) {
+  Call call = tensorCall(OpKind::kReduceScatter, output, input);
+  call.op = op;
   return issue(std::move(call), c10d::OpType::_REDUCE_SCATTER_BASE, "fairring:_reduce_scatter_base", {input});
 }
 
@@ -144,26 +183,7 @@ c10::intrusive_ptr<c10d::Work> CpuSharded::reduceScatterList(
     c10d::ReduceOp::RedOpType op) {
   Call call(OpKind::kReduceScatter);
   call.op = op;
-  if (outputs.size() != 1 || inputs.size() != 1) {
-    call.problem = "takes one output and one list of inputs per process, got " + std::to_string(outputs.size()) +
-        " and " + std::to_string(inputs.size());
-  } else if (inputs[0].size() != static_cast<size_t>(worldSize_)) {
-    call.problem = "the input list has " + std::to_string(inputs[0].size()) + " tensors, expected the world size " +
-        std::to_string(worldSize_);
-  } else {
-    call.problem = problemWith(outputs[0], "the output");
-    if (call.problem.empty()) {
-      call.problem = firstProblem(inputs[0], "input");
-    }
-    for (size_t r = 0; call.problem.empty() && r < inputs[0].size(); ++r) {
-      if (inputs[0][r].numel() != outputs[0].numel() || inputs[0][r].scalar_type() != outputs[0].scalar_type()) {
-        call.problem = "input " + std::to_string(r) + " has " + std::to_string(inputs[0][r].numel()) +
-            " elements of " + dtypeName(inputs[0][r].scalar_type()) + ", the output " +
-            std::to_string(outputs[0].numel()) + " of " + dtypeName(outputs[0].scalar_type()) +
-            "; every input must match the output";
-      }
-    }
-  }
+  call.problem = listProblem(outputs, "output", inputs, "input", worldSize_, "");
   std::vector<std::function<void()>> writeBacks;
   if (call.problem.empty()) {
     std::vector<at::Tensor> flat;
@@ -211,45 +231,16 @@ c10::intrusive_ptr<c10d::Work> CpuSharded::reduceScatterCoalesced(
 }
 
 c10::intrusive_ptr<c10d::Work> CpuSharded::allGatherBase(at::Tensor& output, at::Tensor& input) {
-  Call call(OpKind::kAllGather);
-  call.problem = problemWith(input, "the input");
-  if (call.problem.empty()) {
-    call.problem = problemWith(output, "the output");
-  }
-  std::vector<std::function<void()>> writeBacks;
-  if (call.problem.empty()) {
-    call.input = flatInput(input);
-    call.output = flatOutput(output, writeBacks);
-  }
-  call.results = {output};
-  call.finish = all(std::move(writeBacks));
-  return issue(std::move(call), c10d::OpType::_ALLGATHER_BASE, "fairring:_allgather_base", {input});
+  return issue(
+      tensorCall(OpKind::kAllGather, output, input), c10d::OpType::_ALLGATHER_BASE, "fairring:_allgather_base", {input});
 }
 
 c10::intrusive_ptr<c10d::Work> CpuSharded::allGatherList(
     std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs) {
   Call call(OpKind::kAllGather);
-  if (outputs.size() != 1 || inputs.size() != 1) {
-    call.problem = "takes one input and one list of outputs per process, got " + std::to_string(inputs.size()) +
-        " and " + std::to_string(outputs.size());
-  } else if (outputs[0].size() != static_cast<size_t>(worldSize_)) {
-    call.problem = "the output list has " + std::to_string(outputs[0].size()) + " tensors, expected the world size " +
-        std::to_string(worldSize_);
-  } else {
-    call.problem = problemWith(inputs[0], "the input");
-    if (call.problem.empty()) {
-      call.problem = firstProblem(outputs[0], "output");
-    }
-    for (size_t r = 0; call.problem.empty() && r < outputs[0].size(); ++r) {
-      if (outputs[0][r].numel() != inputs[0].numel() || outputs[0][r].scalar_type() != inputs[0].scalar_type()) {
-        call.problem = "output " + std::to_string(r) + " has " + std::to_string(outputs[0][r].numel()) +
-            " elements of " + dtypeName(outputs[0][r].scalar_type()) + ", the input " +
-            std::to_string(inputs[0].numel()) + " of " + dtypeName(inputs[0].scalar_type()) +
-            "; every output must match the input (sizes that differ between ranks go to all_gather_object)";
-      }
-    }
-  }
+  call.problem = listProblem(
+      inputs, "input", outputs, "output", worldSize_, " (sizes that differ between ranks go to all_gather_object)");
   if (call.problem.empty()) {
     const int64_t n = inputs[0].numel();
     call.input = flatInput(inputs[0]);

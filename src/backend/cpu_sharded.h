@@ -49,6 +49,8 @@ class CpuSharded {
     std::vector<at::Tensor> results; // the future's value
     std::function<void()> finish; // unpacks into the caller's tensors
   };
+  // The tensor forms: one input, one output, each possibly a dense copy.
+  static Call tensorCall(OpKind kind, at::Tensor& output, at::Tensor& input);
   c10::intrusive_ptr<c10d::Work> issue(
       Call call,
       c10d::OpType opType,

@@ -1,5 +1,9 @@
 #include "backend/python_callback.h"
 
+#include <iterator>
+#include <mutex>
+#include <unordered_map>
+
 namespace fairring {
 
 namespace {
@@ -8,7 +12,38 @@ namespace {
 // completed future, which then runs nested in it.
 thread_local int tlDepth = 0;
 
+struct Adopted {
+  std::mutex mu;
+  std::unordered_map<const c10::ivalue::Future*, c10::weak_intrusive_ptr<c10::ivalue::Future>> futures;
+  size_t pruneAt{64};
+};
+
+Adopted& adopted() {
+  static auto* registry = new Adopted(); // never destroyed: callbacks may run at exit
+  return *registry;
+}
+
 } // namespace
+
+void adoptFuture(const c10::intrusive_ptr<c10::ivalue::Future>& future) {
+  Adopted& a = adopted();
+  std::lock_guard<std::mutex> lock(a.mu);
+  a.futures.insert_or_assign(future.get(), c10::weak_intrusive_ptr<c10::ivalue::Future>(future));
+  if (a.futures.size() >= a.pruneAt) {
+    // Amortised: every future fairring hands out lands here once.
+    for (auto it = a.futures.begin(); it != a.futures.end();) {
+      it = it->second.expired() ? a.futures.erase(it) : std::next(it);
+    }
+    a.pruneAt = 2 * a.futures.size() + 64;
+  }
+}
+
+bool isAdoptedFuture(const c10::ivalue::Future* future) {
+  Adopted& a = adopted();
+  std::lock_guard<std::mutex> lock(a.mu);
+  auto it = a.futures.find(future);
+  return it != a.futures.end() && !it->second.expired();
+}
 
 bool insidePythonFutureCallback() {
   return tlDepth > 0;

@@ -22,13 +22,6 @@ std::set<AllreduceEngine*>& registry() {
   return *engines;
 }
 
-// Free when the timeline is off: one branch, no clock read.
-inline void stamp(const Timeline& timeline, int64_t& at) {
-  if (timeline.enabled()) {
-    at = Timeline::now();
-  }
-}
-
 std::exception_ptr makeError(const std::string& message) {
   return std::make_exception_ptr(c10::DistBackendError(message));
 }
@@ -608,30 +601,43 @@ void AllreduceEngine::recordSegment(const Op& op, const Slice& slice, const Segm
   if (!timeline_.enabled()) {
     return;
   }
-  if (!op.isAllreduce()) {
-    recordShardedSegment(op, slice, seg);
-    return;
-  }
   const int64_t tDone = Timeline::now();
-  const uint64_t id = seg.id;
-  const std::string args = "{\"op\":" + std::to_string(op.seq) + ",\"slice\":" + std::to_string(slice.index) +
-      ",\"segment\":" + std::to_string(seg.index) +
-      ",\"elements\":" + std::to_string(op.plan.segment(slice.index, seg.index).size()) + "}";
   const bool intraNode = layout_.localSize() > 1;
   const bool rail = layout_.numMachines() > 1;
-  timeline_.sliceSpan(id, "waiting for staging", op.tEnqueued, slice.tActive, args);
-  if (intraNode) {
-    timeline_.sliceSpan(id, "reduce-scatter", slice.tActive, seg.tRsReduced, args);
+  const std::string elements = op.isAllreduce()
+      ? "\"elements\":" + std::to_string(op.plan.segment(slice.index, seg.index).size())
+      : "\"elements_per_rank\":" + std::to_string(op.sharded.segment(slice.index, seg.index).size());
+  const std::string args = "{\"op\":" + std::to_string(op.seq) + ",\"slice\":" + std::to_string(slice.index) +
+      ",\"segment\":" + std::to_string(seg.index) + "," + elements + "}";
+  struct Span {
+    const char* name;
+    int64_t begin;
+    int64_t end;
+    bool shown; // a phase this shape has
+  };
+  std::vector<Span> spans;
+  if (op.kind == OpKind::kAllGather) {
+    spans = {
+        {"waiting for its turn", op.tEnqueued, slice.tActive, true},
+        {"rail gather", slice.tActive, seg.tChunkFinal, rail},
+        {"all-gather", seg.tChunkFinal, tDone, intraNode},
+    };
+  } else {
+    spans = {
+        {"waiting for staging", op.tEnqueued, slice.tActive, true},
+        {"reduce-scatter", slice.tActive, seg.tRsReduced, intraNode},
+        {"collect", seg.tRsReduced, seg.tReduceStart, rail},
+        {"reduce", seg.tReduceStart, seg.tShardReduced, true},
+    };
+    if (op.isAllreduce()) {
+      spans.push_back({"diffuse", seg.tShardReduced, seg.tChunkFinal, rail});
+      spans.push_back({"all-gather", seg.tChunkFinal, tDone, intraNode});
+    }
   }
-  if (rail) {
-    timeline_.sliceSpan(id, "collect", seg.tRsReduced, seg.tReduceStart, args);
-  }
-  timeline_.sliceSpan(id, "reduce", seg.tReduceStart, seg.tShardReduced, args);
-  if (rail) {
-    timeline_.sliceSpan(id, "diffuse", seg.tShardReduced, seg.tChunkFinal, args);
-  }
-  if (intraNode) {
-    timeline_.sliceSpan(id, "all-gather", seg.tChunkFinal, tDone, args);
+  for (const Span& span : spans) {
+    if (span.shown) {
+      timeline_.sliceSpan(seg.id, span.name, span.begin, span.end, args);
+    }
   }
 }
 

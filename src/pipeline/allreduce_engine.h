@@ -186,7 +186,6 @@ class AllreduceEngine {
       Range& range,
       uint8_t*& dst) const;
   at::Tensor stagedPiece(const Op& op, const Slice& slice, const Segment& seg, int index) const;
-  void recordShardedSegment(const Op& op, const Slice& slice, const Segment& seg);
   void finishSegment(Op& op, Slice& slice, Segment& seg, Actions& actions);
   void finishSlice(Op& op, Slice& slice, Actions& actions);
   // The outbox key of messages to `peer`: the peer, or kRailPeers.

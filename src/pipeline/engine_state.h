@@ -16,6 +16,14 @@ namespace fairring {
 
 constexpr int kNumPhases = 4;
 
+// A phase's timeline stamp: free when the timeline is off (one branch, no
+// clock read).
+inline void stamp(const Timeline& timeline, int64_t& at) {
+  if (timeline.enabled()) {
+    at = Timeline::now();
+  }
+}
+
 // One segment of a slice on its way through its steps.
 struct AllreduceEngine::Segment {
   int index{0};

@@ -23,14 +23,6 @@
 
 namespace fairring {
 
-namespace {
-inline void stampNow(const Timeline& timeline, int64_t& at) {
-  if (timeline.enabled()) {
-    at = Timeline::now();
-  }
-}
-} // namespace
-
 c10::intrusive_ptr<AllreduceEngine::Future> AllreduceEngine::enqueueSharded(
     OpKind kind,
     at::Tensor input,
@@ -224,7 +216,7 @@ void AllreduceEngine::advanceReduceScatter(Op& op, Slice& slice, Segment& seg, A
         op, slice, seg, [reductions, redop = op.op] { runReductions(reductions, redop); },
         [this](Slice&, Segment& done, Actions&) {
           done.rsReduced = true;
-          stampNow(timeline_, done.tRsReduced);
+          stamp(timeline_, done.tRsReduced);
         });
     return;
   }
@@ -244,7 +236,7 @@ void AllreduceEngine::advanceReduceScatter(Op& op, Slice& slice, Segment& seg, A
     if (seg.received[static_cast<int>(Phase::kCollect)] < M - 1) {
       return;
     }
-    stampNow(timeline_, seg.tReduceStart);
+    stamp(timeline_, seg.tReduceStart);
     // The other machines' partial sums, in machine order; then AVG's division.
     std::vector<at::Tensor> partials;
     for (int i = 0; i < M - 1; ++i) {
@@ -258,7 +250,7 @@ void AllreduceEngine::advanceReduceScatter(Op& op, Slice& slice, Segment& seg, A
         },
         [this](Slice&, Segment& done, Actions&) {
           done.shardReduced = true;
-          stampNow(timeline_, done.tShardReduced);
+          stamp(timeline_, done.tShardReduced);
         });
     return;
   }
@@ -295,7 +287,7 @@ void AllreduceEngine::advanceAllGather(Op& op, Slice& slice, Segment& seg, Actio
       return;
     }
     seg.chunkFinal = true;
-    stampNow(timeline_, seg.tChunkFinal);
+    stamp(timeline_, seg.tChunkFinal);
   }
 
   bool waiting = false;
@@ -320,34 +312,6 @@ void AllreduceEngine::advanceAllGather(Op& op, Slice& slice, Segment& seg, Actio
     return;
   }
   finishSegment(op, slice, seg, actions);
-}
-
-void AllreduceEngine::recordShardedSegment(const Op& op, const Slice& slice, const Segment& seg) {
-  const int64_t tDone = Timeline::now();
-  const uint64_t id = seg.id;
-  const std::string args = "{\"op\":" + std::to_string(op.seq) + ",\"slice\":" + std::to_string(slice.index) +
-      ",\"segment\":" + std::to_string(seg.index) +
-      ",\"elements_per_rank\":" + std::to_string(op.sharded.segment(slice.index, seg.index).size()) + "}";
-  const bool intraNode = layout_.localSize() > 1;
-  const bool rail = layout_.numMachines() > 1;
-  if (op.kind == OpKind::kReduceScatter) {
-    timeline_.sliceSpan(id, "waiting for staging", op.tEnqueued, slice.tActive, args);
-    if (intraNode) {
-      timeline_.sliceSpan(id, "reduce-scatter", slice.tActive, seg.tRsReduced, args);
-    }
-    if (rail) {
-      timeline_.sliceSpan(id, "collect", seg.tRsReduced, seg.tReduceStart, args);
-    }
-    timeline_.sliceSpan(id, "reduce", seg.tReduceStart, seg.tShardReduced, args);
-    return;
-  }
-  timeline_.sliceSpan(id, "waiting for its turn", op.tEnqueued, slice.tActive, args);
-  if (rail) {
-    timeline_.sliceSpan(id, "rail gather", slice.tActive, seg.tChunkFinal, args);
-  }
-  if (intraNode) {
-    timeline_.sliceSpan(id, "all-gather", seg.tChunkFinal, tDone, args);
-  }
 }
 
 } // namespace fairring
