@@ -157,6 +157,7 @@ def _fill_options(
     opts.timeout = timeout
     opts.direct_below = config.direct_below
     opts.pipeline_chunk = config.pipeline_chunk
+    opts.cpu_ring_from = config.cpu_ring_from(topology.num_machines, topology.local_size)
 
 
 class _PlainOptions:
@@ -172,6 +173,7 @@ class _PlainOptions:
     timeline_path: str
     direct_below: int
     pipeline_chunk: int
+    cpu_ring_from: int
     subgroup_slice_size: int
 
 

@@ -45,6 +45,15 @@ MAX_LANES = 16
 # one launch beats five. On an H100 the five steps took 1.08-1.48x NCCL's time at
 # 1 MiB in every run, and won at 25 MiB (bench/results/cuda/).
 DEFAULT_DIRECT_BELOW = 2 * MIB
+# Who runs an allreduce of CPU tensors. "auto": fairring's engine, except where its five
+# steps send as many bytes per rank as Gloo's ring (one rank per machine) and the
+# allreduce is large enough to be link-bound: there Gloo's ring, which fills a link with
+# one flow per host where the engine's all-to-all has several. At 4x1 on 1 Gbit/s links
+# the engine took 0.94-0.99x Gloo's speed from 1 MiB up and 1.2-7.9x below it
+# (bench/results/allreduce_sizes_netns_1gbit.md). "engine": always fairring's engine;
+# "gloo": always Gloo's allreduce (for comparison).
+CPU_ALLREDUCE_PATHS = ("auto", "engine", "gloo")
+CPU_RING_FROM = 1 * MIB
 MAX_BYTES = TIB  # anything larger is a typo, not a configuration
 
 _SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?|\.\d+)\s*([kmg]?)(i?b)?$", re.IGNORECASE)
@@ -64,6 +73,7 @@ _JOB_WIDE_FIELDS = (
     "slice_scaling",
     "lanes",
     "direct_below",
+    "cpu_allreduce",
     "pipeline_chunk",
     "test_cpu_subgroups",
     "test_local_gloo",
@@ -74,6 +84,7 @@ _ENV_NAME = {
     "slice_scaling": "FAIRRING_SLICE_SCALING",
     "lanes": "FAIRRING_LANES",
     "direct_below": "FAIRRING_DIRECT_BELOW",
+    "cpu_allreduce": "FAIRRING_CPU_ALLREDUCE",
     "pipeline_chunk": "FAIRRING_PIPELINE_CHUNK",
     "test_cpu_subgroups": "FAIRRING_TEST_CPU_SUBGROUPS",
     "test_local_gloo": "FAIRRING_TEST_LOCAL_GLOO",
@@ -164,6 +175,7 @@ class Config:
     cuda_delegate: str = "auto"
     lanes: int = DEFAULT_LANES
     direct_below: int = DEFAULT_DIRECT_BELOW
+    cpu_allreduce: str = "auto"
     pipeline_chunk: int = DEFAULT_PIPELINE_CHUNK
     # Test switches: CPU tensors take the sub-group path over Gloo groups (so CI runs
     # the CUDA path's orchestration); CUDA's local groups are Gloo (several ranks of a
@@ -195,6 +207,8 @@ class Config:
             values["direct_below"] = (
                 0 if raw.strip() == "0" else parse_byte_size("FAIRRING_DIRECT_BELOW", raw)
             )
+        if (raw := environ.get("FAIRRING_CPU_ALLREDUCE")) is not None:
+            values["cpu_allreduce"] = _choice("FAIRRING_CPU_ALLREDUCE", raw, CPU_ALLREDUCE_PATHS)
         if (raw := environ.get("FAIRRING_PIPELINE_CHUNK")) is not None:
             values["pipeline_chunk"] = parse_byte_size("FAIRRING_PIPELINE_CHUNK", raw)
         if (raw := environ.get("FAIRRING_TEST_CPU_SUBGROUPS")) is not None:
@@ -221,6 +235,16 @@ class Config:
         ):
             wanted = max(base, wanted // 2)
         return wanted
+
+    def cpu_ring_from(self, num_machines: int, local_size: int) -> int:
+        """Bytes from which a CPU allreduce goes to Gloo's ring instead of fairring's
+        engine (FAIRRING_CPU_ALLREDUCE), or -1 for never. The same on every rank: the
+        variable is job-wide and the shape is the job's."""
+        if self.cpu_allreduce == "gloo":
+            return 0
+        if self.cpu_allreduce == "engine" or local_size > 1 or num_machines == 1:
+            return -1
+        return CPU_RING_FROM
 
     def subgroup_slice_size(self, num_machines: int, local_size: int) -> int:
         """The slice of the sub-group (CUDA) path.

@@ -42,6 +42,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("pipeline_chunk", &BackendOptions::pipelineChunk)
       .def_readwrite("subgroup_slice_size", &BackendOptions::subgroupSliceBytes)
       .def_readwrite("direct_below", &BackendOptions::directBelowBytes)
+      .def_readwrite("cpu_ring_from", &BackendOptions::cpuRingFrom)
       .def_readwrite("cuda_subgroups", &BackendOptions::cudaSubgroups)
       .def_readwrite("cpu_subgroups", &BackendOptions::cpuSubgroups);
 
@@ -58,7 +59,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return c10::make_intrusive<FairringBackend>(store, rank, size, std::move(options), cpuDelegate, cuda);
           }),
           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("options"), py::arg("cpu_delegate"),
-          py::arg("cuda_delegate") = py::none());
+          py::arg("cuda_delegate") = py::none())
+      .def(
+          "cpu_allreduce_stats",
+          [](const FairringBackend& backend) -> py::object {
+            const auto stats = backend.cpuAllreduceStats();
+            if (!stats) {
+              return py::none();
+            }
+            return py::dict(py::arg("engine") = stats->engine, py::arg("ring") = stats->ring);
+          },
+          "Operations of CPU tensors run so far on fairring's engines and on Gloo's ring "
+          "(FAIRRING_CPU_ALLREDUCE), or None where CPU tensors take the sub-group path.");
 
   m.def(
       "shutdown_all", &fairring::AllreduceEngine::shutdownAll, py::arg("grace"),

@@ -52,19 +52,21 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::run(
     std::function<void()> finish,
     c10d::OpType opType,
     const char* profilingTitle,
-    const std::vector<at::Tensor>& inputs) {
+    const std::vector<at::Tensor>& inputs,
+    const Ring& ring) {
   return runOn(
       [&](AllreduceEngine& engine) {
         return engine.enqueue(std::move(work), op, std::move(outputs), std::move(finish));
       },
-      opType, profilingTitle, inputs);
+      opType, profilingTitle, inputs, ring);
 }
 
 c10::intrusive_ptr<c10d::Work> CpuAllreduce::runOn(
     const Post& post,
     c10d::OpType opType,
     const char* profilingTitle,
-    const std::vector<at::Tensor>& inputs) {
+    const std::vector<at::Tensor>& inputs,
+    const Ring& ring) {
   bool fromCallback = OrderedCompletion::onWorkerThread();
   if (!fromCallback && insidePythonFutureCallback()) {
     // A callback run inline by then() on a future that was already complete:
@@ -73,8 +75,9 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::runOn(
     fromCallback = true;
     completion_.awaitMarkedCallbacks();
   }
-  AllreduceEngine& engine = fromCallback ? callbackEngine() : engine_;
-  auto source = post(engine);
+  const bool onRing = ring && !fromCallback;
+  auto source = onRing ? ring() : post(fromCallback ? callbackEngine() : engine_);
+  ++(onRing ? ringOps_ : engineOps_);
   auto user = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
   adoptFuture(user);
   // Before the gate that chain() adds: Work.wait() and the profiler range end
@@ -96,6 +99,10 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::runOn(
     user->markCompleted(source->value());
   }
   return result;
+}
+
+CpuAllreduce::Stats CpuAllreduce::stats() const {
+  return Stats{engineOps_.load(), ringOps_.load()};
 }
 
 void CpuAllreduce::awaitIssued() {

@@ -4,6 +4,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -24,6 +25,9 @@ namespace fairring {
 // differently on each (docs/design.md, "Completion order and comm hooks").
 class CpuAllreduce {
  public:
+  using Post = std::function<c10::intrusive_ptr<c10::ivalue::Future>(AllreduceEngine&)>;
+  using Ring = std::function<c10::intrusive_ptr<c10::ivalue::Future>()>;
+
   // `engine` must outlive this object; `callbackOptions` and `store` start the
   // second engine.
   CpuAllreduce(
@@ -42,16 +46,28 @@ class CpuAllreduce {
       std::function<void()> finish,
       c10d::OpType opType,
       const char* profilingTitle,
-      const std::vector<at::Tensor>& inputs);
+      const std::vector<at::Tensor>& inputs,
+      const Ring& ring = nullptr);
 
   // What run() does, for any operation of the engine: `post` issues it on the
   // engine this call belongs to (main, or callbacks') and returns its future.
-  using Post = std::function<c10::intrusive_ptr<c10::ivalue::Future>(AllreduceEngine&)>;
+  // `ring`, where given, issues the program's own call on the delegate's ring
+  // instead and returns its future (valued as the caller's outputs); a call
+  // from a callback stays on the callback engine, since on the delegate it
+  // would interleave with the program's calls differently on each rank.
   c10::intrusive_ptr<c10d::Work> runOn(
       const Post& post,
       c10d::OpType opType,
       const char* profilingTitle,
-      const std::vector<at::Tensor>& inputs);
+      const std::vector<at::Tensor>& inputs,
+      const Ring& ring = nullptr);
+
+  // Operations run so far: on the engines, and on the delegate's ring.
+  struct Stats {
+    uint64_t engine{0};
+    uint64_t ring{0};
+  };
+  Stats stats() const;
 
   // Blocks until every operation issued so far on the main engine is done
   // and its future marked (the callback engine's return done); throws the
@@ -76,6 +92,8 @@ class CpuAllreduce {
   // The future of the last operation issued on the main engine: futures are
   // marked in issue order, so once it is, all are.
   c10::intrusive_ptr<c10::ivalue::Future> lastIssued_;
+  std::atomic<uint64_t> engineOps_{0};
+  std::atomic<uint64_t> ringOps_{0};
   std::string startFailure_; // a failed start is not retried
   bool stopped_{false};
 };

@@ -30,7 +30,10 @@ FairringBackend::FairringBackend(
     BackendOptions options,
     c10::intrusive_ptr<c10d::Backend> cpuDelegate,
     c10::intrusive_ptr<c10d::Backend> cudaDelegate)
-    : c10d::Backend(rank, size), cpu_(std::move(cpuDelegate)), cuda_(std::move(cudaDelegate)) {
+    : c10d::Backend(rank, size),
+      cpu_(std::move(cpuDelegate)),
+      cuda_(std::move(cudaDelegate)),
+      cpuRingFrom_(options.cpuRingFrom) {
   TORCH_CHECK(cpu_, "fairring: a CPU delegate backend is required");
   TORCH_CHECK(
       static_cast<int>(options.machineOf.size()) == size, "fairring: machine_of has ", options.machineOf.size(),
@@ -113,8 +116,39 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce(
     // Reduce a dense copy, then write the result back into the caller's view.
     finish = [tensor, work]() mutable { tensor.copy_(work); };
   }
+  CpuAllreduce::Ring ring = ringFor(work, opts.reduceOp.op_, {tensor}, finish);
   return cpuAllreduce_->run(
-      work, opts.reduceOp.op_, {tensor}, std::move(finish), c10d::OpType::ALLREDUCE, "fairring:all_reduce", tensors);
+      work, opts.reduceOp.op_, {tensor}, std::move(finish), c10d::OpType::ALLREDUCE, "fairring:all_reduce", tensors,
+      ring);
+}
+
+CpuAllreduce::Ring FairringBackend::ringFor(
+    const at::Tensor& work,
+    c10d::ReduceOp::RedOpType op,
+    std::vector<at::Tensor> outputs,
+    std::function<void()> finish) {
+  // Decided from what every rank shares (size, dtype, op, the job's shape), so
+  // that every rank sends the same allreduce the same way.
+  const int64_t bytes = work.numel() * static_cast<int64_t>(work.element_size());
+  if (cpuRingFrom_ < 0 || bytes < cpuRingFrom_ || !glooReduces(work.scalar_type(), op)) {
+    return nullptr;
+  }
+  return [this, work, op, outputs = std::move(outputs), finish = std::move(finish)]() {
+    std::vector<at::Tensor> tensors{work};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = c10d::ReduceOp(op);
+    // The write-back (non-contiguous, coalesced) before anyone sees it done.
+    return cpu_->allreduce(tensors, opts)
+        ->getFuture()
+        ->then(
+            [outputs, finish](c10::ivalue::Future&) {
+              if (finish) {
+                finish();
+              }
+              return c10::IValue(outputs);
+            },
+            c10::ListType::create(c10::TensorType::get()));
+  };
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce_coalesced(
@@ -139,9 +173,10 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce_coalesced(
         "; coalesced tensors must share a dtype");
   }
   Fusion fusion = fuse(tensors);
+  CpuAllreduce::Ring ring = ringFor(fusion.fused, opts.reduceOp.op_, tensors, fusion.scatterBack);
   return cpuAllreduce_->run(
       fusion.fused, opts.reduceOp.op_, tensors, std::move(fusion.scatterBack), c10d::OpType::ALLREDUCE_COALESCED,
-      "fairring:all_reduce_coalesced", tensors);
+      "fairring:all_reduce_coalesced", tensors, ring);
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::broadcast(

@@ -31,6 +31,9 @@ struct BackendOptions {
   size_t pipelineChunk{1 << 20}; // each local rank's part of the piece of a slice the five steps move at once
   // The sub-group allreduce (src/subgroups/): its slice (fitted so that every
   // lane has a staging slot) and the size under which it is one allreduce.
+  // CPU allreduces of this many bytes or more go to the delegate's (Gloo's)
+  // ring instead of the engine; -1: none (fairring_pg.config.cpu_ring_from).
+  int64_t cpuRingFrom{-1};
   size_t subgroupSliceBytes{0};
   size_t directBelowBytes{0};
   // NCCL groups for CUDA tensors; unset without CUDA and NCCL, or where
@@ -135,7 +138,20 @@ class FairringBackend : public c10d::Backend {
   void shutdown() override;
   void abort() override;
 
+  // What CpuAllreduce has run where; empty where CPU tensors take the sub-group path.
+  std::optional<CpuAllreduce::Stats> cpuAllreduceStats() const {
+    return cpuAllreduce_ ? std::optional<CpuAllreduce::Stats>(cpuAllreduce_->stats()) : std::nullopt;
+  }
+
  private:
+  // The allreduce of `work` on the CPU delegate's ring, where the rule says so
+  // (BackendOptions::cpuRingFrom) and Gloo reduces its dtype and op; else null.
+  CpuAllreduce::Ring ringFor(
+      const at::Tensor& work,
+      c10d::ReduceOp::RedOpType op,
+      std::vector<at::Tensor> outputs,
+      std::function<void()> finish);
+
   // Stops fairring's own engines (not the delegates): `drain` lets what the
   // device still runs finish first (destroy), else it is aborted.
   void shutdownCore(bool drain);
@@ -177,6 +193,7 @@ class FairringBackend : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Backend> cpu_;
   c10::intrusive_ptr<c10d::Backend> cuda_;
+  const int64_t cpuRingFrom_;
   std::unique_ptr<AllreduceEngine> engine_; // null when CPU tensors take the sub-group path
   std::unique_ptr<CpuAllreduce> cpuAllreduce_; // uses engine_: declared after it
   std::unique_ptr<CpuSharded> cpuSharded_; // uses cpuAllreduce_

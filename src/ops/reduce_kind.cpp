@@ -88,6 +88,21 @@ Status checkReducible(Op op, at::ScalarType dtype) {
   }
 }
 
+bool glooReduces(at::ScalarType dtype, Op op) {
+  switch (dtype) {
+    case at::kFloat:
+    case at::kDouble:
+    case at::kHalf:
+    case at::kBFloat16:
+    case at::kChar:
+    case at::kByte:
+    case at::kInt:
+    case at::kLong: break;
+    default: return false;
+  }
+  return op == Op::SUM || op == Op::MIN || op == Op::MAX || op == Op::PRODUCT;
+}
+
 void reduceInto(const at::Tensor& dst, const at::Tensor& src, Op op) {
   if (dst.scalar_type() == at::kBool) {
     // Booleans: SUM and MAX are "any", MIN and PRODUCT are "all".

@@ -12,6 +12,10 @@ namespace fairring {
 // Checks that allreduce supports `op` on `dtype`; the message names both.
 Status checkReducible(c10d::ReduceOp::RedOpType op, at::ScalarType dtype);
 
+// Whether Gloo's allreduce takes `op` on `dtype` and gives what fairring's
+// would (Gloo has no AVG; int16 and bool are left to the engine).
+bool glooReduces(at::ScalarType dtype, c10d::ReduceOp::RedOpType op);
+
 // dst = dst (op) src, element-wise, in place. Both are 1-D, same dtype, same size.
 void reduceInto(const at::Tensor& dst, const at::Tensor& src, c10d::ReduceOp::RedOpType op);
 
