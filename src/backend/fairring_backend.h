@@ -135,6 +135,12 @@ class FairringBackend : public c10d::Backend {
   void shutdown() override;
   void abort() override;
 
+  // The sub-group allreduce of `device`'s tensors (null where that device's
+  // allreduces do not take it), for its counters.
+  const SubgroupAllreduce* subgroupAllreduce(c10::DeviceType device) const {
+    return device == c10::kCUDA ? cudaSubgroups_.get() : cpuSubgroups_.get();
+  }
+
  private:
   // Stops fairring's own engines (not the delegates): `drain` lets what the
   // device still runs finish first (destroy), else it is aborted.
