@@ -156,7 +156,7 @@ def test_lanes_and_direct(job: str, case_id: str) -> None:
 # A multiple of 8*L*M bytes for every shape below (16, 32, 48, 24), so that a slice is
 # the same 1200 four-byte (600 float64, 2400 bfloat16) elements everywhere.
 PATH_SLICE = 4800
-PATH_DIRECT_BELOW = 16 * 1024
+PATH_DIRECT_BELOW = 16 * 1024  # bytes
 PATH_SHAPES = {
     "2x1": ["m0", "m1"],
     "4x1": ["m0", "m1", "m2", "m3"],
@@ -193,11 +193,16 @@ def expected_units(mode: str, machines: int, local: int, numel: int, elem: int) 
     return int(numel % world != 0), -(-aligned // per_slice)
 
 
-def paths_taken(rank: int, world: int) -> list[dict[str, Any]]:
+def paths_taken(rank: int, world: int, device: str = "cpu") -> list[dict[str, Any]]:
     """One fairring group per mode; every size and kind once on each, with the path's
-    counters read around it and the result checked exactly."""
+    counters read around it and the result checked exactly. ``device`` "cuda" runs the
+    same on the GPU (tests/test_cuda.py)."""
     import os
 
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(0)
+        dev = torch.device("cuda", 0)
     records = []
     for mode in PATH_MODES:
         os.environ["FAIRRING_CUDA_ALLREDUCE"] = mode
@@ -206,10 +211,10 @@ def paths_taken(rank: int, world: int) -> list[dict[str, Any]]:
             for numel in PATH_SIZES:
                 case = Case(f"path/{mode}/{op}-{dtype}-n{numel}", "plain", op, dtype, numel)
                 inputs = [make_input(r, case, numel, world) for r in range(world)]
-                tensor = inputs[rank].clone()
-                before = subgroup_stats(group, "cpu")
+                tensor = inputs[rank].clone().to(dev)
+                before = subgroup_stats(group, device)
                 dist.all_reduce(tensor, op=reduce_op(op), group=group)
-                after = subgroup_stats(group, "cpu")
+                after = subgroup_stats(group, device)
                 assert before is not None and after is not None
                 records.append(
                     {
@@ -217,7 +222,9 @@ def paths_taken(rank: int, world: int) -> list[dict[str, Any]]:
                         "case": case.id,
                         "numel": numel,
                         "elem": elem,
-                        "error": compare_exact(tensor, reduce_exact(inputs, op, dtype), "result"),
+                        "error": compare_exact(
+                            tensor.cpu(), reduce_exact(inputs, op, dtype), "result"
+                        ),
                         "operations": after["operations"] - before["operations"],
                         "units": (
                             after["direct_units"] - before["direct_units"],
@@ -228,30 +235,24 @@ def paths_taken(rank: int, world: int) -> list[dict[str, Any]]:
     return records
 
 
-@functools.cache
-def _paths(shape: str) -> list[list[dict[str, Any]]]:
-    return run_ranks(
-        paths_taken,
-        len(PATH_SHAPES[shape]),
-        PATH_SHAPES[shape],
-        env=subgroup_env(
+def path_env(**extra: str | int | None) -> dict[str, str | None]:
+    """The paths job's settings: PATH_SLICE, PATH_DIRECT_BELOW, each group's mode set by
+    the job."""
+    return {
+        **subgroup_env(
             FAIRRING_SLICE_SIZE=PATH_SLICE,
-            FAIRRING_DIRECT_BELOW="16K",
+            FAIRRING_DIRECT_BELOW=PATH_DIRECT_BELOW,
             FAIRRING_CUDA_ALLREDUCE=None,
         ),
-        timeout_s=TIMEOUT_S,
-    )
+        **{k: None if v is None else str(v) for k, v in extra.items()},
+    }
 
 
-@pytest.mark.parametrize("shape", list(PATH_SHAPES))
-def test_path_per_shape_mode_and_size(shape: str) -> None:
-    """One rank per machine (2x1, 4x1) runs NCCL's own allreduce on the world group for
-    every size unless FAIRRING_CUDA_ALLREDUCE=lanes; several ranks per machine (2x2, 2x3)
-    take the five steps from FAIRRING_DIRECT_BELOW up; one machine (1x3) never does. The
-    same on every rank, and every result exact."""
-    machines = len(set(PATH_SHAPES[shape]))
-    local = len(PATH_SHAPES[shape]) // machines
-    per_rank = _paths(shape)
+def check_paths(shape: str, machine_ids: list[str], per_rank: list[list[dict[str, Any]]]) -> None:
+    """Every record exact, one operation, the units the rule says; and the rule's
+    outcomes in this shape (which modes sliced anything) as expected."""
+    machines = len(set(machine_ids))
+    local = len(machine_ids) // machines
     for rank, records in enumerate(per_rank):
         assert len(records) == len(PATH_MODES) * len(PATH_KINDS) * len(PATH_SIZES)
         for r in records:
@@ -260,7 +261,6 @@ def test_path_per_shape_mode_and_size(shape: str) -> None:
             assert r["operations"] == 1, where
             want = expected_units(r["mode"], machines, local, r["numel"], r["elem"])
             assert r["units"] == want, f"{where}: (direct, sliced) units {r['units']}, want {want}"
-    # Which modes sliced anything at all: the rule's outcomes in this shape.
     sliced = {r["mode"] for r in per_rank[0] if r["units"][1] > 0}
     if machines == 1:
         assert sliced == set(), shape
@@ -268,6 +268,17 @@ def test_path_per_shape_mode_and_size(shape: str) -> None:
         assert sliced == {"lanes"}, shape
     else:
         assert sliced == {"auto", "lanes"}, shape
+
+
+@pytest.mark.parametrize("shape", list(PATH_SHAPES))
+def test_path_per_shape_mode_and_size(shape: str) -> None:
+    """One rank per machine (2x1, 4x1) runs NCCL's own allreduce on the world group for
+    every size unless FAIRRING_CUDA_ALLREDUCE=lanes; several ranks per machine (2x2, 2x3)
+    take the five steps from FAIRRING_DIRECT_BELOW up; one machine (1x3) never does. The
+    same on every rank, and every result exact."""
+    ids = PATH_SHAPES[shape]
+    per_rank = run_ranks(paths_taken, len(ids), ids, env=path_env(), timeout_s=TIMEOUT_S)
+    check_paths(shape, ids, per_rank)
 
 
 # ------------------------------------------------------------------ many calls in order
