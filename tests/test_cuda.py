@@ -394,6 +394,40 @@ def test_cuda_bucket_views_run_in_parallel_and_overlaps_in_order() -> None:
         assert r["sliced"] == buckets * 2 + buckets * 2 + 2, r
 
 
+def test_capture_probe_reads_the_driver() -> None:
+    """The probe fairring refuses captured allreduces with, against the real driver: no
+    capture, the captured stream, and the legacy default stream while another stream is
+    captured (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT), with no warning (the driver is
+    there)."""
+    import warnings
+
+    from fairring_pg._build import load_extension
+
+    probe = load_extension().CaptureProbe("libcuda.so.1")
+    torch.cuda.set_device(0)
+    states: dict[str, str] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        states["outside"] = probe.state(torch.cuda.current_stream().cuda_stream)
+        graph = torch.cuda.CUDAGraph()
+        x = torch.ones(16, device="cuda")
+        try:
+            with torch.cuda.graph(graph):
+                x.mul_(2)
+                states["captured"] = probe.state(torch.cuda.current_stream().cuda_stream)
+                states["legacy"] = probe.state(0)
+        except RuntimeError:
+            pass  # if asking about the legacy stream broke the capture, it says so above
+        states["after"] = probe.state(torch.cuda.current_stream().cuda_stream)
+    assert states == {
+        "outside": "none",
+        "captured": "active",
+        "legacy": "implicit",
+        "after": "none",
+    }, states
+    assert not [w for w in caught if "CUDA graph" in str(w.message)], caught
+
+
 def captured_allreduce(rank: int, world: int, stream: str) -> dict[str, Any]:
     """An allreduce inside CUDA graph capture is refused at once, and the group works
     after it. ``stream`` "capture": issued on the captured stream; "legacy": on the
