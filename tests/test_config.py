@@ -240,6 +240,7 @@ def test_consistent_across_ranks() -> None:
         # Ranks that disagree on these take different paths (direct or five steps, the
         # sub-group path or not, local Gloo or not) and pair mismatched collectives.
         ("direct_below", 0, "FAIRRING_DIRECT_BELOW", "0"),
+        ("cuda_allreduce", "lanes", "FAIRRING_CUDA_ALLREDUCE", "'lanes'"),
         ("test_cpu_subgroups", True, "FAIRRING_TEST_CPU_SUBGROUPS", "'on'"),
         ("test_local_gloo", True, "FAIRRING_TEST_LOCAL_GLOO", "'on'"),
     ],
