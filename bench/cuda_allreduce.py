@@ -26,7 +26,7 @@ FAIRRING_LANES). Every figure of the ``auto`` group is judged against issue 26's
 at every size, in flight and in DDP steps/s) and printed PASS or FAIL; a miss does not
 change the exit status (it is a finding for the profile to explain). ``--profile DIR``
 then records one iteration of the 25 MiB case and one of the in-flight case of every
-group with torch.profiler on rank 0: a Chrome trace per group and case, and
+group with torch.profiler on rank 0: a gzipped Chrome trace per group and case, and
 ``profile_<shape>.txt``, which says where the time went (device time by kind of kernel,
 and the busiest operators).
 """
@@ -279,7 +279,8 @@ def _profile(
             if dist.get_rank() != 0:
                 continue
             folder.mkdir(parents=True, exist_ok=True)
-            trace = folder / f"trace_{shape}_{case}_{name}.json"
+            # Gzipped: a trace of the in-flight case runs to megabytes; Perfetto reads it.
+            trace = folder / f"trace_{shape}_{case}_{name}.json.gz"
             prof.export_chrome_trace(str(trace))
             events = prof.key_averages()
             kinds = _device_time_by_kind(events)

@@ -10,6 +10,7 @@ each profiled case and group with a summary.
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -78,7 +79,40 @@ def test_cuda_benchmark_dry_run(tmp_path: Path) -> None:
     profile = tmp_path / "profile"
     for case in ("25M", "in_flight"):
         for name in names:
-            trace = json.loads((profile / f"trace_2x1_{case}_{name}.json").read_text())
+            path = profile / f"trace_2x1_{case}_{name}.json.gz"
+            trace = json.loads(gzip.decompress(path.read_bytes()))
             assert trace["traceEvents"], (case, name)
     summary = (profile / "profile_2x1.txt").read_text()
     assert summary.count("== ") == 6 and "c10d::allreduce_" in summary
+
+
+def test_targets_are_judged_as_speed_against_nccl() -> None:
+    """fairring's speed as a fraction of NCCL's: NCCL's time over fairring's (and for DDP,
+    fairring's steps/s over NCCL's), at least 0.97 to pass; judged for the default path's
+    group only."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import cuda_allreduce as bench
+
+    def times(fair: float, lanes: float) -> dict[str, float]:
+        return {"fairring": fair, "fairring-lanes": lanes, "nccl": 1.0}
+
+    data = {
+        "sizes": {
+            "64K": times(1.0, 9.0),  # equal: 1.00, met
+            "1M": times(1.03, 0.5),  # 0.971: met
+            "25M": times(1.04, 0.5),  # 0.962: missed, whatever the lanes did
+            "100M": times(0.5, 9.0),  # 2.0: met
+        },
+        "in_flight": times(1.25, 0.8),  # 0.8: missed
+        "ddp_steps_per_s": {"fairring": 9.6, "fairring-lanes": 20.0, "nccl": 10.0},  # 0.96
+    }
+    got = {v["case"]: (round(v["speed"], 3), v["met"]) for v in bench.verdicts(data)}
+    assert got == {
+        "64K": (1.0, True),
+        "1M": (0.971, True),
+        "25M": (0.962, False),
+        "100M": (2.0, True),
+        "16 x 25M in flight": (0.8, False),
+        "DDP steps/s": (0.96, False),
+    }
+    assert {v["group"] for v in bench.verdicts(data)} == {"fairring"}
