@@ -11,7 +11,8 @@
 #           PASS/FAIL, and torch.profiler traces of the 25 MiB and in-flight cases with a
 #           summary of where the time goes (profile/profile_<shape>.txt).
 # Figures, traces and logs go to $OUT (the device tool's folder) or bench/results/tmp/cuda.
-# All three parts take longer than one 10-minute device call: run them one per call.
+# Together they outlast one 10-minute device call (the tests part alone ran past 320 s on
+# an H100 in November 2026): run one part per call.
 #
 #   bash scripts/run_cuda_tests.sh                      # all three
 #   bash scripts/run_cuda_tests.sh --parts tests        # a comma list of the parts
