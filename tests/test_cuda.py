@@ -209,8 +209,10 @@ def test_cuda_path_per_mode_and_size(m: int) -> None:
     """As on CPU (tests/test_subgroups.py): at one rank per machine, NCCL's own allreduce
     on the world group for every size unless FAIRRING_CUDA_ALLREDUCE=lanes, exact."""
     ids = machine_ids(m)
+    # CPU tensors on fairring's own engine: the switch of the CPU test path is off.
+    env = path_env(FAIRRING_TEST_CPU_SUBGROUPS=None)
     per_rank = run_ranks(
-        paths_taken, m, ids, backend="fairring", env=path_env(), timeout_s=TIMEOUT_S, device="cuda"
+        paths_taken, m, ids, backend="fairring", env=env, timeout_s=TIMEOUT_S, device="cuda"
     )
     check_paths(f"{m}x1", ids, per_rank)
 
