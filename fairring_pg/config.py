@@ -54,6 +54,15 @@ DEFAULT_DIRECT_BELOW = 2 * MIB
 # "gloo": always Gloo's allreduce (for comparison).
 CPU_ALLREDUCE_PATHS = ("auto", "engine", "gloo")
 CPU_RING_FROM = 1 * MIB
+
+# Which path the sub-group (CUDA) allreduce takes. "auto": the five steps only where
+# they move fewer bytes between machines than NCCL's ring (several machines of several
+# ranks); with one rank per machine they send as many bytes per rank as the ring
+# (2(M-1)/M of the tensor), and on an H100 at 4x1 they lost in flight (1.26x NCCL's
+# time) and in DDP (0.91x), so there every allreduce is NCCL's own on the world
+# communicator. "lanes": the five steps wherever there are several machines (to
+# measure them); "direct": NCCL's allreduce always.
+CUDA_ALLREDUCE_PATHS = ("auto", "lanes", "direct")
 MAX_BYTES = TIB  # anything larger is a typo, not a configuration
 
 _SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?|\.\d+)\s*([kmg]?)(i?b)?$", re.IGNORECASE)
@@ -74,6 +83,7 @@ _JOB_WIDE_FIELDS = (
     "lanes",
     "direct_below",
     "cpu_allreduce",
+    "cuda_allreduce",
     "pipeline_chunk",
     "test_cpu_subgroups",
     "test_local_gloo",
@@ -85,6 +95,7 @@ _ENV_NAME = {
     "lanes": "FAIRRING_LANES",
     "direct_below": "FAIRRING_DIRECT_BELOW",
     "cpu_allreduce": "FAIRRING_CPU_ALLREDUCE",
+    "cuda_allreduce": "FAIRRING_CUDA_ALLREDUCE",
     "pipeline_chunk": "FAIRRING_PIPELINE_CHUNK",
     "test_cpu_subgroups": "FAIRRING_TEST_CPU_SUBGROUPS",
     "test_local_gloo": "FAIRRING_TEST_LOCAL_GLOO",
@@ -176,6 +187,7 @@ class Config:
     lanes: int = DEFAULT_LANES
     direct_below: int = DEFAULT_DIRECT_BELOW
     cpu_allreduce: str = "auto"
+    cuda_allreduce: str = "auto"
     pipeline_chunk: int = DEFAULT_PIPELINE_CHUNK
     # Test switches: CPU tensors take the sub-group path over Gloo groups (so CI runs
     # the CUDA path's orchestration); CUDA's local groups are Gloo (several ranks of a
@@ -209,6 +221,8 @@ class Config:
             )
         if (raw := environ.get("FAIRRING_CPU_ALLREDUCE")) is not None:
             values["cpu_allreduce"] = _choice("FAIRRING_CPU_ALLREDUCE", raw, CPU_ALLREDUCE_PATHS)
+        if (raw := environ.get("FAIRRING_CUDA_ALLREDUCE")) is not None:
+            values["cuda_allreduce"] = _choice("FAIRRING_CUDA_ALLREDUCE", raw, CUDA_ALLREDUCE_PATHS)
         if (raw := environ.get("FAIRRING_PIPELINE_CHUNK")) is not None:
             values["pipeline_chunk"] = parse_byte_size("FAIRRING_PIPELINE_CHUNK", raw)
         if (raw := environ.get("FAIRRING_TEST_CPU_SUBGROUPS")) is not None:
@@ -246,6 +260,15 @@ class Config:
             return -1
         return CPU_RING_FROM
 
+    def slices_allreduces(self, num_machines: int, local_size: int) -> bool:
+        """Whether the sub-group (CUDA) path cuts allreduces into slices that go through
+        the five steps on lanes (then it has lane and local groups), or gives every one to
+        one allreduce on the world group. The same on every rank: the variable is
+        job-wide and the shape is the job's."""
+        if num_machines == 1 or self.cuda_allreduce == "direct":
+            return False
+        return self.cuda_allreduce == "lanes" or local_size > 1
+
     def subgroup_slice_size(self, num_machines: int, local_size: int) -> int:
         """The slice of the sub-group (CUDA) path.
 
@@ -259,7 +282,7 @@ class Config:
         if self.slice_scaling:
             wanted = max(wanted, MIN_SHARD_BYTES * num_machines * local_size)
         wanted = max(unit, wanted // unit * unit)
-        if num_machines == 1:
+        if not self.slices_allreduces(num_machines, local_size):
             return wanted  # one NCCL allreduce per tensor: no slices, no staging
 
         def fits(size: int) -> bool:

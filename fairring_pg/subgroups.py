@@ -8,10 +8,14 @@ are ``ProcessGroupGloo``s, so CI runs the very same orchestration.
 Every rank builds its groups in the same order from the job's store, each under a
 prefix of its own: two over the ranks of its machine (reduce-scatters and all-gathers,
 so that the two can be in flight at once), then one per lane over its rail (the ranks
-with its local rank on every machine). A Gloo group connects while it is built, so the
-order matters; an NCCL group connects at its first collective, which every member
-issues at the same point of the same sequence; the core creates and connects every
-NCCL group before the first CUDA allreduce uses any (src/subgroups/).
+with its local rank on every machine). Where allreduces are not sliced
+(``Config.slices_allreduces``: one machine, one rank per machine under
+``FAIRRING_CUDA_ALLREDUCE=auto``, or ``direct``), none of them is made: every allreduce
+is one on the world group, and the communicators' memory is not spent. A Gloo group
+connects while it is built, so the order matters; an NCCL group connects at its first
+collective, which every member issues at the same point of the same sequence; the core
+creates and connects every NCCL group before the first CUDA allreduce uses any
+(src/subgroups/).
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ def build_subgroups(
     sets' store keys apart, and ``group_id`` (the fairring group's) their names apart
     from other fairring groups' in NCCL's and torch's logs and flight recorder."""
     subgroups.world = world
+    if not config.slices_allreduces(topology.num_machines, topology.local_size):
+        return subgroups
     machine, local_rank = topology.machine, topology.local_rank
     if topology.local_size > 1:
         local = topology.ranks_on_machine(machine)
@@ -57,19 +63,33 @@ def build_subgroups(
                 f"fairring-{tag}-g{group_id}-local-{role}-m{machine}",
             )
             setattr(subgroups, f"local_{role}", group)
-    if topology.num_machines > 1:
-        rail = topology.rail_peers()
-        subgroups.lanes = [
-            make_lane(
-                f"fairring/{tag}/rail{local_rank}/lane{k}/",
-                machine,
-                topology.num_machines,
-                rail,
-                f"fairring-{tag}-g{group_id}-lane{k}-rail{local_rank}",
-            )
-            for k in range(config.lanes)
-        ]
+    rail = topology.rail_peers()
+    subgroups.lanes = [
+        make_lane(
+            f"fairring/{tag}/rail{local_rank}/lane{k}/",
+            machine,
+            topology.num_machines,
+            rail,
+            f"fairring-{tag}-g{group_id}-lane{k}-rail{local_rank}",
+        )
+        for k in range(config.lanes)
+    ]
     return subgroups
+
+
+def subgroup_stats(group: Any = None, device: str = "cuda") -> dict[str, Any] | None:
+    """What the sub-group allreduce of ``group`` (default: the default group) has done on
+    ``device`` ("cuda", or "cpu" for the ``FAIRRING_TEST_CPU_SUBGROUPS`` path): how many
+    allreduces, how many pieces went to one allreduce on the world group
+    (``direct_units``) or through the five steps (``sliced_units``), how often one waited
+    for an earlier allreduce on the same bytes (``ordering_waits``), collectives captured
+    into a CUDA graph that could not be ordered (``unordered_in_capture``), and how a
+    destroy ended (``shutdown``, ``aborted_groups``). None where that device's allreduces
+    do not take the path."""
+    import torch
+
+    pg = dist.distributed_c10d._get_default_group() if group is None else group
+    return pg._get_backend(torch.device(device)).subgroup_stats(device)
 
 
 def nccl_maker(store: Any, timeout: timedelta, global_ranks: list[int]) -> GroupMaker:

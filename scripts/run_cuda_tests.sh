@@ -1,32 +1,52 @@
 #!/usr/bin/env bash
 # The CUDA check, on a machine with one GPU and a CUDA build of torch (>= 2.11), no
-# network needed: installs fairring_pg from this checkout, starts MPS when it can,
-# runs the CUDA tests (tests/test_cuda.py: M = 2, 3, 4 simulated machines x 1 rank on
-# cuda:0, each with its own FAIRRING_MACHINE_ID and NCCL_HOSTID, and 2 x 2 with Gloo
-# local groups), then prints fairring vs NCCL vs Gloo at 2x1 and 4x1 from the same
-# processes (bench/cuda_allreduce.py). Figures and logs go to $OUT (the device tool's
-# folder) or bench/results/tmp/cuda.
+# network needed: installs fairring_pg from this checkout, starts MPS when it can, and
+# runs three parts:
+#   tests   tests/test_cuda.py under MPS (M = 2, 3, 4 simulated machines x 1 rank on
+#           cuda:0, each with its own FAIRRING_MACHINE_ID and NCCL_HOSTID, and 2 x 2 with
+#           Gloo local groups), and the GPU-free logic tests (test_subgroup_logic.py);
+#   faults  the tests in which a rank dies or fails (marker cuda_fault), without MPS;
+#   bench   bench/cuda_allreduce.py at 2x1 and 4x1: fairring (FAIRRING_CUDA_ALLREDUCE=
+#           auto and lanes) against NCCL in the same processes, issue 26's targets with
+#           PASS/FAIL, and torch.profiler traces of the 25 MiB and in-flight cases with a
+#           summary of where the time goes (profile/profile_<shape>.txt).
+# Figures, traces and logs go to $OUT (the device tool's folder) or bench/results/tmp/cuda.
+# Together they outlast one 10-minute device call (the tests part alone ran past 320 s on
+# an H100 in November 2026): run one part per call.
 #
-#   bash scripts/run_cuda_tests.sh              # tests, then the benchmark
-#   bash scripts/run_cuda_tests.sh --no-bench   # tests only
-#   bash scripts/run_cuda_tests.sh --bench-only
-#   bash scripts/run_cuda_tests.sh --no-bench -- -k 2x1   # the rest goes to pytest
+#   bash scripts/run_cuda_tests.sh                      # all three
+#   bash scripts/run_cuda_tests.sh --parts tests        # a comma list of the parts
+#   bash scripts/run_cuda_tests.sh --parts bench --shapes 4x1
+#   bash scripts/run_cuda_tests.sh --parts tests -- -k 2x1   # the rest goes to pytest
+#   bash scripts/run_cuda_tests.sh --no-bench | --bench-only  # as --parts tests,faults | bench
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 out_dir=${OUT:-bench/results/tmp/cuda}
 mkdir -p "$out_dir"
-run_tests=1
-run_bench=1
+parts=tests,faults,bench
+shapes=2x1,4x1
 while [[ $# -gt 0 ]]; do
     case "$1" in
-        --no-bench) run_bench=0 ;;
-        --bench-only) run_tests=0 ;;
+        --parts) parts=$2; shift ;;
+        --shapes) shapes=$2; shift ;;
+        --no-bench) parts=tests,faults ;;
+        --bench-only) parts=bench ;;
         --) shift; break ;;
         *) echo "run_cuda_tests.sh: unknown argument $1" >&2; exit 2 ;;
     esac
     shift
 done
+for part in ${parts//,/ }; do
+    case "$part" in
+        tests|faults|bench) ;;
+        *) echo "run_cuda_tests.sh: unknown part '$part' (expected tests, faults, bench)" >&2; exit 2 ;;
+    esac
+done
+wants() { [[ ",$parts," == *",$1,"* ]]; }
+# The tests lower NCCL's channels (below); the benchmark keeps the user's setting or NCCL's
+# own choice, for fairring and NCCL alike.
+user_nchannels=${NCCL_MAX_NCHANNELS-}
 export PYTHONUNBUFFERED=1
 # What is measured must not depend on the machine's fabric: NCCL between the simulated
 # machines goes over its socket transport on loopback, also where InfiniBand is present.
@@ -80,17 +100,26 @@ python -c "import fairring_pg._build as b; b.load_extension()"
 echo "core built or loaded in $(( $(date +%s) - start )) s"
 
 status=0
-if [[ $run_tests == 1 ]]; then
+# pytest's 5: every test deselected (a -k that names none of them) is no failure
+note_status() { if [[ $1 != 0 && $1 != 5 ]]; then status=$1; fi; }
+if wants tests; then
+    echo "== tests (MPS), $(date -u +%H:%M:%S)"
     set +e
     # M ranks x (lanes + 1) communicators of spinning kernels share one GPU's SMs under
     # MPS; fewer channels per communicator keep them all resident (a kernel that cannot
-    # be scheduled while its peers spin would hang the job). The benchmark keeps NCCL's
-    # own choice, for fairring and NCCL alike.
-    export NCCL_MAX_NCHANNELS=${NCCL_MAX_NCHANNELS:-4}
+    # be scheduled while its peers spin would hang the job).
+    export NCCL_MAX_NCHANNELS=${user_nchannels:-4}
     start_mps
-    python -m pytest -q -m "cuda and not cuda_fault" tests/test_cuda.py -p no:cacheprovider \
-        --durations=15 "$@" 2>&1 | tee "$out_dir/cuda_tests.log"
-    status=${PIPESTATUS[0]}
+    python -m pytest -q -m "cuda and not cuda_fault" tests/test_cuda.py \
+        tests/test_subgroup_logic.py -p no:cacheprovider --durations=15 "$@" 2>&1 \
+        | tee "$out_dir/cuda_tests.log"
+    note_status "${PIPESTATUS[0]}"
+    set -e
+fi
+if wants faults; then
+    echo "== fault tests (no MPS), $(date -u +%H:%M:%S)"
+    set +e
+    export NCCL_MAX_NCHANNELS=${user_nchannels:-4}
     # MPS contains a fatal fault per GPU, not per process: a client killed mid-kernel
     # takes every other client of the GPU down with it (seen on an H100: the survivors
     # got cudaErrorIllegalAddress, the next job cudaErrorDevicesUnavailable). On real
@@ -99,14 +128,17 @@ if [[ $run_tests == 1 ]]; then
     stop_mps
     python -m pytest -q -m cuda_fault tests/test_cuda.py -p no:cacheprovider \
         --durations=5 "$@" 2>&1 | tee "$out_dir/cuda_fault_tests.log"
-    fault_status=${PIPESTATUS[0]}
-    # pytest's 5: every test deselected (a -k that names none of them)
-    if [[ $fault_status != 0 && $fault_status != 5 ]]; then status=$fault_status; fi
+    note_status "${PIPESTATUS[0]}"
     set -e
 fi
-if [[ $run_bench == 1 ]]; then
+if wants bench; then
+    echo "== benchmark and profile (MPS), $(date -u +%H:%M:%S)"
+    if [[ -n $user_nchannels ]]; then export NCCL_MAX_NCHANNELS=$user_nchannels; else unset NCCL_MAX_NCHANNELS; fi
     start_mps
-    python bench/cuda_allreduce.py --shapes 2x1,4x1 --timeout 200 --out "$out_dir" \
+    # Against NCCL only: Gloo moves CUDA tensors through the host and is not a target.
+    python bench/cuda_allreduce.py --shapes "$shapes" --paths auto,lanes --no-gloo \
+        --timeout 300 --out "$out_dir" --profile "$out_dir/profile" \
         2>&1 | tee "$out_dir/cuda_bench.log" || status=1
 fi
+echo "== done, $(date -u +%H:%M:%S), status $status"
 exit "$status"

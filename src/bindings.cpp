@@ -1,16 +1,23 @@
 // The Python face of the C++ core: fairring_pg._build loads this module and
 // fairring_pg.backend builds FairringBackend from the validated environment.
 #include <pybind11/chrono.h>
+#include <pybind11/functional.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/extension.h>
+
+#include <memory>
 
 #include "backend/fairring_backend.h"
 #include "backend/python_callback.h"
 #include "pipeline/allreduce_engine.h"
 #include "pipeline/slice_plan.h"
 #include "staging/staging_pool.h"
+#include "subgroups/capture_probe.h"
+#include "subgroups/drain.h"
+#include "subgroups/in_flight_ops.h"
 #include "subgroups/subgroup_allreduce.h"
 #include "subgroups/unit_plan.h"
 
@@ -70,7 +77,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return py::dict(py::arg("engine") = stats->engine, py::arg("ring") = stats->ring);
           },
           "Operations of CPU tensors run so far on fairring's engines and on Gloo's ring "
-          "(FAIRRING_CPU_ALLREDUCE), or None where CPU tensors take the sub-group path.");
+          "(FAIRRING_CPU_ALLREDUCE), or None where CPU tensors take the sub-group path.")
+      .def(
+          "subgroup_stats",
+          [](const FairringBackend& backend, const std::string& device) -> py::object {
+            TORCH_CHECK(device == "cpu" || device == "cuda", "subgroup_stats: device must be 'cpu' or 'cuda', got '",
+                        device, "'");
+            const auto* path = backend.subgroupAllreduce(device == "cuda" ? c10::kCUDA : c10::kCPU);
+            if (path == nullptr) {
+              return py::none();
+            }
+            const fairring::SubgroupStats s = path->stats();
+            return py::dict(
+                py::arg("operations") = s.operations, py::arg("direct_units") = s.directUnits,
+                py::arg("sliced_units") = s.slicedUnits, py::arg("ordering_waits") = s.orderingWaits,
+                py::arg("unordered_in_capture") = s.unorderedInCapture, py::arg("shutdown") = s.shutdown,
+                py::arg("aborted_groups") = s.abortedGroups);
+          },
+          py::arg("device"),
+          "What the sub-group allreduce of `device` ('cpu': the test path, 'cuda') has done, or None "
+          "where it is not used: operations, direct and sliced units, ordering waits, how destroy ended.");
 
   m.def(
       "shutdown_all", &fairring::AllreduceEngine::shutdownAll, py::arg("grace"),
@@ -146,16 +172,83 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def(
       "plan_units",
-      [](int64_t numel, size_t elemSize, size_t sliceBytes, int localSize, int numMachines,
-         size_t directBelowBytes) {
+      [](int64_t numel, size_t elemSize, size_t sliceBytes, int localSize, int numMachines, size_t directBelowBytes,
+         bool slices) {
         py::list units;
         for (const auto& u :
-             fairring::planUnits(numel, elemSize, sliceBytes, localSize, numMachines, directBelowBytes)) {
+             fairring::planUnits(numel, elemSize, sliceBytes, localSize, numMachines, directBelowBytes, slices)) {
           units.append(py::make_tuple(u.begin, u.size, u.direct));
         }
         return units;
       },
       py::arg("numel"), py::arg("elem_size"), py::arg("slice_bytes"), py::arg("local_size"),
-      py::arg("num_machines"), py::arg("direct_below"),
+      py::arg("num_machines"), py::arg("direct_below"), py::arg("slices") = true,
       "planUnits as a list of (begin, size, direct).");
+
+  // The sub-group path's pure logic, for tests that need no GPU (tests/test_subgroup_logic.py).
+  m.def(
+      "byte_ranges",
+      [](const std::vector<at::Tensor>& tensors) {
+        py::list ranges;
+        for (const auto& r : fairring::byteRangesOf(tensors)) {
+          ranges.append(py::make_tuple(r.begin, r.end));
+        }
+        return ranges;
+      },
+      py::arg("tensors"), "The byte ranges the same-memory ordering sees for `tensors`: (begin, end) each.");
+
+  using ProbeOps = fairring::InFlightOps<int64_t>;
+  py::class_<ProbeOps>(m, "InFlightOpsProbe", "InFlightOps with integer ids for events.")
+      .def(py::init<>())
+      .def(
+          "add", [](ProbeOps& ops, const std::vector<at::Tensor>& tensors, int64_t id) {
+            ops.add(fairring::byteRangesOf(tensors), id);
+          })
+      .def(
+          "overlapping",
+          [](const ProbeOps& ops, const std::vector<at::Tensor>& tensors) {
+            return ops.overlapping(fairring::byteRangesOf(tensors));
+          })
+      .def(
+          "forget",
+          [](ProbeOps& ops, const std::function<bool(int64_t)>& reached) {
+            ops.forget([&](int64_t id) { return reached(id); });
+          })
+      .def("all", &ProbeOps::all)
+      .def("__len__", &ProbeOps::size);
+
+  m.def(
+      "capture_state",
+      [](int result, int status) { return fairring::captureStateName(fairring::captureStateFrom(result, status)); },
+      py::arg("result"), py::arg("status"),
+      "What cuStreamIsCapturing's (CUresult, status) mean to fairring: none, active, invalidated, implicit, unknown.");
+  m.def("is_capturing", [](const std::string& state) {
+    for (auto s : {fairring::CaptureState::kNone, fairring::CaptureState::kActive, fairring::CaptureState::kInvalidated,
+                   fairring::CaptureState::kImplicit, fairring::CaptureState::kUnknown}) {
+      if (state == fairring::captureStateName(s)) {
+        return fairring::isCapturing(s);
+      }
+    }
+    TORCH_CHECK(false, "is_capturing: unknown state '", state, "'");
+  });
+  py::class_<fairring::CaptureProbe, std::shared_ptr<fairring::CaptureProbe>>(
+      m, "CaptureProbe", "cuStreamIsCapturing looked up in a named library.")
+      .def(py::init<const std::string&>(), py::arg("library"))
+      .def(
+          "state",
+          [](fairring::CaptureProbe& probe, uintptr_t stream) {
+            torch::PyWarningHandler warnings; // its warning reaches Python's warnings
+            return fairring::captureStateName(probe.state(reinterpret_cast<void*>(stream)));
+          },
+          py::arg("stream"));
+
+  m.def(
+      "drain_until",
+      [](const std::vector<std::function<bool()>>& pending, const std::function<bool()>& failed,
+         std::chrono::milliseconds timeout) {
+        return fairring::drainEndName(
+            fairring::drainUntil(pending, failed, std::chrono::steady_clock::now() + timeout));
+      },
+      py::arg("pending"), py::arg("failed"), py::arg("timeout"),
+      "drainUntil with Python predicates: 'drained', 'failed' or 'timed out'.");
 }

@@ -240,6 +240,8 @@ def test_consistent_across_ranks() -> None:
         # Ranks that disagree on these take different paths (direct or five steps, the
         # sub-group path or not, local Gloo or not) and pair mismatched collectives.
         ("direct_below", 0, "FAIRRING_DIRECT_BELOW", "0"),
+        ("cuda_allreduce", "lanes", "FAIRRING_CUDA_ALLREDUCE", "'lanes'"),
+        ("cpu_allreduce", "engine", "FAIRRING_CPU_ALLREDUCE", "'engine'"),
         ("test_cpu_subgroups", True, "FAIRRING_TEST_CPU_SUBGROUPS", "'on'"),
         ("test_local_gloo", True, "FAIRRING_TEST_LOCAL_GLOO", "'on'"),
     ],
@@ -298,3 +300,16 @@ def test_cuda_delegate() -> None:
     for raw in ("", "mpi", "ncclx"):
         with pytest.raises(ValueError, match=r"FAIRRING_CUDA_DELEGATE=.*expected one of auto"):
             Config.from_env({"FAIRRING_CUDA_DELEGATE": raw})
+
+
+def test_cpu_allreduce() -> None:
+    assert Config.from_env({"FAIRRING_CPU_ALLREDUCE": " Engine "}).cpu_allreduce == "engine"
+    for raw in ("ring", "", "nccl"):
+        with pytest.raises(ValueError, match=r"FAIRRING_CPU_ALLREDUCE=.*expected one of auto"):
+            Config.from_env({"FAIRRING_CPU_ALLREDUCE": raw})
+    # Gloo's ring only where the engine saves no bytes: one rank per machine.
+    auto, engine, gloo = (Config(cpu_allreduce=v) for v in ("auto", "engine", "gloo"))
+    assert [auto.cpu_ring_from(m, 1) for m in (1, 2, 8)] == [-1, MIB, MIB]
+    assert [auto.cpu_ring_from(2, local) for local in (2, 8)] == [-1, -1]
+    assert engine.cpu_ring_from(4, 1) == -1
+    assert gloo.cpu_ring_from(2, 2) == 0

@@ -3,10 +3,11 @@
 Each simulated machine has its own ``FAIRRING_MACHINE_ID`` and ``NCCL_HOSTID`` (the
 harness sets both), so NCCL treats the ranks as hosts of their own and connects them
 through its socket transport, as between machines. CUDA allreduces are composed of
-NCCL sub-group collectives (src/subgroups/): with one rank per machine that is the rail
-exchange on FAIRRING_LANES lanes plus the direct path; FAIRRING_TEST_LOCAL_GLOO=on adds
-two ranks per machine, whose local steps then run on Gloo (NCCL refuses two ranks on
-one GPU of one host).
+NCCL sub-group collectives (src/subgroups/). With one rank per machine the default
+(FAIRRING_CUDA_ALLREDUCE=auto) is NCCL's own allreduce on the world group, which the
+path tests check; most jobs here set ``lanes``, so that the rail exchange on
+FAIRRING_LANES lanes runs; FAIRRING_TEST_LOCAL_GLOO=on adds two ranks per machine, whose
+local steps then run on Gloo (NCCL refuses two ranks on one GPU of one host).
 
 Every test skips without a GPU; ``scripts/run_cuda_tests.sh`` runs them (with MPS, so
 that NCCL's spinning kernels of several processes share the GPU instead of
@@ -38,7 +39,10 @@ from test_allreduce import (
     make_input,
     reduce_exact,
 )
+from test_subgroups import check_paths, path_env, paths_taken
 from values import compare_exact, reduce_op
+
+from fairring_pg.subgroups import subgroup_stats
 
 pytestmark = [
     pytest.mark.cuda,
@@ -48,12 +52,14 @@ pytestmark = [
 MACHINES = (2, 3, 4)
 SIZES = (0, 1, 2, 7, 1001, 10_000)
 # Small slices and staging, as in the CPU suite: many slices, every lane reused; no
-# direct path, so that every tensor of M elements or more goes through the five steps.
+# direct path, so that every tensor of M elements or more goes through the five steps
+# (at one rank per machine too: lanes).
 JOB_ENV = fairring_env(
     total_memory=64 * 1024,
     slice_size=4 * 1024,
     FAIRRING_SLICE_SCALING="off",
     FAIRRING_DIRECT_BELOW=0,
+    FAIRRING_CUDA_ALLREDUCE="lanes",
 )
 # A first run on a new machine can lower it (a hang then costs less device time).
 TIMEOUT_S = int(os.environ.get("FAIRRING_TEST_CUDA_TIMEOUT", "300"))
@@ -195,6 +201,22 @@ def test_cuda_allreduce_exact(job: str, case_id: str) -> None:
     JOBS[job].check(case_id)
 
 
+# ------------------------------------------------------------- which path ran
+
+
+@pytest.mark.parametrize("m", (2, 4))
+def test_cuda_path_per_mode_and_size(m: int) -> None:
+    """As on CPU (tests/test_subgroups.py): at one rank per machine, NCCL's own allreduce
+    on the world group for every size unless FAIRRING_CUDA_ALLREDUCE=lanes, exact."""
+    ids = machine_ids(m)
+    # CPU tensors on fairring's own engine: the switch of the CPU test path is off.
+    env = path_env(FAIRRING_TEST_CPU_SUBGROUPS=None)
+    per_rank = run_ranks(
+        paths_taken, m, ids, backend="fairring", env=env, timeout_s=TIMEOUT_S, device="cuda"
+    )
+    check_paths(f"{m}x1", ids, per_rank)
+
+
 # ------------------------------------------------------------- streams, concurrency
 
 
@@ -310,34 +332,202 @@ def test_cuda_operations_on_the_same_memory_stay_in_order(m: int) -> None:
     assert results == [None] * m, results
 
 
-def captured_allreduce(rank: int, world: int) -> dict[str, Any]:
+def bucket_views(rank: int, world: int, buckets: int, numel: int) -> dict[str, Any]:
+    """A buffer cut into bucket views, each allreduced async: no bucket waits for another
+    (disjoint bytes); then the whole buffer, which waits for every bucket; then one
+    bucket again, which waits for its own first allreduce and the whole one. A long
+    kernel on the caller's stream first keeps all of them in flight while they are
+    issued, so the waits counted do not depend on timing."""
+    dev = _device()
+    dist.all_reduce(torch.ones(8, device=dev))  # the sub-groups connect here, not below
+    torch.cuda.synchronize()
+    buf = torch.empty(buckets * numel, device=dev)
+    views = [buf[i * numel : (i + 1) * numel] for i in range(buckets)]
+    for i, view in enumerate(views):
+        view.fill_(float((rank + 1) * (i + 1)))
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of device time ahead of everything
+    start = subgroup_stats(None, "cuda")
+    works = [dist.all_reduce(view, async_op=True) for view in views]
+    disjoint = subgroup_stats(None, "cuda")
+    works.append(dist.all_reduce(buf, async_op=True))
+    whole = subgroup_stats(None, "cuda")
+    works.append(dist.all_reduce(views[1], async_op=True))
+    again = subgroup_stats(None, "cuda")
+    for work in works:
+        work.wait()
+    torch.cuda.synchronize()
+    total = world * (world + 1) // 2
+    want = [float(total * (i + 1) * world) for i in range(buckets)]
+    want[1] *= world
+    got = [torch.unique(view).cpu().tolist() for view in views]
+    return {
+        "exact": got == [[w] for w in want],
+        "got": got,
+        "waits": [
+            disjoint["ordering_waits"] - start["ordering_waits"],
+            whole["ordering_waits"] - disjoint["ordering_waits"],
+            again["ordering_waits"] - whole["ordering_waits"],
+        ],
+        "sliced": again["sliced_units"] - start["sliced_units"],
+    }
+
+
+def test_cuda_bucket_views_run_in_parallel_and_overlaps_in_order() -> None:
+    buckets, numel = 4, 512 * 1024  # 2 MiB each: two 1 MiB slices, on both lanes
+    env = {
+        **JOB_ENV,
+        "FAIRRING_SLICE_SIZE": str(1 << 20),
+        "FAIRRING_TOTAL_MEMORY": str(16 << 20),
+    }
+    results = run_ranks(
+        bucket_views,
+        2,
+        machine_ids(2),
+        backend="fairring",
+        env=env,
+        timeout_s=TIMEOUT_S,
+        buckets=buckets,
+        numel=numel,
+    )
+    for r in results:
+        assert r["exact"], r["got"]
+        assert r["waits"] == [0, buckets, 2], r
+        # Two 1 MiB slices per bucket, eight for the whole buffer.
+        assert r["sliced"] == buckets * 2 + buckets * 2 + 2, r
+
+
+def test_capture_probe_reads_the_driver() -> None:
+    """The probe fairring refuses captured allreduces with, against the real driver: no
+    capture, the captured stream, and the legacy default stream while another stream is
+    captured (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT), with no warning (the driver is
+    there)."""
+    import warnings
+
+    from fairring_pg._build import load_extension
+
+    probe = load_extension().CaptureProbe("libcuda.so.1")
+    torch.cuda.set_device(0)
+    states: dict[str, str] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        states["outside"] = probe.state(torch.cuda.current_stream().cuda_stream)
+        graph = torch.cuda.CUDAGraph()
+        x = torch.ones(16, device="cuda")
+        try:
+            with torch.cuda.graph(graph):
+                x.mul_(2)
+                states["captured"] = probe.state(torch.cuda.current_stream().cuda_stream)
+                states["legacy"] = probe.state(0)
+        except RuntimeError:
+            pass  # if asking about the legacy stream broke the capture, it says so above
+        states["after"] = probe.state(torch.cuda.current_stream().cuda_stream)
+    assert states == {
+        "outside": "none",
+        "captured": "active",
+        "legacy": "implicit",
+        "after": "none",
+    }, states
+    assert not [w for w in caught if "CUDA graph" in str(w.message)], caught
+
+
+def captured_allreduce(rank: int, world: int, stream: str) -> dict[str, Any]:
     """An allreduce inside CUDA graph capture is refused at once, and the group works
-    after it."""
+    after it. ``stream`` "capture": issued on the captured stream; "legacy": on the
+    legacy default stream while another stream is captured (the driver answers
+    CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, which counts as capturing)."""
     dev = _device()
     t = torch.full((1000,), float(rank + 1), device=dev)
     dist.all_reduce(t)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     refusal = None
+    capture_error = None
     try:
         with torch.cuda.graph(graph):
-            dist.all_reduce(t)
-    except Exception as exc:  # noqa: BLE001 - the message matters
-        refusal = str(exc)
+            try:
+                if stream == "legacy":
+                    with torch.cuda.stream(torch.cuda.default_stream(dev)):
+                        dist.all_reduce(t)
+                else:
+                    dist.all_reduce(t)
+            except Exception as exc:  # noqa: BLE001 - the message matters
+                refusal = str(exc)
+    except Exception as exc:  # noqa: BLE001 - the end of a capture the driver broke
+        capture_error = str(exc)
     u = torch.full((1000,), float(rank + 1), device=dev)
     dist.all_reduce(u)
     exact = torch.equal(u.cpu(), torch.full((1000,), float(world * (world + 1) // 2)))
-    return {"refusal": refusal, "exact_after": exact}
+    return {"refusal": refusal, "capture_error": capture_error, "exact_after": exact}
 
 
-def test_cuda_graph_capture_is_refused_clearly() -> None:
+@pytest.mark.parametrize("stream", ["capture", "legacy"])
+@pytest.mark.parametrize("path", ["auto", "lanes"])
+def test_cuda_graph_capture_is_refused_clearly(path: str, stream: str) -> None:
     results = run_ranks(
-        captured_allreduce, 2, machine_ids(2), backend="fairring", timeout_s=TIMEOUT_S
+        captured_allreduce,
+        2,
+        machine_ids(2),
+        backend="fairring",
+        env={"FAIRRING_CUDA_ALLREDUCE": path},
+        timeout_s=TIMEOUT_S,
+        stream=stream,
     )
     for rank, r in enumerate(results):
         assert r["refusal"] is not None and "CUDA graph" in r["refusal"], r
         assert f"rank {rank}" in r["refusal"], r
+        if stream == "capture":
+            # Refused before anything was issued: the capture itself ends cleanly.
+            assert r["capture_error"] is None, r
         assert r["exact_after"], r
+
+
+def captured_delegated(rank: int, world: int) -> dict[str, Any]:
+    """A warm-up allreduce of x, not waited for; then a broadcast of x and an all-gather
+    of it captured into a CUDA graph (torch.cuda.graph synchronises the device first),
+    replayed on new values: the results are NCCL's, and the capture never asked about
+    or waited for the warm-up's events (either would break it)."""
+    dev = _device()
+    n = 1000
+    x = torch.full((n,), float(rank + 1), device=dev)
+    dist.all_reduce(x, async_op=True)
+    out = torch.empty(world * n, device=dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dist.broadcast(x, src=world - 1)
+        dist.all_gather_into_tensor(out, x)
+    x.fill_(float(rank + 10))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = float(world - 1 + 10)
+    fairring = dist.get_backend() == "fairring"
+    return {
+        "broadcast": torch.equal(x.cpu(), torch.full((n,), want)),
+        "all_gather": torch.equal(out.cpu(), torch.full((world * n,), want)),
+        "stats": subgroup_stats(None, "cuda") if fairring else None,
+    }
+
+
+@pytest.mark.parametrize("path", ["auto", "lanes"])
+def test_cuda_captured_delegated_collectives_work_as_on_nccl(path: str) -> None:
+    runs = {
+        backend: run_ranks(
+            captured_delegated,
+            2,
+            machine_ids(2),
+            backend=backend,
+            env={"FAIRRING_CUDA_ALLREDUCE": path},
+            timeout_s=TIMEOUT_S,
+        )
+        for backend in ("nccl", "fairring")
+    }
+    for r in runs["nccl"]:  # the scenario itself is one NCCL supports
+        assert r["broadcast"] and r["all_gather"], r
+    for r in runs["fairring"]:
+        assert r["broadcast"] and r["all_gather"], r
+        # Both captured collectives touch x, whose allreduce fairring still counts as in
+        # flight (nothing asked the device since): neither was ordered after it.
+        assert r["stats"]["unordered_in_capture"] == 2, r
+        assert r["stats"]["ordering_waits"] == 0, r
 
 
 # ------------------------------------------------------------------ DDP parity
@@ -509,6 +699,62 @@ def test_cuda_killed_peer_fails_every_survivor() -> None:
             text = o.log_tail  # the watchdog's last words before it aborted the process
         assert any(w in text for w in NCCL_FAILURE_WORDS), o.describe()
     assert elapsed < FAULT_TIMEOUT_S + 80, elapsed
+
+
+def destroy_after_a_dead_peer(rank: int, world: int) -> dict[str, Any]:
+    """The last rank dies after a warm-up; the others issue allreduces that can never
+    finish (their NCCL kernels wait for the dead peer) and destroy the group (timed).
+    NCCL's own error handling is off, so nothing but fairring's destroy ends them: the
+    watchdog's timeout marks the sub-groups failed, and destroy aborts them all, the
+    world communicator included (a graceful NCCL shutdown of it would wait forever)."""
+    dev = _device()
+    t = torch.ones(1 << 20, device=dev)
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == world - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    for _ in range(4):
+        dist.all_reduce(t, async_op=True)
+    backend = dist.distributed_c10d._get_default_group()._get_backend(dev)
+    before = backend.subgroup_stats("cuda")
+    start = time.monotonic()
+    dist.destroy_process_group()
+    return {
+        "destroy_s": time.monotonic() - start,
+        "before": before,
+        "after": backend.subgroup_stats("cuda"),
+    }
+
+
+@pytest.mark.cuda_fault
+def test_cuda_destroy_after_a_dead_peer_aborts_every_sub_group() -> None:
+    outcomes = launch(
+        destroy_after_a_dead_peer,
+        3,
+        machine_ids(3),
+        backend="fairring",
+        env={
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
+            "TORCH_NCCL_ENABLE_MONITORING": "0",
+            "FAIRRING_CUDA_ALLREDUCE": "lanes",
+        },
+        timeout_s=FAULT_TIMEOUT_S + 120,
+        pg_timeout_s=FAULT_TIMEOUT_S,
+        abort_grace_s=None,
+    )
+    assert outcomes[-1].status == "crashed", outcomes[-1].describe()
+    for o in outcomes[:-1]:
+        assert o.ok, o.describe()
+        # Its watchdog needs the group's timeout to call the collectives failed; then
+        # the abort, not a wait of its own.
+        assert o.value["destroy_s"] < FAULT_TIMEOUT_S + 30, o.value
+        assert o.value["before"]["shutdown"] == "running", o.value
+        # The watchdog's timeout (from when the allreduces were issued) usually comes
+        # first; the drain's own (from destroy) a little later: either ends in an abort.
+        assert o.value["after"]["shutdown"] in ("aborted: failed", "aborted: timed out"), o.value
+        # Two lanes and the world communicator (one rank per machine: no local groups).
+        assert o.value["after"]["aborted_groups"] == 3, o.value
 
 
 def _lifecycle(rank: int, world: int, store: Any, destroy: bool) -> dict[str, Any]:

@@ -3,8 +3,10 @@
 ``fairring_pg.cuda`` decides who runs CUDA collectives (NCCL, or Gloo where ranks of a
 host share its GPUs, hosts told apart as NCCL does: ``NCCL_HOSTID``, else the hostname)
 and whether allreduces are composed of sub-groups; ``fairring_pg.subgroups`` builds the
-groups: two over the machine's ranks, one per lane over the rail. Here CUDA's and
-NCCL's presence is faked and the groups are recorded instead of made.
+groups: two over the machine's ranks, one per lane over the rail, where allreduces are
+sliced at all (FAIRRING_CUDA_ALLREDUCE; by default not with one rank per machine, nor on
+one machine: then only the world group). Here CUDA's and NCCL's presence is faked and
+the groups are recorded instead of made.
 """
 
 from __future__ import annotations
@@ -84,16 +86,25 @@ def test_explicit_choices(gpus: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    ("machines", "rank", "local", "lanes"),
+    ("path", "machines", "rank", "local", "lanes"),
     [
-        (["m0", "m0", "m1", "m1"], 3, [2, 3], [[1, 3], [1, 3]]),
-        (["m0", "m1", "m2"], 1, None, [[0, 1, 2]] * 3),
-        (["m0", "m0", "m0"], 2, [0, 1, 2], None),
-        (["m0", "m1", "m0", "m1"], 2, [0, 2], [[2, 3], [2, 3]]),
+        ("auto", ["m0", "m0", "m1", "m1"], 3, [2, 3], [[1, 3], [1, 3]]),
+        ("lanes", ["m0", "m1", "m2"], 1, None, [[0, 1, 2]] * 3),
+        ("auto", ["m0", "m1", "m0", "m1"], 2, [0, 2], [[2, 3], [2, 3]]),
+        # Nothing but the world group: one rank per machine (the five steps would save no
+        # bytes), one machine (no rail), or every allreduce NCCL's own.
+        ("auto", ["m0", "m1", "m2"], 1, None, None),
+        ("auto", ["m0", "m0", "m0"], 2, None, None),
+        ("lanes", ["m0", "m0", "m0"], 2, None, None),
+        ("direct", ["m0", "m0", "m1", "m1"], 3, None, None),
     ],
 )
 def test_groups_and_their_members(
-    machines: list[str], rank: int, local: list[int] | None, lanes: list[list[int]] | None
+    path: str,
+    machines: list[str],
+    rank: int,
+    local: list[int] | None,
+    lanes: list[list[int]] | None,
 ) -> None:
     made: list[tuple[str, int, int, list[int], str]] = []
 
@@ -109,7 +120,7 @@ def test_groups_and_their_members(
     groups = build_subgroups(
         SimpleNamespace(lanes=[]),
         topo,
-        Config(lanes=lane_count),
+        Config(lanes=lane_count, cuda_allreduce=path),
         "WORLD",
         record("local"),
         record("lane"),
@@ -117,6 +128,8 @@ def test_groups_and_their_members(
         "7",
     )
     assert groups.world == "WORLD"
+    if local is None and lanes is None:
+        assert made == [] and groups.lanes == [], made
     if local is None:
         assert not hasattr(groups, "local_reduce")
     else:

@@ -1,6 +1,7 @@
 """The sub-group path's life cycle on CPU (FAIRRING_TEST_CPU_SUBGROUPS over Gloo):
 connecting and checking the sub-groups before the first allreduce, the Work it hands
-out, and destroy_process_group() after it.
+out, and destroy_process_group() after it: graceful after healthy work, an abort of
+every sub-group (the world group included) at once after a failure.
 
 On CUDA the same code creates and connects every NCCL communicator at the first
 allreduce, drains the device at destroy, and gives ProcessGroupNCCL's Work semantics;
@@ -11,12 +12,17 @@ the harness's default group stays.
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from multiprocess import fairring_env, launch, run_ranks
+
+from fairring_pg.subgroups import subgroup_stats
 
 SHAPE = ["m0", "m0", "m1", "m1"]  # 2 machines x 2 ranks: local groups and lanes
 
@@ -142,7 +148,12 @@ def destroy_after_work(rank: int, world: int) -> dict[str, Any]:
     # The default group (and so the job) carries on.
     u = value(rank, 7)
     dist.all_reduce(u)
-    return {"exact": exact, "after": after, "default_group": torch.equal(u, expected_sum(world, 7))}
+    return {
+        "exact": exact,
+        "after": after,
+        "default_group": torch.equal(u, expected_sum(world, 7)),
+        "stats": backend.subgroup_stats("cpu"),
+    }
 
 
 def test_destroy_keeps_results_and_refuses_later_work() -> None:
@@ -150,3 +161,63 @@ def test_destroy_keeps_results_and_refuses_later_work() -> None:
         assert r["exact"] == [True] * 4, r
         assert "after the process group was shut down" in r["after"], r
         assert r["default_group"], r
+        # A healthy group ends gracefully: nothing aborted.
+        assert r["stats"]["shutdown"] == "drained" and r["stats"]["aborted_groups"] == 0, r
+
+
+# ------------------------------------------------------------- destroy after a failure
+
+FAILED_GROUP_TIMEOUT_S = 20
+
+
+def destroy_after_failure(rank: int, world: int) -> dict[str, Any]:
+    """The last rank dies (SIGKILL) after a warm-up; the others reduce on the group until
+    it fails, then destroy it (timed)."""
+    group = dist.new_group(backend="fairring", timeout=timedelta(seconds=FAILED_GROUP_TIMEOUT_S))
+    backend = group._get_backend(torch.device("cpu"))
+    t = value(rank, 9000)
+    dist.all_reduce(t, group=group)
+    warm = torch.equal(t, expected_sum(world, 9000))
+    dist.barrier(group=group)
+    if rank == world - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    error = None
+    for _ in range(1000):
+        try:
+            dist.all_reduce(t, group=group)
+        except Exception as exc:  # noqa: BLE001 - the message is the result
+            error = str(exc)
+            break
+    before = subgroup_stats(group, "cpu")
+    start = time.monotonic()
+    dist.destroy_process_group(group)
+    return {
+        "warm": warm,
+        "error": error,
+        "destroy_s": time.monotonic() - start,
+        "before": before,
+        "after": backend.subgroup_stats("cpu"),
+    }
+
+
+def test_destroy_after_a_failure_aborts_at_once() -> None:
+    """A group whose sub-groups failed is not drained: destroy aborts every one of them,
+    the world group included (2 lanes, 2 local groups and the world at 2x2), well within
+    the group's 20 s timeout."""
+    outcomes = launch(
+        destroy_after_failure,
+        4,
+        SHAPE,
+        env=env(),
+        timeout_s=FAILED_GROUP_TIMEOUT_S + 60,
+        abort_grace_s=None,
+    )
+    assert outcomes[3].status == "crashed", outcomes[3].describe()
+    for o in outcomes[:3]:
+        assert o.ok, o.describe()
+        r = o.value
+        assert r["warm"] and r["error"] is not None and "failed on rank" in r["error"], r
+        assert r["before"]["shutdown"] == "running", r
+        assert r["after"]["shutdown"] == "aborted: failed", r
+        assert r["after"]["aborted_groups"] == 5, r
+        assert r["destroy_s"] < FAILED_GROUP_TIMEOUT_S / 10, r

@@ -11,9 +11,12 @@ widened, bool as bytes), views, coalescing, and order across many calls.
 The case list and the references are test_allreduce's (tests/values.py): every rank
 computes the expected result from all ranks' known inputs. The 2x2, 3x1 and 2x3 jobs
 (2x3: L = 3 local ranks, M = 2 machines, so a mix-up of L and M shows) take the five
-steps for every tensor of L*M elements or more (FAIRRING_DIRECT_BELOW=0); the 1x3 job
-is one machine, which planUnits sends down the direct path whatever the threshold (one
-allreduce on the world group: there is no rail to shard across), and checks that path.
+steps for every tensor of L*M elements or more (FAIRRING_DIRECT_BELOW=0, and
+FAIRRING_CUDA_ALLREDUCE=lanes, without which one rank per machine takes the direct
+path); the 1x3 job is one machine, which planUnits sends down the direct path whatever
+the threshold (one allreduce on the world group: there is no rail to shard across), and
+checks that path. Which path each allreduce took is checked, per shape, mode and size,
+from the path's counters (``fairring_pg.subgroups.subgroup_stats``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from test_allreduce import (
 from values import compare_exact, reduce_op
 
 from fairring_pg.config import Config, lane_staging_bytes
+from fairring_pg.subgroups import subgroup_stats
 
 SLICE_SIZE = 4 * 1024
 TOTAL_MEMORY = 64 * 1024
@@ -48,7 +52,8 @@ TIMEOUT_S = 300
 
 def subgroup_env(**extra: str | int | None) -> dict[str, str | None]:
     """The switch on, small slices (many per tensor), and no direct path unless asked:
-    every tensor of L*M elements or more goes through the five steps."""
+    every tensor of L*M elements or more goes through the five steps, at one rank per
+    machine too."""
     env = fairring_env(
         total_memory=TOTAL_MEMORY,
         slice_size=SLICE_SIZE,
@@ -56,6 +61,7 @@ def subgroup_env(**extra: str | int | None) -> dict[str, str | None]:
         FAIRRING_TEST_CPU_SUBGROUPS="on",
         FAIRRING_LANES=2,
         FAIRRING_DIRECT_BELOW=0,
+        FAIRRING_CUDA_ALLREDUCE="lanes",
     )
     env.update({k: None if v is None else str(v) for k, v in extra.items()})
     return env
@@ -145,6 +151,136 @@ def test_lanes_and_direct(job: str, case_id: str) -> None:
     LANE_JOBS[job].check(case_id)
 
 
+# ------------------------------------------------- which path, per shape, mode and size
+
+# A multiple of 8*L*M bytes for every shape below (16, 32, 48, 24), so that a slice is
+# the same 1200 four-byte (600 float64, 2400 bfloat16) elements everywhere.
+PATH_SLICE = 4800
+PATH_DIRECT_BELOW = 16 * 1024  # bytes
+PATH_SHAPES = {
+    "2x1": ["m0", "m1"],
+    "4x1": ["m0", "m1", "m2", "m3"],
+    "2x2": SHAPES["2x2"],
+    "1x3": SHAPES["1x3"],
+    "2x3": SHAPES["2x3"],
+}
+PATH_MODES = ("auto", "lanes", "direct")
+# (op, dtype, bytes per element as the sub-groups reduce it: int16 travels as int32)
+PATH_KINDS = (
+    ("SUM", "float32", 4),
+    ("MAX", "float64", 8),
+    ("SUM", "bfloat16", 2),
+    ("PRODUCT", "int16", 4),
+)
+# Empty; fewer elements than ranks; under PATH_DIRECT_BELOW in every dtype; over it in
+# every dtype, with and without a tail of fewer than L*M elements.
+PATH_SIZES = (0, 2, 1000, 8400, 20_003)
+
+
+def expected_units(mode: str, machines: int, local: int, numel: int, elem: int) -> tuple[int, int]:
+    """(direct units, sliced units) an allreduce should take, from the rule as documented:
+    the five steps only with several machines, and then only where they save bytes (several
+    ranks per machine) or FAIRRING_CUDA_ALLREDUCE=lanes asks for them; small tensors and
+    the tail of fewer than L*M elements are one allreduce on the world group."""
+    world = machines * local
+    if numel == 0 or world == 1:
+        return 0, 0
+    slices = machines > 1 and (mode == "lanes" or (mode == "auto" and local > 1))
+    if not slices or numel * elem < PATH_DIRECT_BELOW or numel < world:
+        return 1, 0
+    aligned = numel - numel % world
+    per_slice = PATH_SLICE // elem
+    return int(numel % world != 0), -(-aligned // per_slice)
+
+
+def paths_taken(rank: int, world: int, device: str = "cpu") -> list[dict[str, Any]]:
+    """One fairring group per mode; every size and kind once on each, with the path's
+    counters read around it and the result checked exactly. ``device`` "cuda" runs the
+    same on the GPU (tests/test_cuda.py)."""
+    import os
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(0)
+        dev = torch.device("cuda", 0)
+    records = []
+    for mode in PATH_MODES:
+        os.environ["FAIRRING_CUDA_ALLREDUCE"] = mode
+        group = dist.new_group(backend="fairring")
+        for op, dtype, elem in PATH_KINDS:
+            for numel in PATH_SIZES:
+                case = Case(f"path/{mode}/{op}-{dtype}-n{numel}", "plain", op, dtype, numel)
+                inputs = [make_input(r, case, numel, world) for r in range(world)]
+                tensor = inputs[rank].clone().to(dev)
+                before = subgroup_stats(group, device)
+                dist.all_reduce(tensor, op=reduce_op(op), group=group)
+                after = subgroup_stats(group, device)
+                assert before is not None and after is not None
+                records.append(
+                    {
+                        "mode": mode,
+                        "case": case.id,
+                        "numel": numel,
+                        "elem": elem,
+                        "error": compare_exact(
+                            tensor.cpu(), reduce_exact(inputs, op, dtype), "result"
+                        ),
+                        "operations": after["operations"] - before["operations"],
+                        "units": (
+                            after["direct_units"] - before["direct_units"],
+                            after["sliced_units"] - before["sliced_units"],
+                        ),
+                    }
+                )
+    return records
+
+
+def path_env(**extra: str | int | None) -> dict[str, str | None]:
+    """The paths job's settings: PATH_SLICE, PATH_DIRECT_BELOW, each group's mode set by
+    the job."""
+    return {
+        **subgroup_env(
+            FAIRRING_SLICE_SIZE=PATH_SLICE,
+            FAIRRING_DIRECT_BELOW=PATH_DIRECT_BELOW,
+            FAIRRING_CUDA_ALLREDUCE=None,
+        ),
+        **{k: None if v is None else str(v) for k, v in extra.items()},
+    }
+
+
+def check_paths(shape: str, machine_ids: list[str], per_rank: list[list[dict[str, Any]]]) -> None:
+    """Every record exact, one operation, the units the rule says; and the rule's
+    outcomes in this shape (which modes sliced anything) as expected."""
+    machines = len(set(machine_ids))
+    local = len(machine_ids) // machines
+    for rank, records in enumerate(per_rank):
+        assert len(records) == len(PATH_MODES) * len(PATH_KINDS) * len(PATH_SIZES)
+        for r in records:
+            where = f"rank {rank}, {shape}, {r['case']}"
+            assert r["error"] is None, f"{where}: {r['error']}"
+            assert r["operations"] == 1, where
+            want = expected_units(r["mode"], machines, local, r["numel"], r["elem"])
+            assert r["units"] == want, f"{where}: (direct, sliced) units {r['units']}, want {want}"
+    sliced = {r["mode"] for r in per_rank[0] if r["units"][1] > 0}
+    if machines == 1:
+        assert sliced == set(), shape
+    elif local == 1:
+        assert sliced == {"lanes"}, shape
+    else:
+        assert sliced == {"auto", "lanes"}, shape
+
+
+@pytest.mark.parametrize("shape", list(PATH_SHAPES))
+def test_path_per_shape_mode_and_size(shape: str) -> None:
+    """One rank per machine (2x1, 4x1) runs NCCL's own allreduce on the world group for
+    every size unless FAIRRING_CUDA_ALLREDUCE=lanes; several ranks per machine (2x2, 2x3)
+    take the five steps from FAIRRING_DIRECT_BELOW up; one machine (1x3) never does. The
+    same on every rank, and every result exact."""
+    ids = PATH_SHAPES[shape]
+    per_rank = run_ranks(paths_taken, len(ids), ids, env=path_env(), timeout_s=TIMEOUT_S)
+    check_paths(shape, ids, per_rank)
+
+
 # ------------------------------------------------------------------ many calls in order
 
 
@@ -191,7 +327,7 @@ def test_many_async_waited_in_reverse(shape: str) -> None:
 @pytest.mark.parametrize(("machines", "local"), [(2, 2), (3, 1), (4, 8), (16, 8)])
 @pytest.mark.parametrize("lanes", [1, 4])
 def test_subgroup_slice_fits_staging(machines: int, local: int, lanes: int) -> None:
-    config = Config(lanes=lanes)
+    config = Config(lanes=lanes, cuda_allreduce="lanes")
     size = config.subgroup_slice_size(machines, local)
     unit = 8 * machines * local
     assert size % unit == 0 and size >= unit
@@ -207,6 +343,31 @@ def test_subgroup_slice_fits_staging(machines: int, local: int, lanes: int) -> N
 def test_subgroup_slice_refuses_tiny_staging() -> None:
     with pytest.raises(ValueError, match="FAIRRING_TOTAL_MEMORY=1000 .*FAIRRING_LANES=4"):
         Config(total_memory=1000, lanes=4).subgroup_slice_size(4, 2)
+    # Without slices there are no lanes to stage for, at any staging size.
+    for config, machines, local in [
+        (Config(total_memory=1000, lanes=4), 4, 1),
+        (Config(total_memory=1000, lanes=4, cuda_allreduce="direct"), 4, 2),
+        (Config(total_memory=1000, lanes=4), 1, 8),
+    ]:
+        assert config.subgroup_slice_size(machines, local) % (8 * machines * local) == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "machines", "local", "slices"),
+    [
+        ("auto", 2, 1, False),  # one rank per machine: as many bytes as a ring
+        ("auto", 4, 1, False),
+        ("auto", 2, 2, True),  # the hierarchy saves bytes between machines
+        ("auto", 16, 8, True),
+        ("auto", 1, 8, False),  # one machine: no rail
+        ("lanes", 4, 1, True),
+        ("lanes", 1, 3, False),
+        ("direct", 2, 2, False),
+        ("direct", 4, 1, False),
+    ],
+)
+def test_which_shapes_slice(path: str, machines: int, local: int, slices: bool) -> None:
+    assert Config(cuda_allreduce=path).slices_allreduces(machines, local) is slices
 
 
 def test_lane_staging_bytes_match_the_core() -> None:
@@ -231,12 +392,26 @@ def test_config_variables_are_validated() -> None:
     for name in ("FAIRRING_TEST_CPU_SUBGROUPS", "FAIRRING_TEST_LOCAL_GLOO"):
         with pytest.raises(ValueError, match=name):
             Config.from_env({name: "yes"})
+    assert Config().cuda_allreduce == "auto"
+    for raw, want in (("auto", "auto"), (" Lanes ", "lanes"), ("DIRECT", "direct")):
+        assert Config.from_env({"FAIRRING_CUDA_ALLREDUCE": raw}).cuda_allreduce == want
+    for raw in ("", "ring", "nccl", "1"):
+        with pytest.raises(ValueError, match="FAIRRING_CUDA_ALLREDUCE=.*auto, lanes, direct"):
+            Config.from_env({"FAIRRING_CUDA_ALLREDUCE": raw})
 
 
 def test_lanes_must_agree_across_ranks() -> None:
     outcomes = run_ranks_expecting_failure({0: {"FAIRRING_LANES": "2"}, 1: {"FAIRRING_LANES": "3"}})
     for message in outcomes:
         assert "FAIRRING_LANES differs across ranks" in message, message
+
+
+def test_path_must_agree_across_ranks() -> None:
+    outcomes = run_ranks_expecting_failure(
+        {0: {"FAIRRING_CUDA_ALLREDUCE": "auto"}, 1: {"FAIRRING_CUDA_ALLREDUCE": "lanes"}}
+    )
+    for message in outcomes:
+        assert "FAIRRING_CUDA_ALLREDUCE differs across ranks" in message, message
 
 
 def _init_only(rank: int, world: int) -> None:

@@ -143,6 +143,12 @@ class FairringBackend : public c10d::Backend {
     return cpuAllreduce_ ? std::optional<CpuAllreduce::Stats>(cpuAllreduce_->stats()) : std::nullopt;
   }
 
+  // The sub-group allreduce of `device`'s tensors (null where that device's
+  // allreduces do not take it), for its counters.
+  const SubgroupAllreduce* subgroupAllreduce(c10::DeviceType device) const {
+    return device == c10::kCUDA ? cudaSubgroups_.get() : cpuSubgroups_.get();
+  }
+
  private:
   // The allreduce of `work` on the CPU delegate's ring, where the rule says so
   // (BackendOptions::cpuRingFrom) and Gloo reduces its dtype and op; else null.

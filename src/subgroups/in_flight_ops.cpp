@@ -4,47 +4,29 @@
 
 namespace fairring {
 
-std::vector<InFlightOps::Span> InFlightOps::spansOf(const std::vector<at::Tensor>& tensors) {
-  std::vector<Span> spans;
+std::vector<ByteRange> byteRangesOf(const std::vector<at::Tensor>& tensors) {
+  std::vector<ByteRange> ranges;
   for (const at::Tensor& t : tensors) {
-    if (!t.defined() || !t.has_storage() || t.storage().nbytes() == 0) {
+    if (!t.defined() || !t.has_storage() || t.numel() == 0) {
       continue;
     }
-    const auto begin = reinterpret_cast<uintptr_t>(t.storage().data());
-    spans.push_back(Span{begin, begin + t.storage().nbytes()});
-  }
-  return spans;
-}
-
-InFlightOps::Events InFlightOps::overlapping(const std::vector<Span>& spans) {
-  // Operations end in about the order they were issued: drop from the front.
-  while (!ops_.empty() && ops_.front().done->query()) {
-    ops_.pop_front();
-  }
-  Events found;
-  for (const Op& op : ops_) {
-    const bool touches = std::any_of(op.spans.begin(), op.spans.end(), [&](const Span& a) {
-      return std::any_of(spans.begin(), spans.end(), [&](const Span& b) { return a.begin < b.end && b.begin < a.end; });
-    });
-    if (touches) {
-      found.push_back(op.done);
+    // Strides are never negative in torch: the first element is the lowest
+    // address and the element at (size - 1) along every dimension the highest.
+    int64_t last = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      last += (t.size(d) - 1) * t.stride(d);
     }
+    const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+    const auto elem = static_cast<uintptr_t>(t.element_size());
+    ranges.push_back(ByteRange{begin, begin + (static_cast<uintptr_t>(last) + 1) * elem});
   }
-  return found;
+  return ranges;
 }
 
-void InFlightOps::add(std::vector<Span> spans, std::shared_ptr<c10::Event> done) {
-  if (done) {
-    ops_.push_back(Op{std::move(spans), std::move(done)});
-  }
-}
-
-InFlightOps::Events InFlightOps::all() const {
-  Events events;
-  for (const Op& op : ops_) {
-    events.push_back(op.done);
-  }
-  return events;
+bool overlap(const std::vector<ByteRange>& a, const std::vector<ByteRange>& b) {
+  return std::any_of(a.begin(), a.end(), [&](const ByteRange& x) {
+    return std::any_of(b.begin(), b.end(), [&](const ByteRange& y) { return x.begin < y.end && y.begin < x.end; });
+  });
 }
 
 } // namespace fairring

@@ -2,9 +2,7 @@
 
 #include <c10/core/impl/VirtualGuardImpl.h>
 
-#include <dlfcn.h>
-
-#include <thread>
+#include "subgroups/drain.h"
 
 namespace fairring {
 
@@ -43,6 +41,15 @@ c10::OptionalStreamGuard LaneStreams::enter(int lane) {
     }
   }
   return c10::OptionalStreamGuard(stream);
+}
+
+void LaneStreams::restartFrom(int lane) {
+  if (!onDevice()) {
+    return;
+  }
+  callerPosition_.emplace(device_.type());
+  callerPosition_->record(streams_.at(lane));
+  after_.clear(); // `lane` has waited for them
 }
 
 void LaneStreams::keepAlive(const at::Tensor& t, int lane) const {
@@ -92,36 +99,8 @@ void blockCurrentStream(const c10::Event& event, c10::Device device) {
 }
 
 Status waitOnHost(const c10::Event& event, std::chrono::steady_clock::time_point deadline) {
-  // Short sleeps first: most waits end within a millisecond or two.
-  auto pause = std::chrono::microseconds(50);
-  while (!event.query()) {
-    if (std::chrono::steady_clock::now() >= deadline) {
-      return Status::error("the device did not get there in time");
-    }
-    std::this_thread::sleep_for(pause);
-    pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(10));
-  }
-  return Status();
-}
-
-bool currentStreamCapturing(c10::Device device) {
-  if (device.type() != c10::DeviceType::CUDA) {
-    return false;
-  }
-  // cuStreamIsCapturing(CUstream, CUstreamCaptureStatus*): 0 is CUDA_SUCCESS,
-  // a status of 0 CU_STREAM_CAPTURE_STATUS_NONE. The driver is loaded by the
-  // time a CUDA tensor exists, so RTLD_NOLOAD finds it.
-  using IsCapturing = int (*)(void*, int*);
-  static const IsCapturing isCapturing = [] {
-    void* driver = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
-    return driver ? reinterpret_cast<IsCapturing>(dlsym(driver, "cuStreamIsCapturing")) : nullptr;
-  }();
-  if (isCapturing == nullptr) {
-    return false;
-  }
-  c10::impl::VirtualGuardImpl impl(device.type());
-  int status = 0;
-  return isCapturing(impl.getStream(device).native_handle(), &status) == 0 && status != 0;
+  const DrainEnd end = drainUntil({[&event] { return event.query(); }}, [] { return false; }, deadline);
+  return end == DrainEnd::kDrained ? Status() : Status::error("the device did not get there in time");
 }
 
 } // namespace fairring

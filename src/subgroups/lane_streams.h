@@ -44,6 +44,11 @@ class LaneStreams {
   // Makes lane `lane`'s stream current until the guard goes; the lane's
   // first unit in this operation first waits as beginOp said.
   c10::OptionalStreamGuard enter(int lane);
+  // What lane `lane` has been given so far in this operation (a dense copy of
+  // the caller's view, say) comes first for the lanes not entered yet: their
+  // first unit waits for this point of `lane`'s stream instead of the
+  // caller's (which `lane` has waited for).
+  void restartFrom(int lane);
   // The caching allocator must not hand `t`'s memory out again before the
   // lane's stream has passed this point (the caller may free it at once).
   void keepAlive(const at::Tensor& t, int lane) const;
@@ -73,10 +78,5 @@ void blockCurrentStream(const c10::Event& event, c10::Device device);
 // is an error). Polls, so that a peer that never comes cannot hold the
 // caller forever, as a plain synchronize would.
 Status waitOnHost(const c10::Event& event, std::chrono::steady_clock::time_point deadline);
-
-// Whether the caller's current stream on `device` is being captured into a
-// CUDA graph. Asks the CUDA driver (the one call that torch 2.11's
-// device-generic interface lacks) and says no where there is no driver.
-bool currentStreamCapturing(c10::Device device);
 
 } // namespace fairring

@@ -4,6 +4,7 @@
 
 #include "ops/reduce_kind.h"
 #include "ops/tensor_fusion.h"
+#include "subgroups/capture_probe.h"
 #include "subgroups/subgroup_work.h"
 #include "subgroups/unit_plan.h"
 
@@ -74,13 +75,13 @@ SubgroupAllreduce::SubgroupAllreduce(Subgroups groups, SubgroupOptions options, 
   TORCH_CHECK(L >= 1 && M >= 1 && L * M == options_.worldSize, "fairring: ", M, " machines x ", L,
               " ranks do not make a world of ", options_.worldSize);
   TORCH_CHECK(groups_.world, "fairring: the sub-group allreduce needs a world group");
-  TORCH_CHECK(L == 1 || (groups_.localReduce && groups_.localGather),
-              "fairring: several local ranks need the local reduce and gather groups");
-  TORCH_CHECK(M == 1 || !groups_.lanes.empty(), "fairring: several machines need at least one lane");
+  TORCH_CHECK(!slicing() || M > 1, "fairring: lanes over the rail need several machines");
+  TORCH_CHECK(!slicing() || L == 1 || (groups_.localReduce && groups_.localGather),
+              "fairring: slices with several local ranks need the local reduce and gather groups");
   TORCH_CHECK(options_.sliceBytes > 0 && options_.sliceBytes % (8 * static_cast<size_t>(L * M)) == 0,
               "fairring: the slice (", options_.sliceBytes, " bytes) must be a multiple of 8*L*M = ", 8 * L * M);
   const size_t staging = numLanes_ * laneStagingBytes(options_.sliceBytes, L, M);
-  TORCH_CHECK(M == 1 || staging <= options_.totalMemory, "fairring: ", numLanes_, " lanes need ", staging,
+  TORCH_CHECK(!slicing() || staging <= options_.totalMemory, "fairring: ", numLanes_, " lanes need ", staging,
               " bytes of staging for slices of ", options_.sliceBytes, " but FAIRRING_TOTAL_MEMORY is ",
               options_.totalMemory);
 }
@@ -99,11 +100,15 @@ void SubgroupAllreduce::refuseCapture(c10::Device device) const {
   // Checked before anything is locked or planned, and thrown as a plain
   // string: on the H100 the refusal from inside run(), formatted by
   // TORCH_CHECK, crashed the process (SIGSEGV) instead of raising.
-  if (currentStreamCapturing(device)) {
+  const CaptureState state = currentStreamCapture(device);
+  if (isCapturing(state)) {
+    const std::string where = state == CaptureState::kImplicit
+        ? "while another stream is being captured into a CUDA graph (the current stream is the legacy default "
+          "stream, which a capture forbids)"
+        : "while the current stream is captured into a CUDA graph";
     throw c10::DistBackendError(
-        "fairring: allreduce on rank " + std::to_string(options_.rank) +
-        " was issued while the current stream is captured into a CUDA graph; fairring's CUDA allreduce runs on "
-        "streams of its own and cannot be captured: issue it outside the graph");
+        "fairring: allreduce on rank " + std::to_string(options_.rank) + " was issued " + where +
+        "; fairring's CUDA allreduce runs on streams of its own and cannot be captured: issue it outside the graph");
   }
 }
 
@@ -121,19 +126,23 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::allreduce(at::Tensor& tensor, 
   if (!reducible.ok()) {
     throw c10::DistBackendError(reducible.message());
   }
-  // A dense copy (made on the caller's stream) for a view, a wider one for
-  // int16; the result is written back once the reduction is done.
   const at::ScalarType dtype = reductionDtype(tensor.scalar_type());
-  at::Tensor work = tensor.is_contiguous() && dtype == tensor.scalar_type() ? tensor : tensor.contiguous().to(dtype);
-  std::function<void()> finish;
-  if (!work.is_same(tensor)) {
-    finish = [tensor, work]() mutable { tensor.copy_(work.view(tensor.sizes())); };
-  }
-  return run(work.view({-1}), op, c10d::OpType::ALLREDUCE, {tensor}, std::move(finish), {});
+  auto prepare = [tensor, dtype]() -> Prepared {
+    if (tensor.is_contiguous() && dtype == tensor.scalar_type()) {
+      return Prepared{tensor.view({-1}), nullptr, {}};
+    }
+    // A dense copy for a view, a wider one for int16; the result is written
+    // back once the reduction is done.
+    at::Tensor work = tensor.contiguous().to(dtype);
+    auto finish = [tensor, work]() mutable { tensor.copy_(work.view(tensor.sizes())); };
+    return Prepared{work.view({-1}), std::move(finish), {}};
+  };
+  return run({tensor}, tensor.numel(), dtype, op, c10d::OpType::ALLREDUCE, prepare);
 }
 
 c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::allreduceCoalesced(std::vector<at::Tensor>& tensors, RedOp op) {
   TORCH_CHECK(!tensors.empty(), "fairring: allreduce_coalesced needs at least one tensor");
+  int64_t numel = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const std::string name = "tensor " + std::to_string(i) + " of allreduce_coalesced";
     checkTensor(tensors[i], name);
@@ -141,27 +150,28 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::allreduceCoalesced(std::vector
                 "fairring: ", name, " is torch.", dtypeName(tensors[i].scalar_type()), " on ", tensors[i].device(),
                 " but tensor 0 is torch.", dtypeName(tensors[0].scalar_type()), " on ", tensors[0].device(),
                 "; coalesced tensors must share dtype and device");
+    numel += tensors[i].numel();
   }
   refuseCapture(tensors[0].device());
   const Status reducible = checkReducible(op, tensors[0].scalar_type());
   if (!reducible.ok()) {
     throw c10::DistBackendError(reducible.message());
   }
-  // Tensor Fusion: one flat buffer, cut into units like any other allreduce.
-  Fusion fusion = fuse(tensors);
-  at::Tensor work = fusion.fused;
-  if (reductionDtype(work.scalar_type()) != work.scalar_type()) {
-    work = work.to(reductionDtype(work.scalar_type()));
-    const at::Tensor fused = fusion.fused;
-    auto scatterBack = std::move(fusion.scatterBack);
-    fusion.scatterBack = [fused, work, scatterBack]() mutable {
+  const at::ScalarType dtype = reductionDtype(tensors[0].scalar_type());
+  auto prepare = [tensors, dtype]() -> Prepared {
+    // Tensor Fusion: one flat buffer, cut into units like any other allreduce.
+    Fusion fusion = fuse(tensors);
+    if (dtype == fusion.fused.scalar_type()) {
+      return Prepared{fusion.fused, std::move(fusion.scatterBack), {fusion.fused}};
+    }
+    at::Tensor work = fusion.fused.to(dtype);
+    auto finish = [fused = fusion.fused, work, scatterBack = std::move(fusion.scatterBack)]() mutable {
       fused.copy_(work);
       scatterBack();
     };
-  }
-  // The int16 buffer is written and read again on the last lane, after the
-  // caller may have dropped it.
-  return run(work, op, c10d::OpType::ALLREDUCE_COALESCED, tensors, std::move(fusion.scatterBack), {fusion.fused});
+    return Prepared{work, std::move(finish), {fusion.fused}};
+  };
+  return run(tensors, numel, dtype, op, c10d::OpType::ALLREDUCE_COALESCED, prepare);
 }
 
 void SubgroupAllreduce::orderBefore(const std::vector<at::Tensor>& tensors) {
@@ -169,8 +179,22 @@ void SubgroupAllreduce::orderBefore(const std::vector<at::Tensor>& tensors) {
   if (!streams_ || !streams_->onDevice()) {
     return;
   }
-  for (const auto& event : inFlight_.overlapping(InFlightOps::spansOf(tensors))) {
-    blockCurrentStream(*event, streams_->device());
+  const c10::Device device = streams_->device();
+  const std::vector<ByteRange> ranges = byteRangesOf(tensors);
+  if (isCapturing(currentStreamCapture(device))) {
+    // Neither ask (a query breaks a global-mode capture) nor wait (an event
+    // recorded outside the capture cannot be waited for inside it): the
+    // collective is only recorded now, and torch.cuda.graph synchronises the
+    // device before it starts capturing.
+    if (!inFlight_.overlapping(ranges).empty()) {
+      ++stats_.unorderedInCapture;
+    }
+    return;
+  }
+  inFlight_.forget([](const DoneEvent& done) { return done->query(); });
+  for (const auto& event : inFlight_.overlapping(ranges)) {
+    blockCurrentStream(*event, device);
+    ++stats_.orderingWaits;
   }
 }
 
@@ -188,7 +212,7 @@ void SubgroupAllreduce::useDevice(c10::Device device) {
         " could not set up its allreduce sub-groups: " + e.what();
     throw c10::DistBackendError(failure_);
   }
-  if (options_.numMachines > 1) {
+  if (slicing()) {
     // Allocated once; each lane reuses its slot slice after slice, in the
     // order of its stream.
     const size_t bytes = laneStagingBytes(options_.sliceBytes, options_.localSize, options_.numMachines);
@@ -199,61 +223,82 @@ void SubgroupAllreduce::useDevice(c10::Device device) {
 }
 
 c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::run(
-    at::Tensor work,
+    std::vector<at::Tensor> outputs,
+    int64_t numel,
+    at::ScalarType dtype,
     RedOp op,
     c10d::OpType type,
-    std::vector<at::Tensor> outputs,
-    std::function<void()> finish,
-    std::vector<at::Tensor> buffers) {
+    const std::function<Prepared()>& prepare) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!failure_.empty()) {
     throw c10::DistBackendError(failure_ + " (this process group failed earlier and cannot be used)");
   }
   TORCH_CHECK(!stopped_, "fairring: allreduce on rank ", options_.rank, " after the process group was shut down");
-  useDevice(work.device());
+  const c10::Device device = outputs[0].device();
+  useDevice(device);
   const std::vector<Unit> units = planUnits(
-      work.numel(), work.element_size(), options_.sliceBytes, options_.localSize, options_.numMachines,
-      options_.directBelowBytes);
+      numel, c10::elementSize(dtype), options_.sliceBytes, options_.localSize, options_.numMachines,
+      options_.directBelowBytes, slicing());
+  const std::vector<ByteRange> ranges = byteRangesOf(outputs);
+  // Asked before anything is issued, so that an error of the device's here
+  // fails this call only, not the group.
+  std::vector<DoneEvent> after;
+  if (streams_->onDevice() && !units.empty()) {
+    inFlight_.forget([](const DoneEvent& done) { return done->query(); });
+    after = inFlight_.overlapping(ranges);
+  }
+  ++stats_.operations;
+  stats_.orderingWaits += after.size();
 
   std::vector<c10::Device> devices;
   if (streams_->onDevice()) {
-    devices.push_back(work.device());
+    devices.push_back(device);
   }
   auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()), devices);
-  std::shared_ptr<c10::Event> done;
-  std::vector<at::Tensor> touched = outputs;
-  touched.push_back(work);
-  const std::vector<InFlightOps::Span> spans = InFlightOps::spansOf(touched);
+  DoneEvent done;
   parts_.clear();
   try {
-    streams_->beginOp(inFlight_.overlapping(spans));
-    int lane = -1;
-    for (const Unit& unit : units) {
-      lane = static_cast<int>(nextUnit_++ % numLanes_);
-      auto onLane = streams_->enter(lane);
-      streams_->keepAlive(work, lane);
-      const at::Tensor piece = work.narrow(0, unit.begin, unit.size);
-      if (unit.direct) {
-        reduceDirect(piece, op);
-      } else {
-        reduceSlice(piece, lane, op);
-      }
-    }
-    // Nothing was issued for an empty tensor or a world of one: the result is
+    // Nothing is issued for an empty tensor or a world of one: the result is
     // the input, ready on the caller's stream.
-    auto onDone = lane >= 0 ? streams_->join(lane) : c10::OptionalStreamGuard();
-    if (finish) {
-      finish();
-    }
-    if (lane >= 0) {
+    if (!units.empty()) {
+      streams_->beginOp(std::move(after));
+      int lane = static_cast<int>(nextUnit_ % numLanes_);
+      Prepared prepared;
+      {
+        // The copy of a view, or of an int16 tensor, reads the caller's bytes:
+        // it waits, on the first lane, for what they wait for.
+        auto onLane = streams_->enter(lane);
+        prepared = prepare();
+      }
+      if (prepared.finish && units.size() > 1 && numLanes_ > 1) {
+        streams_->restartFrom(lane);
+      }
+      const at::Tensor& work = prepared.work;
+      for (const Unit& unit : units) {
+        lane = static_cast<int>(nextUnit_++ % numLanes_);
+        auto onLane = streams_->enter(lane);
+        streams_->keepAlive(work, lane);
+        const at::Tensor piece = work.narrow(0, unit.begin, unit.size);
+        if (unit.direct) {
+          reduceDirect(piece, op);
+        } else {
+          reduceSlice(piece, lane, op);
+        }
+      }
+      auto onDone = streams_->join(lane);
+      if (prepared.finish) {
+        prepared.finish();
+      }
       for (const at::Tensor& out : outputs) {
         streams_->keepAlive(out, lane);
       }
-      for (const at::Tensor& buffer : buffers) {
+      for (const at::Tensor& buffer : prepared.buffers) {
         streams_->keepAlive(buffer, lane);
       }
       done = streams_->mark(lane);
-      inFlight_.add(spans, done);
+      if (done) {
+        inFlight_.add(ranges, done);
+      }
     }
     // Recorded on the done stream: the future's users wait for it, not the host.
     future->markCompleted(c10::IValue(outputs));
@@ -263,10 +308,10 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::run(
     failure_ = std::string("fairring: allreduce failed on rank ") + std::to_string(options_.rank) + ": " + e.what();
     throw c10::DistBackendError(failure_);
   }
-  const std::string description = "allreduce of " + std::to_string(work.numel()) + " elements of " +
-      dtypeName(work.scalar_type()) + " on rank " + std::to_string(options_.rank);
+  const std::string description = "allreduce of " + std::to_string(numel) + " elements of " + dtypeName(dtype) +
+      " on rank " + std::to_string(options_.rank);
   return c10::make_intrusive<SubgroupWork>(
-      options_.rank, type, std::move(outputs), future, done, work.device(), std::move(parts_), description,
+      options_.rank, type, std::move(outputs), future, done, device, std::move(parts_), description,
       options_.timeout);
 }
 
@@ -276,6 +321,7 @@ void SubgroupAllreduce::reduceDirect(const at::Tensor& piece, RedOp op) {
   opts.reduceOp = groupOp(op, piece.scalar_type());
   await(groups_.world->allreduce(tensors, opts));
   finishReduction(piece, op, options_.worldSize);
+  ++stats_.directUnits;
 }
 
 void SubgroupAllreduce::reduceSlice(const at::Tensor& slice, int lane, RedOp op) {
@@ -324,59 +370,121 @@ void SubgroupAllreduce::reduceSlice(const at::Tensor& slice, int lane, RedOp op)
   if (L > 1) {
     await(groups_.localGather->_allgather_base(data, mine, c10d::AllgatherOptions()));
   }
+  ++stats_.slicedUnits;
 }
 
-std::vector<c10::intrusive_ptr<c10d::Backend>> SubgroupAllreduce::ownedGroups() const {
-  std::vector<c10::intrusive_ptr<c10d::Backend>> owned;
-  for (const auto& group : groups_.lanes) {
-    owned.push_back(group);
-  }
+std::vector<c10::intrusive_ptr<c10d::Backend>> SubgroupAllreduce::subgroups(bool withWorld) const {
+  std::vector<c10::intrusive_ptr<c10d::Backend>> groups(groups_.lanes.begin(), groups_.lanes.end());
   for (const auto& group : {groups_.localReduce, groups_.localGather}) {
     if (group) {
-      owned.push_back(group);
+      groups.push_back(group);
     }
   }
-  return owned;
+  if (withWorld) {
+    groups.push_back(groups_.world);
+  }
+  return groups;
+}
+
+bool SubgroupAllreduce::anySubgroupFailed() const {
+  for (const auto& group : subgroups(/*withWorld=*/true)) {
+    try {
+      if (group->getError() != c10d::ErrorType::SUCCESS) {
+        return true;
+      }
+    } catch (const std::exception&) {
+      return true; // a group that cannot even say is no better
+    }
+  }
+  return false;
 }
 
 void SubgroupAllreduce::shutdown() {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (stopped_) {
-    return;
+  std::vector<DoneEvent> pending;
+  std::string failedEarlier;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopped_) {
+      return;
+    }
+    stopped_ = true;
+    pending = inFlight_.all();
+    failedEarlier = failure_;
   }
-  stopped_ = true;
-  const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
-  bool drained = true;
-  for (const auto& event : inFlight_.all()) {
-    drained = drained && waitOnHost(*event, deadline).ok();
-  }
-  for (const auto& group : ownedGroups()) {
+  // Waited for with no lock held: an abort() from another thread is not kept
+  // out, and stops the wait.
+  DrainEnd end = DrainEnd::kFailed;
+  if (failedEarlier.empty()) {
+    std::vector<std::function<bool()>> checks;
+    for (const auto& event : pending) {
+      checks.emplace_back([event] { return event->query(); });
+    }
     try {
-      if (drained) {
-        group->shutdown();
-      } else {
-        group->abort();
-      }
+      end = drainUntil(
+          checks, [this] { return aborting_.load() || anySubgroupFailed(); },
+          std::chrono::steady_clock::now() + options_.timeout);
     } catch (const std::exception& e) {
-      TORCH_WARN("fairring: shutting down a sub-group on rank ", options_.rank, " failed: ", e.what());
+      failedEarlier = e.what(); // the device could not say: as good as failed
     }
   }
-  if (!drained) {
-    TORCH_WARN("fairring: rank ", options_.rank, "'s allreduces did not finish within ", options_.timeout.count(),
-               " ms of destroy_process_group(); their sub-groups were aborted");
+  if (end == DrainEnd::kDrained) {
+    close(/*graceful=*/true, /*withWorld=*/false, "drained");
+    return;
   }
+  std::string why;
+  if (!failedEarlier.empty()) {
+    why = "the group had failed (" + failedEarlier + ")";
+  } else if (end == DrainEnd::kFailed) {
+    why = "a sub-group reported an error while its allreduces were finishing";
+  } else {
+    why = "its allreduces did not finish within " + std::to_string(options_.timeout.count()) + " ms";
+  }
+  TORCH_WARN("fairring: destroying rank ", options_.rank, "'s process group: ", why,
+             "; its sub-groups, the world group included, were aborted rather than waited for");
+  close(/*graceful=*/false, /*withWorld=*/true, std::string("aborted: ") + drainEndName(end));
 }
 
 void SubgroupAllreduce::abort() {
-  std::lock_guard<std::mutex> lock(mu_);
-  stopped_ = true;
-  for (const auto& group : ownedGroups()) {
+  aborting_ = true;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopped_ = true;
+  }
+  close(/*graceful=*/false, /*withWorld=*/false, "aborted");
+}
+
+void SubgroupAllreduce::close(bool graceful, bool withWorld, const std::string& outcome) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) {
+      return;
+    }
+    closed_ = true;
+    stats_.shutdown = outcome;
+  }
+  // NCCL's graceful shutdown waits for its collectives, and its abort may
+  // take a while too: outside the lock, like the wait before it.
+  int aborted = 0;
+  for (const auto& group : subgroups(withWorld)) {
     try {
-      group->abort();
+      if (graceful) {
+        group->shutdown();
+      } else {
+        group->abort();
+        ++aborted;
+      }
     } catch (const std::exception& e) {
-      TORCH_WARN("fairring: aborting a sub-group on rank ", options_.rank, " failed: ", e.what());
+      TORCH_WARN("fairring: ", graceful ? "shutting down" : "aborting", " a sub-group on rank ", options_.rank,
+                 " failed: ", e.what());
     }
   }
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.abortedGroups = aborted;
+}
+
+SubgroupStats SubgroupAllreduce::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
 }
 
 void SubgroupAllreduce::connect() {
@@ -414,7 +522,7 @@ void SubgroupAllreduce::connect() {
     groups_.world->allreduce(t, c10d::AllreduceOptions())->wait();
     checks.push_back({"the world group", t[0], {options_.worldSize * (options_.worldSize + 1) / 2}});
   }
-  if (L > 1) {
+  if (groups_.localReduce) {
     at::Tensor in = ints(range(L, [&](int j) { return 1000 * (l + 1) + j; }));
     at::Tensor out = ints({0});
     groups_.localReduce->_reduce_scatter_base(out, in, c10d::ReduceScatterOptions())->wait();

@@ -5,13 +5,16 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "subgroups/drain.h"
 #include "subgroups/in_flight_ops.h"
 #include "subgroups/lane_streams.h"
 
@@ -28,8 +31,11 @@ struct Subgroups {
   // at once: one communicator runs its operations one after the other.
   c10::intrusive_ptr<c10d::Backend> localReduce;
   c10::intrusive_ptr<c10d::Backend> localGather;
-  // This rank's rail (same local rank on every machine), one per lane
-  // (several machines only): K communicators put K slices on the wire at once.
+  // This rank's rail (same local rank on every machine), one per lane:
+  // K communicators put K slices on the wire at once. Empty where no
+  // allreduce is sliced (one machine, or where FAIRRING_CUDA_ALLREDUCE gives
+  // every allreduce to NCCL's own on the world group: fairring_pg.config),
+  // and then neither are the local groups made.
   std::vector<c10::intrusive_ptr<c10d::Backend>> lanes;
 };
 
@@ -44,6 +50,25 @@ struct SubgroupOptions {
   size_t sliceBytes{0}; // a multiple of 8*L*M that lets every lane hold a slot
   size_t directBelowBytes{0};
   size_t totalMemory{0};
+};
+
+// What the path has done, for tests and benchmarks to read (which path each
+// allreduce took, whether ordering made it wait) and for a destroy to say how
+// it ended.
+struct SubgroupStats {
+  uint64_t operations{0}; // allreduces and coalesced allreduces issued
+  uint64_t directUnits{0}; // pieces reduced by one allreduce on the world group
+  uint64_t slicedUnits{0}; // pieces that went through the five steps on a lane
+  // Earlier allreduces, still in flight on bytes a later operation touches,
+  // that it was made to wait for (an allreduce's lanes, or the caller's
+  // stream before a collective handed to the delegate).
+  uint64_t orderingWaits{0};
+  // Collectives handed to the delegate under CUDA graph capture on bytes of
+  // an allreduce that may still be in flight: not ordered after it (events
+  // from outside a capture cannot be waited for inside it).
+  uint64_t unorderedInCapture{0};
+  std::string shutdown{"running"}; // how destroy or abort ended
+  int abortedGroups{0};
 };
 
 // The reduction-server allreduce as a composition of sub-group collectives.
@@ -61,31 +86,53 @@ class SubgroupAllreduce {
 
   SubgroupAllreduce(Subgroups groups, SubgroupOptions options, c10::DeviceType deviceType);
 
+  SubgroupAllreduce(const SubgroupAllreduce&) = delete;
+  SubgroupAllreduce& operator=(const SubgroupAllreduce&) = delete;
+
   c10::intrusive_ptr<c10d::Work> allreduce(at::Tensor& tensor, RedOp op);
   c10::intrusive_ptr<c10d::Work> allreduceCoalesced(std::vector<at::Tensor>& tensors, RedOp op);
 
   // A collective of another group (the delegate) is about to run on
   // `tensors`: the caller's current stream waits for the allreduces in
-  // flight that touch them, as it would behind them on NCCL's one stream.
+  // flight whose bytes they share, as it would behind them on NCCL's one
+  // stream. Under CUDA graph capture it neither asks about nor waits for
+  // them (either would break the capture): the captured collective runs
+  // when the graph is replayed, which NCCL orders after nothing either.
   void orderBefore(const std::vector<at::Tensor>& tensors);
 
   // destroy_process_group(): waits on the host, up to the group's timeout,
   // until the device has finished every allreduce issued (a peer may still
-  // need this rank's sends), then shuts the sub-groups down; if that time
-  // passes, aborts them instead. Never throws. Idempotent.
+  // need this rank's sends), then shuts the sub-groups down gracefully. After
+  // a failure (this group's first error, or one a sub-group reports while
+  // waiting) it waits no longer, and if the time passes it stops waiting too:
+  // then every sub-group, the world group included, is aborted, since a
+  // graceful NCCL shutdown would wait for the collectives that will never
+  // end. No lock is held while waiting. Never throws. Idempotent.
   void shutdown();
   // Aborts every sub-group but the world group (the backend owns that one)
-  // at once, with whatever is in flight.
+  // at once, with whatever is in flight; a shutdown waiting meanwhile stops.
   void abort();
 
+  SubgroupStats stats() const;
+
  private:
+  using DoneEvent = std::shared_ptr<c10::Event>;
+
+  // What an operation reduces, made on the lane of its first unit once that
+  // lane waits for everything the caller's tensors wait for.
+  struct Prepared {
+    at::Tensor work; // flat, in the dtype the sub-groups reduce
+    std::function<void()> finish; // writes the result back (null: `work` is the caller's tensor)
+    std::vector<at::Tensor> buffers; // made for the operation and read by `finish`
+  };
+
   c10::intrusive_ptr<c10d::Work> run(
-      at::Tensor work,
+      std::vector<at::Tensor> outputs,
+      int64_t numel,
+      at::ScalarType dtype,
       RedOp op,
       c10d::OpType type,
-      std::vector<at::Tensor> outputs,
-      std::function<void()> finish,
-      std::vector<at::Tensor> buffers);
+      const std::function<Prepared()>& prepare);
   void reduceSlice(const at::Tensor& slice, int lane, RedOp op);
   void reduceDirect(const at::Tensor& piece, RedOp op);
   // Issues `work`'s collective's wait on the current (lane) stream and keeps
@@ -93,7 +140,15 @@ class SubgroupAllreduce {
   void await(const c10::intrusive_ptr<c10d::Work>& work);
   void useDevice(c10::Device device);
   void connect();
-  std::vector<c10::intrusive_ptr<c10d::Backend>> ownedGroups() const;
+  bool slicing() const {
+    return !groups_.lanes.empty();
+  }
+  // `withWorld`: the world group too (the backend's delegate, which the
+  // backend shuts down itself after a graceful end).
+  std::vector<c10::intrusive_ptr<c10d::Backend>> subgroups(bool withWorld) const;
+  bool anySubgroupFailed() const;
+  // Shuts the sub-groups down (`graceful`) or aborts them, once, outside the lock.
+  void close(bool graceful, bool withWorld, const std::string& outcome);
   void refuseCapture(c10::Device device) const;
   void checkTensor(const at::Tensor& t, const std::string& name) const;
 
@@ -103,14 +158,17 @@ class SubgroupAllreduce {
   const int numLanes_;
 
   // One operation's units are issued together, and operations in call order.
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::string failure_;
   std::unique_ptr<LaneStreams> streams_; // made at the first operation (its device)
   std::vector<at::Tensor> staging_; // one slot per lane, bytes
   uint64_t nextUnit_{0};
-  InFlightOps inFlight_;
+  InFlightOps<DoneEvent> inFlight_;
   std::vector<c10::intrusive_ptr<c10d::Work>> parts_; // of the operation being issued
-  bool stopped_{false};
+  SubgroupStats stats_;
+  bool stopped_{false}; // no more operations
+  bool closed_{false}; // the sub-groups were shut down or aborted
+  std::atomic<bool> aborting_{false}; // read by a shutdown's wait, which holds no lock
 };
 
 } // namespace fairring

@@ -21,23 +21,26 @@ struct Unit {
 // collectives. Slices are whole multiples of L*M elements so that they are
 // reduce-scattered and gathered in place in the caller's tensor; the few
 // elements left over (fewer than L*M) are one direct unit, which needs no
-// padding and no staging. One machine, or a tensor smaller than
-// `directBelowBytes`, is a single direct allreduce: there is no rail to
-// shard across, or the latency of five steps outweighs what they save.
+// padding and no staging. Without `slices` (the group has no lanes: one
+// machine, or FAIRRING_CUDA_ALLREDUCE chose NCCL's allreduce), or for a
+// tensor smaller than `directBelowBytes`, it is a single direct allreduce:
+// there is no rail to shard across, the five steps would save no bytes, or
+// their latency outweighs what they save.
 inline std::vector<Unit> planUnits(
     int64_t numel,
     size_t elemSize,
     size_t sliceBytes,
     int localSize,
     int numMachines,
-    size_t directBelowBytes) {
+    size_t directBelowBytes,
+    bool slices) {
   std::vector<Unit> units;
   if (numel == 0 || localSize * numMachines == 1) {
     return units;
   }
   const int64_t unit = static_cast<int64_t>(localSize) * numMachines;
   const bool small = static_cast<size_t>(numel) * elemSize < directBelowBytes;
-  if (numMachines == 1 || small || numel < unit) {
+  if (!slices || numMachines == 1 || small || numel < unit) {
     units.push_back(Unit{0, numel, true});
     return units;
   }
