@@ -36,7 +36,7 @@ from fairring_pg.model.cpu import CpuCluster, predict_cpu  # noqa: E402
 TOLERANCE = 0.15
 DEFAULT_CASES = "1M,25M,100M,16x25M"
 # Timed iterations per case: a 1 MiB allreduce is cheap, a burst at 300 Mbit/s is not.
-ITERATIONS = {1 << 20: 5, 25 << 20: 3}
+ITERATIONS = {1 << 20: 9, 25 << 20: 3}
 DEFAULT_ITERATIONS = 2
 CUDA_RESULTS = common.RESULTS / "cuda"
 
@@ -218,6 +218,10 @@ def cuda_comparison() -> list[dict[str, Any]]:
     return rows
 
 
+def _when(measured: dict[str, str]) -> str:
+    return ", ".join(f"{what} {when}" for what, when in measured.items())
+
+
 def render(data: dict[str, Any]) -> tuple[str, Any]:
     p = data["primitives"]
     rows = data["predictions"]
@@ -232,7 +236,7 @@ def render(data: dict[str, Any]) -> tuple[str, Any]:
         f" GB/s, a loopback message takes {p['message_s'] * 1e6:.0f} us, TCP costs"
         f" {p['tcp_cpu_s_per_byte'] * 1e9:.2f} CPU-ns per byte, and one TCP stream gets "
         + ", ".join(f"{v:.1%} of a {k} link" for k, v in p["link_efficiency"].items())
-        + f" ({p['cores']} cores; calibrated {', '.join(f'{k} {v}' for k, v in p['measured'].items())})."
+        + f" ({p['cores']} cores; calibrated {_when(p['measured'])})."
         " Measured: fairring and Gloo in the same processes, median over iterations of the"
         " slowest rank. Error = (predicted - measured) / measured; bound = the resource the"
         " model finds limiting.\n\n",
@@ -279,8 +283,15 @@ def render(data: dict[str, Any]) -> tuple[str, Any]:
         )
         parts.append(
             report.table(
-                ["M x L", "case", "link (from NCCL)", "fairring predicted ms", "measured ms",
-                 "error", "NCCL measured ms"],
+                [
+                    "M x L",
+                    "case",
+                    "link (from NCCL)",
+                    "fairring predicted ms",
+                    "measured ms",
+                    "error",
+                    "NCCL measured ms",
+                ],
                 [
                     [
                         c["shape"],
@@ -288,7 +299,7 @@ def render(data: dict[str, Any]) -> tuple[str, Any]:
                         f"{c['link_from_nccl_bytes_per_s'] / 1e9:.2f} GB/s",
                         report.ms(c["fairring_predicted_s"]),
                         report.ms(c["fairring_measured_s"]),
-                        f"{(c['fairring_predicted_s'] - c['fairring_measured_s']) / c['fairring_measured_s']:+.1%}",
+                        f"{c['fairring_predicted_s'] / c['fairring_measured_s'] - 1:+.1%}",
                         report.ms(c["nccl_measured_s"]),
                     ]
                     for c in cuda

@@ -44,7 +44,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "notation (1gbit, 300mbit; 'mbps' is megabytes/s there) or GB/s. fairring's own "
         "settings come from FAIRRING_* variables in the environment.",
     )
-    p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if a GPU option is given")
+    p.add_argument(
+        "--device", choices=("cpu", "cuda"), help="default: cuda if a GPU option is given"
+    )
     p.add_argument("--machines", type=int, help="machines (GPU: the row to report; default 16)")
     p.add_argument("--size", default="25M", help="bytes per allreduce (default 25M)")
     p.add_argument("--in-flight", type=int, default=1, help="allreduces issued at once (default 1)")
@@ -286,8 +288,7 @@ def show_gpu(result: dict[str, Any]) -> str:
         where = ", ".join(str(r["machines"]) for r in losses)
         causes = sorted({r["fairring_bottleneck"] for r in losses})
         lines.append(
-            f"fairring loses at M = {where}: bound by {', '.join(causes)} "
-            f"({_explain(causes)})."
+            f"fairring loses at M = {where}: bound by {', '.join(causes)} ({_explain(causes)})."
         )
     else:
         lines.append("fairring does not lose in this range.")

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+
 @dataclass(frozen=True)
 class Stage:
     name: str

@@ -60,8 +60,12 @@ def predict(
     lanes: int = IN_FLIGHT_SLICES,
     message_s: float = MESSAGE_S,
 ) -> GpuPrediction:
-    impl = SEED if message_s == MESSAGE_S else Implementation(
-        SEED.name, message_s, nccl_collectives=False, single_machine_allreduce=False
+    impl = (
+        SEED
+        if message_s == MESSAGE_S
+        else Implementation(
+            SEED.name, message_s, nccl_collectives=False, single_machine_allreduce=False
+        )
     )
     return predict_gpu(
         V100_4X100G,
