@@ -179,13 +179,14 @@ def run_cpu(args: argparse.Namespace, config: Config) -> dict[str, Any]:
 
 
 def show_cpu(result: dict[str, Any]) -> str:
-    verdict = "faster" if result["speedup"] > 1 else "slower"
+    speedup = result["speedup"]
+    verdict = "faster" if speedup >= 1.02 else "slower" if speedup <= 0.98 else "even"
     return (
         f"allreduce of {show_size(result['size'])} x {result['in_flight']} on "
         f"{result['machines']} x {result['ranks_per_machine']} CPU ranks, link "
         f"{result['link']}:\n"
-        f"  fairring {result['fairring_ms']:.1f} ms ({result['fairring_bottleneck']}-bound), "
-        f"Gloo's ring {result['reference_ms']:.1f} ms: fairring {result['speedup']:.2f}x, "
+        f"  fairring {result['fairring_ms']:.1f} ms (bound by {result['fairring_bottleneck']}), "
+        f"Gloo's ring {result['reference_ms']:.1f} ms: fairring {speedup:.2f}x, "
         f"{verdict}\n"
         "assumptions:\n" + "".join(f"  - {a}\n" for a in result["assumptions"])
     )
@@ -256,7 +257,7 @@ def verdict(r: dict[str, Any]) -> str:
         return "fairring faster"
     if r["speedup"] > 0.98:
         return "even"
-    return f"fairring LOSES ({r['fairring_bottleneck']}-bound)"
+    return f"fairring LOSES (bound by {r['fairring_bottleneck']})"
 
 
 def show_gpu(result: dict[str, Any]) -> str:
