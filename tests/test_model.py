@@ -446,6 +446,9 @@ def test_plan_help_and_console_script(capsys: pytest.CaptureFixture[str]) -> Non
     pyproject = (REPO / "pyproject.toml").read_text()
     scripts = pyproject.split("[project.scripts]", 1)[1].split("\n[", 1)[0]
     assert 'fairring-plan = "fairring_pg.plan:main"' in scripts.splitlines()
+    # an install (not editable) ships only the packages listed: the model must be one
+    packages = pyproject.split("\npackages = ", 1)[1].splitlines()[0]
+    assert '"fairring_pg.model"' in packages
 
 
 def test_plan_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
