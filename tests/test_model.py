@@ -18,7 +18,7 @@ import pytest
 from fairring_pg import plan
 from fairring_pg.config import MIB, Config
 from fairring_pg.model import calibration, nccl, prefer_fairring, seed
-from fairring_pg.model.cpu import CpuCluster, predict_cpu, segment_size
+from fairring_pg.model.cpu import CpuCluster, gloo_time, predict_cpu, segment_size
 from fairring_pg.model.gpu import fairring_time, predict_gpu
 from fairring_pg.model.nodes import H100_8X400G, NODE_TYPES, V100_4X100G
 from fairring_pg.model.pipeline import Piece, Stage, flow_time
@@ -125,9 +125,32 @@ def _cluster(machines: int, ranks: int) -> CpuCluster:
     return CpuCluster(machines, ranks, 1e8 / 0.9, 0.9)  # 1e8 B/s of payload
 
 
+def test_one_rank_per_machine_goes_to_gloos_ring_from_1_mib() -> None:
+    # FAIRRING_CPU_ALLREDUCE=auto: at one rank per machine an allreduce of 1 MiB or more
+    # is Gloo's ring, so the model predicts Gloo's time for it; smaller ones, and every
+    # one where machines have several ranks, are the engine's.
+    for size in (MIB, 8 * MIB):
+        p = predict_cpu(_cluster(4, 1), [size], ROUND)
+        assert p.fairring == gloo_time(_cluster(4, 1), [size], ROUND)
+    small = predict_cpu(_cluster(4, 1), [MIB - 4], ROUND)
+    assert small.fairring != gloo_time(_cluster(4, 1), [MIB - 4], ROUND)
+    engine = Config(cpu_allreduce="engine")
+    assert predict_cpu(_cluster(4, 1), [8 * MIB], ROUND, engine).fairring.bottleneck == "link"
+    assert predict_cpu(_cluster(2, 2), [8 * MIB], ROUND).fairring != gloo_time(
+        _cluster(2, 2), [8 * MIB], ROUND
+    )
+    # A burst of both: no faster than the two one after the other.
+    both = predict_cpu(_cluster(4, 1), [8 * MIB, 64 * 1024], ROUND).fairring_s
+    assert both == pytest.approx(
+        gloo_time(_cluster(4, 1), [8 * MIB], ROUND).seconds
+        + predict_cpu(_cluster(4, 1), [64 * 1024], ROUND).fairring_s
+    )
+
+
 def test_one_rank_per_machine_sends_a_rings_bytes() -> None:
+    # The engine's own figure (FAIRRING_CPU_ALLREDUCE=engine).
     size = 8 * MIB
-    p = predict_cpu(_cluster(4, 1), [size], ROUND)
+    p = predict_cpu(_cluster(4, 1), [size], ROUND, Config(cpu_allreduce="engine"))
     # Both move 2(M-1)/M of the tensor through each machine's link, and nothing else
     # is slow enough to show: fairring's reductions overlap the wire.
     assert p.fairring_s == pytest.approx(1.5 * size / 1e8, rel=1e-12)

@@ -25,6 +25,7 @@ max(1, ranks on the host / cores).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -124,6 +125,32 @@ def fairring_time(
     M, L = cluster.machines, cluster.ranks_per_machine
     if M * L == 1:
         return flow_time([])
+    # What FAIRRING_CPU_ALLREDUCE hands to Gloo's ring (one rank per machine, from 1 MiB).
+    ring_from = config.cpu_ring_from(M, L)
+    ring = [s for s in sizes if 0 <= ring_from <= s]
+    if ring:
+        on_ring = gloo_time(cluster, ring, primitives, elem_size)
+        rest = [s for s in sizes if not 0 <= ring_from <= s]
+        if not rest:
+            return on_ring
+        # Both at once share the link: no faster than one after the other.
+        on_engine = fairring_time(
+            cluster,
+            rest,
+            primitives,
+            dataclasses.replace(config, cpu_allreduce="engine"),
+            elem_size,
+        )
+        return FlowTime(
+            on_ring.seconds + on_engine.seconds,
+            "Gloo's ring and the engine",
+            {
+                k: on_ring.loads.get(k, 0.0) + on_engine.loads.get(k, 0.0)
+                for k in {*on_ring.loads, *on_engine.loads}
+            },
+            on_engine.fill,
+            on_ring.drain,
+        )
     slice_bytes = config.effective_slice_size(M, L)
     slots = max(1, config.total_memory // max(1, staging_slot_bytes(slice_bytes, M, L)))
     pieces: list[Piece] = []
@@ -234,5 +261,13 @@ def assumptions(cluster: CpuCluster, p: Primitives, config: Config) -> list[str]
         f"{p.message_s * 1e6:.0f} us",
         f"fairring: slice {slice_bytes} B, pipeline chunk {config.pipeline_chunk} B per local "
         f"rank, {slots} staging slot(s) of FAIRRING_TOTAL_MEMORY={config.total_memory}",
+        *(
+            [
+                f"fairring: allreduces of {ring_from} B and more go to Gloo's ring "
+                "(one rank per machine)"
+            ]
+            if (ring_from := config.cpu_ring_from(M, L)) >= 0
+            else []
+        ),
         f"Gloo: ring over {cluster.world} ranks in rank order, {GLOO_THREADS} operations at once",
     ]
