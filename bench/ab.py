@@ -100,9 +100,9 @@ def main() -> int:
     results: dict[str, dict[str, list[float]]] = {"base": {}, "new": {}}
     try:
         for round_ in range(opts.rounds):
-            for script, *args in groups:
+            for index, (script, *args) in enumerate(groups):
                 for side, tree in sides.items():
-                    out = work / f"{side}-{round_}-{script}"
+                    out = work / f"{side}-{round_}-{index}-{script}"
                     print(
                         f"== round {round_ + 1}/{opts.rounds}: {side}: {script} {' '.join(args)}",
                         flush=True,
