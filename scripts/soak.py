@@ -242,6 +242,12 @@ def _soak_kinds_rank(rank: int, world: int, cfg: SoakConfig) -> dict[str, Any]:
     program = random.Random(cfg.seed)  # the same collectives on every rank
     mine = random.Random(f"{cfg.seed}/{rank}")  # when this rank waits on what
     errors: list[str] = []
+    # Warm-up: every form at the largest size, all in flight, so that the allocators,
+    # the completion threads and the engines' buffers have grown before the first figures.
+    warm = [issue(f, f"soak/{cfg.seed}/warm", cfg.max_numel // world) for f in FORMS]
+    for op in warm:
+        op.wait()
+    errors += [err for op in warm if (err := op.check())]
     series: list[Figures] = [_figures(0)]
     pending: list[Any] = []
     done = 0
