@@ -3,8 +3,9 @@
 # environment of its own made here (removed at the end): torch ${COMPAT_TORCH:-2.11.0}
 # from pip's index (on Linux the CUDA build and its CUDA wheels, about 5 GB; a CUDA
 # build of torch does not import without them), a regular (not editable) install of
-# this checkout, the C++ core compiled against that torch, and tests/compat_smoke.py on
-# 2 simulated machines x 2 ranks. scripts/run_tests.sh runs it after the suite.
+# this checkout, the C++ core compiled against that torch (without a warning), and
+# tests/compat_smoke.py on 2 simulated machines x 2 ranks. scripts/run_tests.sh runs it
+# after the suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,6 +25,6 @@ py=$work/venv/bin/python
 "$py" -m pip install -q .
 echo "== compat check: torch $("$py" -c 'import torch; print(torch.__version__)')" \
     "installed in a fresh venv in $((SECONDS - start)) s"
-"$py" -c "import fairring_pg._build as b; b.load_extension()"
+bash scripts/build_core.sh "$py"
 "$py" tests/compat_smoke.py
 echo "== compat check: done in $((SECONDS - start)) s"

@@ -15,8 +15,9 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 python -m pip install -q -e ".[test]"
 python -c "import torch; print(f'== torch {torch.__version__}')"
 
-# Compile the C++ core once, up front, so that no test's deadline pays for it.
-python -c "import fairring_pg._build as b; b.load_extension()"
+# Compile the C++ core once, up front, so that no test's deadline pays for it; a
+# compiler warning fails the run.
+bash scripts/build_core.sh python
 
 python -m pytest -q tests "$@"
 
