@@ -55,6 +55,9 @@ def worker(args: argparse.Namespace) -> None:
     common.init_worker()
     world = dist.get_world_size()
     groups = {"gloo": dist.group.WORLD, "fairring": common.fairring_group()}
+    # The names FSDP2 calls since torch 2.13 (the older ones warn there); 2.11 has only those.
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     results: dict[str, Any] = {}
     for size in [common.parse_size(s) for s in args.sizes.split(",")]:
         big = torch.zeros(size // 4, dtype=torch.float32)
@@ -65,13 +68,13 @@ def worker(args: argparse.Namespace) -> None:
             group: Any, big: torch.Tensor = big, part: torch.Tensor = part, reps: int = reps
         ) -> None:
             for _ in range(reps):
-                dist.reduce_scatter_tensor(part, big, group=group)
+                reduce_scatter(part, big, group=group)
 
         def ag(
             group: Any, big: torch.Tensor = big, part: torch.Tensor = part, reps: int = reps
         ) -> None:
             for _ in range(reps):
-                dist.all_gather_into_tensor(big, part, group=group)
+                all_gather(big, part, group=group)
 
         for name, fn in (("reduce_scatter", rs), ("all_gather", ag)):
             variants = {b: (lambda g=g, fn=fn: fn(g)) for b, g in groups.items()}

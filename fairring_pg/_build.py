@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -23,7 +24,8 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from types import ModuleType
 
-from fairring_pg._build_progress import compile_progress
+from fairring_pg import _torch_range
+from fairring_pg._build_progress import compile_progress, say
 
 EXTENSION_NAME = "fairring_pg_C"
 CFLAGS = ["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"]
@@ -109,7 +111,11 @@ def load_extension(source_dir: Path | str | None = None, name: str = EXTENSION_N
     if not sources:
         raise RuntimeError(f"fairring_pg: no C++ sources (*.cpp) found under {src}")
 
-    from torch.utils import cpp_extension
+    import torch
+
+    # Before anything compiles: an older torch is refused here, in one message.
+    untested = _torch_range.check(torch.__version__)
+    cpp_extension = _import_cpp_extension()
 
     verbose = build_verbose()
     digest = build_hash(src, name)
@@ -126,6 +132,8 @@ def load_extension(source_dir: Path | str | None = None, name: str = EXTENSION_N
         progress: AbstractContextManager[None] = (
             nullcontext() if built else compile_progress(name, build_dir, len(sources))
         )
+        if untested and not built:
+            say(untested)
         try:
             with progress:
                 module = cpp_extension.load(
@@ -138,11 +146,35 @@ def load_extension(source_dir: Path | str | None = None, name: str = EXTENSION_N
                     with_cuda=False,
                 )
         except Exception as exc:
-            raise RuntimeError(_failure_message(exc, build_dir, verbose)) from exc
+            raise RuntimeError(_failure_message(exc, build_dir, verbose, untested)) from exc
         if not built:
             stamp.write_text(digest)
     _loaded[key] = module
     return module
+
+
+def _import_cpp_extension() -> ModuleType:
+    # On a machine with a CUDA toolkit but no GPU, importing cpp_extension with a CUDA
+    # build of torch logs "No CUDA runtime is found, using CUDA_HOME=..." on every rank
+    # of every job. The core compiles no CUDA code (with_cuda=False): the line can only
+    # mislead, so it is dropped; anything else torch logs there still shows.
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    quiet = _DropMessage("No CUDA runtime is found")
+    logger.addFilter(quiet)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        logger.removeFilter(quiet)
+    return cpp_extension
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
 
 
 def build_verbose() -> bool:
@@ -169,7 +201,9 @@ def _cflags() -> list[str]:
     return list(CFLAGS)
 
 
-def _failure_message(exc: BaseException, build_dir: Path, verbose: bool) -> str:
+def _failure_message(
+    exc: BaseException, build_dir: Path, verbose: bool, untested: str | None
+) -> str:
     lines = str(exc).splitlines()
     tail = "\n".join(lines[-_ERROR_TAIL_LINES:])
     hint = (
@@ -177,7 +211,9 @@ def _failure_message(exc: BaseException, build_dir: Path, verbose: bool) -> str:
         if verbose
         else "set FAIRRING_BUILD_VERBOSE=1 to see the whole build output"
     )
+    # Last, where it is read: with an untested torch, that is the likely cause.
+    why = f"\nfairring_pg: {untested}" if untested else ""
     return (
         f"fairring_pg: building the C++ extension failed in {build_dir}:\n"
-        f"{type(exc).__name__}: {tail}\n({hint})"
+        f"{type(exc).__name__}: {tail}\n({hint}){why}"
     )

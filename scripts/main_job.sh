@@ -30,18 +30,20 @@ out_dir=${OUT_DIR:-bench/results/tmp/main_job}
 link=${LINK:-1gbit}
 read -r -a train_args <<< "${TRAIN_ARGS:-}"
 
-python -c "import torch" 2>/dev/null || pip install torch==2.13.0
-
 # Install (editable) unless this very checkout is already what Python imports; run from /
 # so that the checkout itself is not on sys.path and only an installed copy is found.
 installed=$(cd / && python -c "
 import importlib.util as u
 s = u.find_spec('fairring_pg')
 print(s.origin if s and s.origin else '')" 2>/dev/null || true)
-if [[ "$installed" != "$repo/fairring_pg/__init__.py" ]]; then
+# The install brings torch if none is installed: the newest release pip resolves
+# torch>=2.11 to, as a user's `pip install .` does (an installed torch is kept).
+if [[ "$installed" != "$repo/fairring_pg/__init__.py" ]] || ! python -c "import torch" 2>/dev/null
+then
     echo "== installing fairring_pg (pip install -e .)"
     pip install -q --root-user-action=ignore -e "$repo"
 fi
+python -c "import torch; print(f'== torch {torch.__version__}')"
 
 if [[ "$backend_a" == fairring || "$backend_b" == fairring ]]; then
     # Compile the C++ extension once, outside the timed runs (minutes on first use).

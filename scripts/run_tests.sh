@@ -1,21 +1,26 @@
 #!/usr/bin/env bash
-# The README's test command: install what the tests need on a fresh machine, then run
-# the whole suite (multi-process CPU tests on simulated machines; CUDA tests skip
-# without a GPU).
+# The README's test command: install what the tests need, run the whole suite on the
+# torch that is installed (multi-process CPU tests on simulated machines; CUDA tests
+# skip without a GPU), then scripts/compat_check.sh: the core built against the oldest
+# torch we declare, in a venv of its own, and a short smoke test on it (COMPAT_TORCH=none
+# skips that; COMPAT_TORCH=2.13.0 checks another release).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
-# A torch already installed (CPU or CUDA build) is kept. Without one, this installs
-# torch 2.13.0 from pip's configured index: from PyPI on Linux that is the default
-# CUDA build (several GB of CUDA wheels). For the small CPU-only build, install torch
-# from PyTorch's CPU index first (README, "Install").
-if ! python -c "import torch" >/dev/null 2>&1; then
-    python -m pip install -q "torch==2.13.0"
-fi
+# An installed torch (CPU or CUDA build) is kept. Without one, pip brings the newest
+# release it resolves torch>=2.11 to, as a user's `pip install .` does: from PyPI on
+# Linux the CUDA build (several GB of CUDA wheels). For the small CPU-only build,
+# install torch from PyTorch's CPU index first (README, "Install").
 python -m pip install -q -e ".[test]"
+python -c "import torch; print(f'== torch {torch.__version__}')"
 
-# Compile the C++ core once, up front, so that no test's deadline pays for it.
-python -c "import fairring_pg._build as b; b.load_extension()"
+# Compile the C++ core once, up front, so that no test's deadline pays for it; a
+# compiler warning fails the run.
+bash scripts/build_core.sh python
 
 python -m pytest -q tests "$@"
+
+if [[ "${COMPAT_TORCH:-}" != none ]]; then
+    bash scripts/compat_check.sh
+fi

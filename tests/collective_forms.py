@@ -36,6 +36,9 @@ FORMS = (
 # the second this many.
 SECOND_NUMEL = 13
 _SPAN = 2**40
+# torch 2.14 renamed the tensor forms (the old names warn); 2.13 has both.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def values(key: str, rank: int, numel: int) -> torch.Tensor:
@@ -94,14 +97,14 @@ def issue(form: str, key: str, numel: int, group: Any = None) -> Issued:
             outs.append(torch.full((n,), -1, dtype=torch.int64))
             expected.append(total[rank * n : (rank + 1) * n])
         if form == "reduce_scatter":
-            work = dist.reduce_scatter_tensor(outs[0], ins[0], group=group, async_op=True)
+            work = _reduce_scatter(outs[0], ins[0], group=group, async_op=True)
         elif form == "reduce_scatter_list":
             parts = list(ins[0].chunk(world))
             work = dist.reduce_scatter(outs[0], parts, group=group, async_op=True)
         else:
             with dist._coalescing_manager(group=group, async_ops=True) as work:
                 for o, i in zip(outs, ins, strict=True):
-                    dist.reduce_scatter_tensor(o, i, group=group)
+                    _reduce_scatter(o, i, group=group)
         return Issued(form, key, work.wait, outs, expected, work)
     if form.startswith("all_gather"):
         sizes = [numel] if form != "all_gather_coalesced" else [numel, SECOND_NUMEL]
@@ -112,13 +115,13 @@ def issue(form: str, key: str, numel: int, group: Any = None) -> Issued:
             outs.append(torch.full((world * n,), -1, dtype=torch.int64))
             expected.append(torch.cat(parts))
         if form == "all_gather":
-            work = dist.all_gather_into_tensor(outs[0], ins[0], group=group, async_op=True)
+            work = _all_gather(outs[0], ins[0], group=group, async_op=True)
         elif form == "all_gather_list":
             pieces = list(outs[0].chunk(world))
             work = dist.all_gather(pieces, ins[0], group=group, async_op=True)
         else:
             with dist._coalescing_manager(group=group, async_ops=True) as work:
                 for o, i in zip(outs, ins, strict=True):
-                    dist.all_gather_into_tensor(o, i, group=group)
+                    _all_gather(o, i, group=group)
         return Issued(form, key, work.wait, outs, expected, work)
     raise ValueError(form)

@@ -34,7 +34,10 @@ PyMODINIT_FUNC PyInit_NAME() { return PyModule_Create(&module_def); }
 
 LOAD = """
 import sys
+import torch
 from fairring_pg import _build
+if len(sys.argv) > 3:
+    torch.__version__ = sys.argv[3]  # what a user with another torch would have
 print(_build.load_extension(sys.argv[1], name=sys.argv[2]).answer())
 """
 
@@ -45,12 +48,15 @@ def _tiny_extension(src: Path, name: str, answer: int) -> None:
     (src / "tiny.cpp").write_text(text)
 
 
-def _start_load(src: Path, name: str, build_dir: Path) -> subprocess.Popen[str]:
+def _start_load(
+    src: Path, name: str, build_dir: Path, torch_version: str | None = None
+) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FAIRRING_")}
     env.pop("RANK", None)
     env["FAIRRING_BUILD_DIR"] = str(build_dir)
+    faked = [torch_version] if torch_version else []
     return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(LOAD), str(src), name],
+        [sys.executable, "-c", textwrap.dedent(LOAD), str(src), name, *faked],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
@@ -143,3 +149,44 @@ def test_a_bad_verbose_setting_fails_before_building(
         " output) or 0 (the default)"
     )
     assert not (tmp_path / "build").exists()
+
+
+def test_a_torch_older_than_supported_is_refused_before_compiling(tmp_path: Path) -> None:
+    src, build_dir, name = tmp_path / "src", tmp_path / "build", "fairring_test_old_torch"
+    _tiny_extension(src, name, answer=7)
+    proc = _start_load(src, name, build_dir, torch_version="2.10.2+cpu")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and out == ""
+    # One message (the traceback's last line), and no compile started.
+    assert err.splitlines()[-1] == (
+        "RuntimeError: fairring_pg needs torch >= 2.11 (tested: 2.11 to 2.14), found torch"
+        " 2.10.2+cpu: its C++ core does not compile against this torch. Upgrade torch"
+        " (pip install 'torch>=2.11,<2.15'), then run again."
+    )
+    assert "compiling" not in err
+    assert not build_dir.exists()
+
+
+def test_a_newer_torch_than_tested_is_tried_with_one_line_saying_so(tmp_path: Path) -> None:
+    src, build_dir, name = tmp_path / "src", tmp_path / "build", "fairring_test_new_torch"
+    _tiny_extension(src, name, answer=11)
+    note = (
+        "fairring_pg: torch 2.99.0 is newer than the releases fairring_pg is tested with"
+        " (2.11 to 2.14); trying it. If the build or a collective fails, install a tested"
+        " torch (pip install 'torch>=2.11,<2.15') or a newer fairring_pg."
+    )
+    out, err = _finish(_start_load(src, name, build_dir, torch_version="2.99.0"))
+    assert out == "11"
+    lines = err.splitlines()
+    assert lines[0] == note and lines.count(note) == 1
+    assert lines[1].startswith("fairring_pg: compiling the C++ core")
+    # Said once per build: a load from the cache is silent.
+    assert _finish(_start_load(src, name, build_dir, torch_version="2.99.0")) == ("11", "")
+
+    # A build that fails with an untested torch ends with the same advice.
+    (src / "tiny.cpp").write_text("this is not C++;\n")
+    proc = _start_load(src, name, build_dir, torch_version="2.99.0")
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode != 0 and out == ""
+    assert err.splitlines()[-1] == note
+    assert "RuntimeError: fairring_pg: building the C++ extension failed in" in err

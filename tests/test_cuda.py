@@ -610,15 +610,15 @@ def delegated(rank: int, world: int) -> list[str]:
     if any(not torch.equal(out[r].cpu(), value(r, 1, 9)) for r in range(world)):
         errors.append("all_gather")
     flat = torch.empty(world * 6, device=dev)
-    dist.all_gather_into_tensor(flat, value(rank, 2, 6).to(dev))
+    dist.all_gather_single(flat, value(rank, 2, 6).to(dev))
     if not torch.equal(flat.cpu(), torch.cat([value(r, 2, 6) for r in range(world)])):
-        errors.append("all_gather_into_tensor")
+        errors.append("all_gather_single")
     inp = torch.cat([value(rank, 10 + j, 4) for j in range(world)]).to(dev)
     got = torch.empty(4, device=dev)
-    dist.reduce_scatter_tensor(got, inp)
+    dist.reduce_scatter_single(got, inp)
     want = sum(value(r, 10 + rank, 4) for r in range(world))
     if not torch.equal(got.cpu(), want):
-        errors.append("reduce_scatter_tensor")
+        errors.append("reduce_scatter_single")
     send = torch.cat([value(rank, 20 + j, 3) for j in range(world)]).to(dev)
     recv = torch.empty(world * 3, device=dev)
     dist.all_to_all_single(recv, send)

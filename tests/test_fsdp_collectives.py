@@ -197,7 +197,7 @@ def run_case(rank: int, world: int, case: Case) -> str | None:
         before = mine.clone()
         if case.kind in ("rs", "rs_async"):
             out = torch.full((n,), 3, dtype=dt)
-            work = dist.reduce_scatter_tensor(out, mine, op=op, async_op=case.kind == "rs_async")
+            work = dist.reduce_scatter_single(out, mine, op=op, async_op=case.kind == "rs_async")
             if case.kind == "rs_async":
                 assert work is not None
                 doubled = (
@@ -223,8 +223,8 @@ def run_case(rank: int, world: int, case: Case) -> str | None:
             wide2 = big_inputs(other, world, "/2")
             outs = [torch.empty(n, dtype=dt), torch.empty(13, dtype=dt)]
             with dist._coalescing_manager(async_ops=True) as cm:
-                dist.reduce_scatter_tensor(outs[0], mine, op=op)
-                dist.reduce_scatter_tensor(outs[1], wide2[rank].to(dt), op=op)
+                dist.reduce_scatter_single(outs[0], mine, op=op)
+                dist.reduce_scatter_single(outs[1], wide2[rank].to(dt), op=op)
             cm.wait()
             return compare_exact(outs[0], expected, "output 0") or compare_exact(
                 outs[1], rs_expected(wide2, rank, other), "output 1"
@@ -235,7 +235,7 @@ def run_case(rank: int, world: int, case: Case) -> str | None:
             base[::2] = mine
             out_base = torch.full((n, 3), 7, dtype=dt)
             out = out_base[:, 1]
-            dist.reduce_scatter_tensor(out, base[::2], op=op)
+            dist.reduce_scatter_single(out, base[::2], op=op)
             untouched = torch.full((n, 3), 7, dtype=dt)
             untouched[:, 1] = expected
             return compare_exact(
@@ -245,7 +245,7 @@ def run_case(rank: int, world: int, case: Case) -> str | None:
             # The output is this rank's own part of the input, as FSDP may pass it.
             buf = mine.clone()
             out = buf[rank * n : (rank + 1) * n]
-            dist.reduce_scatter_tensor(out, buf, op=op)
+            dist.reduce_scatter_single(out, buf, op=op)
             return compare_exact(out, expected, "output")
     if case.kind.startswith("ag"):
         parts = part_inputs(case, world)
@@ -253,7 +253,7 @@ def run_case(rank: int, world: int, case: Case) -> str | None:
         mine = parts[rank].clone()
         if case.kind in ("ag", "ag_async"):
             out = torch.full((world * n,), 3, dtype=dt)
-            work = dist.all_gather_into_tensor(out, mine, async_op=case.kind == "ag_async")
+            work = dist.all_gather_single(out, mine, async_op=case.kind == "ag_async")
             if case.kind == "ag_async":
                 assert work is not None
                 got = work.get_future().then(lambda f: f.value()[0].clone()).wait()
@@ -272,8 +272,8 @@ def run_case(rank: int, world: int, case: Case) -> str | None:
             parts2 = part_inputs(other, world, "/2")
             outs = [torch.empty(world * n, dtype=dt), torch.empty(world * 13, dtype=dt)]
             with dist._coalescing_manager(async_ops=True) as cm:
-                dist.all_gather_into_tensor(outs[0], mine)
-                dist.all_gather_into_tensor(outs[1], parts2[rank].clone())
+                dist.all_gather_single(outs[0], mine)
+                dist.all_gather_single(outs[1], parts2[rank].clone())
             cm.wait()
             return compare_exact(outs[0], expected, "output 0") or compare_exact(
                 outs[1], torch.cat(parts2), "output 1"
@@ -282,7 +282,7 @@ def run_case(rank: int, world: int, case: Case) -> str | None:
             base = torch.zeros(3 * n, dtype=dt)
             base[1::3] = mine
             out_base = torch.full((world * n, 2), 7, dtype=dt)
-            dist.all_gather_into_tensor(out_base[:, 0], base[1::3])
+            dist.all_gather_single(out_base[:, 0], base[1::3])
             want = torch.full((world * n, 2), 7, dtype=dt)
             want[:, 0] = expected
             return compare_exact(
@@ -291,7 +291,7 @@ def run_case(rank: int, world: int, case: Case) -> str | None:
         if case.kind == "ag_inplace":
             out = torch.zeros(world * n, dtype=dt)
             out[rank * n : (rank + 1) * n] = mine
-            dist.all_gather_into_tensor(out, out[rank * n : (rank + 1) * n])
+            dist.all_gather_single(out, out[rank * n : (rank + 1) * n])
             return compare_exact(out, expected, "output")
     if case.kind == "interleaved":
         # Reduce-scatters, all-gathers and allreduces in flight at once, more than the
@@ -302,12 +302,12 @@ def run_case(rank: int, world: int, case: Case) -> str | None:
             if i % 3 == 0:
                 wide = big_inputs(sub, world)
                 out = torch.empty(sub.numel, dtype=dt)
-                works.append(dist.reduce_scatter_tensor(out, wide[rank].to(dt), async_op=True))
+                works.append(dist.reduce_scatter_single(out, wide[rank].to(dt), async_op=True))
                 checks.append((out, rs_expected(wide, rank, sub)))
             elif i % 3 == 1:
                 parts = part_inputs(sub, world)
                 out = torch.empty(world * sub.numel, dtype=dt)
-                works.append(dist.all_gather_into_tensor(out, parts[rank].clone(), async_op=True))
+                works.append(dist.all_gather_single(out, parts[rank].clone(), async_op=True))
                 checks.append((out, torch.cat(parts)))
             else:
                 wide = big_inputs(sub, world)
@@ -324,7 +324,7 @@ def run_case(rank: int, world: int, case: Case) -> str | None:
     if case.kind == "avg_int":
         # Refused at once, on the rank, as the allreduce refuses it; the group stays usable.
         try:
-            dist.reduce_scatter_tensor(
+            dist.reduce_scatter_single(
                 torch.empty(n, dtype=dt), torch.ones(world * n, dtype=dt), op=op
             )
         except Exception as exc:  # noqa: BLE001 - the message matters
@@ -362,7 +362,7 @@ class BadCase:
 def _gather_coalesced(outs: list[torch.Tensor], ins: list[torch.Tensor], group: Any) -> None:
     with dist._coalescing_manager(group=group, async_ops=True) as cm:
         for out, inp in zip(outs, ins, strict=True):
-            dist.all_gather_into_tensor(out, inp, group=group)
+            dist.all_gather_single(out, inp, group=group)
     cm.wait()
 
 
@@ -375,24 +375,22 @@ def _bad_call(
         inp = torch.ones(world * 4 + extra)
         expect = "input has 17 elements, expected the world size (4) x the output's 4 = 16"
         return functools.partial(
-            dist.reduce_scatter_tensor, torch.empty(4), inp, group=group
+            dist.reduce_scatter_single, torch.empty(4), inp, group=group
         ), expect
     if case_id == "rs_sizes_differ":
         n = 5 if rank == 0 else 4
         inp = torch.ones(world * n)
         return functools.partial(
-            dist.reduce_scatter_tensor, torch.empty(n), inp, group=group
+            dist.reduce_scatter_single, torch.empty(n), inp, group=group
         ), DIFFERS
     if case_id == "ag_sizes_differ":
         n = 6 if rank == 3 else 4
         out = torch.empty(world * n)
-        return functools.partial(
-            dist.all_gather_into_tensor, out, torch.ones(n), group=group
-        ), DIFFERS
+        return functools.partial(dist.all_gather_single, out, torch.ones(n), group=group), DIFFERS
     if case_id == "ag_dtypes_differ":
         dt = torch.int32 if rank == 1 else torch.float32
         out, inp = torch.empty(world * 4, dtype=dt), torch.ones(4, dtype=dt)
-        return functools.partial(dist.all_gather_into_tensor, out, inp, group=group), DIFFERS
+        return functools.partial(dist.all_gather_single, out, inp, group=group), DIFFERS
     if case_id == "ag_coalesced_sizes":
         # Coalesced: the second output is one element short, on rank 1 only.
         outs = [torch.empty(world * 4), torch.empty(world * 3 - (1 if rank == 1 else 0))]
@@ -412,7 +410,7 @@ def run_bad_case(rank: int, world: int, case: BadCase) -> str | None:
     try:
         call()
         # A rank whose own call went out learns the verdict at its next operation.
-        dist.reduce_scatter_tensor(torch.empty(1), torch.ones(world), group=group)
+        dist.reduce_scatter_single(torch.empty(1), torch.ones(world), group=group)
         return "did not raise"
     except Exception as exc:  # noqa: BLE001 - the message matters
         msg = str(exc)

@@ -241,6 +241,15 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::gather(
   return delegateFor(inputs, outputs).gather(outputs, inputs, opts);
 }
 
+#if FAIRRING_C10D_HAS_GATHER_SINGLE
+c10::intrusive_ptr<c10d::Work> FairringBackend::gather_single(
+    at::Tensor& output,
+    at::Tensor& input,
+    const c10d::GatherOptions& opts) {
+  return delegateFor(input, output).gather_single(output, input, opts);
+}
+#endif
+
 c10::intrusive_ptr<c10d::Work> FairringBackend::scatter(
     std::vector<at::Tensor>& outputs,
     std::vector<std::vector<at::Tensor>>& inputs,

@@ -2,6 +2,7 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/headeronly/version.h>
 
 #include <chrono>
 #include <memory>
@@ -14,6 +15,13 @@
 #include "backend/cpu_sharded.h"
 #include "pipeline/allreduce_engine.h"
 #include "subgroups/subgroup_allreduce.h"
+
+// torch 2.14 added c10d::Backend::gather_single (a gather into one flat tensor). Its
+// default forwards to gather_into_tensor, which forwards back to it and throws
+// "does not support": like every collective fairring does not run, it goes to the
+// delegate (NCCL has it; Gloo throws the same way).
+#define FAIRRING_C10D_HAS_GATHER_SINGLE \
+  (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 14))
 
 namespace fairring {
 
@@ -101,6 +109,12 @@ class FairringBackend : public c10d::Backend {
       std::vector<std::vector<at::Tensor>>& outputs,
       std::vector<at::Tensor>& inputs,
       const c10d::GatherOptions& opts = c10d::GatherOptions()) override;
+#if FAIRRING_C10D_HAS_GATHER_SINGLE
+  c10::intrusive_ptr<c10d::Work> gather_single(
+      at::Tensor& output,
+      at::Tensor& input,
+      const c10d::GatherOptions& opts = c10d::GatherOptions()) override;
+#endif
   c10::intrusive_ptr<c10d::Work> scatter(
       std::vector<at::Tensor>& outputs,
       std::vector<std::vector<at::Tensor>>& inputs,

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Compatibility check against the oldest torch pyproject.toml declares, in a virtual
+# environment of its own made here (removed at the end): torch ${COMPAT_TORCH:-2.11.0}
+# from pip's index (on Linux the CUDA build and its CUDA wheels, about 5 GB; a CUDA
+# build of torch does not import without them), a regular (not editable) install of
+# this checkout, the C++ core compiled against that torch (without a warning), and
+# tests/compat_smoke.py on 2 simulated machines x 2 ranks. scripts/run_tests.sh runs it
+# after the suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+torch_version=${COMPAT_TORCH:-2.11.0}
+work=$(mktemp -d "${TMPDIR:-/tmp}/fairring-compat.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
+# Only what this venv holds: not a checkout on the path, not another build's cache.
+unset PYTHONPATH
+export FAIRRING_BUILD_DIR=$work/build
+
+start=$SECONDS
+python3 -m venv "$work/venv"
+py=$work/venv/bin/python
+# torch first and alone: `pip install .` then keeps it, as it satisfies torch>=2.11.
+"$py" -m pip install -q "torch==$torch_version"
+"$py" -m pip install -q .
+echo "== compat check: torch $("$py" -c 'import torch; print(torch.__version__)')" \
+    "installed in a fresh venv in $((SECONDS - start)) s"
+bash scripts/build_core.sh "$py"
+"$py" tests/compat_smoke.py
+echo "== compat check: done in $((SECONDS - start)) s"
