@@ -26,5 +26,6 @@ py=$work/venv/bin/python
 echo "== compat check: torch $("$py" -c 'import torch; print(torch.__version__)')" \
     "installed in a fresh venv in $((SECONDS - start)) s"
 bash scripts/build_core.sh "$py"
+echo "== compat check: core built ($((SECONDS - start)) s)"
 "$py" tests/compat_smoke.py
 echo "== compat check: done in $((SECONDS - start)) s"
