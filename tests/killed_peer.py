@@ -43,11 +43,13 @@ def killed_peer(
     victim: int,
     big_numel: int,
     group_timeout_s: float,
+    victim_joins: bool = True,
 ) -> dict[str, Any]:
     """In a group of its own (so that its short timeout does not cover start-up), rank
     ``victim`` joins a big allreduce once the others are inside it and SIGKILLs itself
-    a few slices in; each survivor reports the error it got (None if the allreduce
-    completed), how long after the kill it came, and what a call after it did."""
+    a few slices in (with ``victim_joins=False``, without joining it); each survivor
+    reports the error it got (None if the allreduce completed), how long after the kill
+    it came, and what a call after it did."""
     store = default_store()
     group = dist.new_group(backend=group_backend, timeout=timedelta(seconds=group_timeout_s))
     warm_up(rank, group)
@@ -57,8 +59,9 @@ def killed_peer(
         # Once the others are inside the allreduce, join it and die a few slices in
         # (the whole 32 MiB takes a fraction of a second).
         store.wait([f"kill/posted/{r}" for r in range(world) if r != victim])
-        dist.all_reduce(big, group=group, async_op=True)
-        time.sleep(0.005)
+        if victim_joins:
+            dist.all_reduce(big, group=group, async_op=True)
+            time.sleep(0.005)
         store.set("kill/at", repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
     work = dist.all_reduce(big, group=group, async_op=True)

@@ -40,7 +40,14 @@ GROUP_TIMEOUT_S = 10.0  # for the SIGKILL groups: well above KILL_BOUND_S
 FREEZE_TIMEOUT_S = 5.0
 # 256 KiB slices and 1 MiB of staging: a 32 MiB allreduce is a pipeline of 128 slices,
 # each cut into 16 pipeline chunks, so a fault lands with chunks of many slices in flight.
-ENV = fairring_env(slice_size=256 * 1024, total_memory=1024 * 1024, FAIRRING_PIPELINE_CHUNK="16K")
+# The engine's allreduce (at 3x1 a big one would otherwise be Gloo's ring: see
+# test_killed_peer_on_the_ring_raises_promptly).
+ENV = fairring_env(
+    slice_size=256 * 1024,
+    total_memory=1024 * 1024,
+    FAIRRING_PIPELINE_CHUNK="16K",
+    FAIRRING_CPU_ALLREDUCE="engine",
+)
 BIG_NUMEL = 8 * 1024 * 1024
 JOB_TIMEOUT_S = 120
 # Small slices for the mismatch job, so that its "size_slices" case differs in the
@@ -97,6 +104,38 @@ def test_killed_peer_every_survivor_raises_promptly(shape: str, victim: int) -> 
     detect = {o.rank: round(o.value["detect_s"], 3) for o in survivors}
     print(f"fairring: SIGKILL of rank {victim} detected after {detect} s")
     assert not problems, "\n".join(problems)
+
+
+@memoised
+def _ring_kill_job() -> tuple[RankOutcome, ...]:
+    return tuple(
+        launch(
+            killed_peer,
+            3,
+            SHAPES["3x1"],
+            env=fairring_env(FAIRRING_CPU_ALLREDUCE="auto"),
+            timeout_s=JOB_TIMEOUT_S,
+            abort_grace_s=45,
+            group_backend="fairring",
+            victim=1,
+            big_numel=BIG_NUMEL,
+            group_timeout_s=GROUP_TIMEOUT_S,
+            victim_joins=False,
+        )
+    )
+
+
+def test_killed_peer_on_the_ring_raises_promptly() -> None:
+    # One rank per machine: the 32 MiB allreduce is Gloo's ring (FAIRRING_CPU_ALLREDUCE),
+    # and so is its error, which fairring says came from there; every survivor raises
+    # within the bound, and the next call (the engine's) raises too.
+    survivors = surviving(_ring_kill_job(), 1)
+    for o in survivors:
+        v = o.value
+        assert v["message"] is not None, f"rank {o.rank}: the allreduce completed without rank 1"
+        assert "on Gloo's ring" in v["message"], f"rank {o.rank}: {v['message']}"
+        assert v["detect_s"] <= KILL_BOUND_S, f"rank {o.rank}: {v['detect_s']:.2f} s"
+        assert v["after_message"] is not None, f"rank {o.rank}: the call after did not raise"
 
 
 def test_gloo_killed_peer_detection_yardstick(capsys: pytest.CaptureFixture[str]) -> None:

@@ -133,21 +133,33 @@ CpuAllreduce::Ring FairringBackend::ringFor(
   if (cpuRingFrom_ < 0 || bytes < cpuRingFrom_ || !glooReduces(work.scalar_type(), op)) {
     return nullptr;
   }
-  return [this, work, op, outputs = std::move(outputs), finish = std::move(finish)]() {
+  return [this, work, op, bytes, outputs = std::move(outputs), finish = std::move(finish)]() {
     std::vector<at::Tensor> tensors{work};
     c10d::AllreduceOptions opts;
     opts.reduceOp = c10d::ReduceOp(op);
-    // The write-back (non-contiguous, coalesced) before anyone sees it done.
-    return cpu_->allreduce(tensors, opts)
-        ->getFuture()
-        ->then(
-            [outputs, finish](c10::ivalue::Future&) {
-              if (finish) {
-                finish();
-              }
-              return c10::IValue(outputs);
-            },
-            c10::ListType::create(c10::TensorType::get()));
+    auto ring = cpu_->allreduce(tensors, opts)->getFuture();
+    auto done = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+    ring->addCallback([done, outputs, finish, bytes](c10::ivalue::Future& f) {
+      if (f.hasError()) {
+        // Gloo's message names the peer by address; say where it comes from.
+        done->setError(std::make_exception_ptr(c10::DistBackendError(
+            "fairring: an allreduce of " + std::to_string(bytes) +
+            " bytes on Gloo's ring (one rank per machine: FAIRRING_CPU_ALLREDUCE) failed: " +
+            f.tryRetrieveErrorMessage())));
+        return;
+      }
+      try {
+        // The write-back (non-contiguous, coalesced) before anyone sees it done.
+        if (finish) {
+          finish();
+        }
+        done->markCompleted(c10::IValue(outputs));
+      } catch (const std::exception& e) {
+        done->setError(std::make_exception_ptr(
+            c10::DistBackendError(std::string("fairring: completing an allreduce failed: ") + e.what())));
+      }
+    });
+    return done;
   };
 }
 
