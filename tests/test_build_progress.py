@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fairring_pg import _build, _build_progress
+from fairring_pg import _build, _build_progress, _torch_range
 
 # A module written against Python's C API alone: it compiles in about a second.
 TINY_SOURCE = """
@@ -36,10 +36,14 @@ LOAD = """
 import sys
 import torch
 from fairring_pg import _build
-if len(sys.argv) > 3:
-    torch.__version__ = sys.argv[3]  # what a user with another torch would have
+torch.__version__ = sys.argv[3]  # the torch version the build is told it has
 print(_build.load_extension(sys.argv[1], name=sys.argv[2]).answer())
 """
+
+
+# What the loads below report for a torch within the tested range: with a newer one (what
+# pip may install), the first line would say so (that has a test of its own, below).
+TESTED_TORCH = "{}.{}.0".format(*_torch_range.NEWEST_TESTED)
 
 
 def _tiny_extension(src: Path, name: str, answer: int) -> None:
@@ -49,14 +53,13 @@ def _tiny_extension(src: Path, name: str, answer: int) -> None:
 
 
 def _start_load(
-    src: Path, name: str, build_dir: Path, torch_version: str | None = None
+    src: Path, name: str, build_dir: Path, torch_version: str = TESTED_TORCH
 ) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FAIRRING_")}
     env.pop("RANK", None)
     env["FAIRRING_BUILD_DIR"] = str(build_dir)
-    faked = [torch_version] if torch_version else []
     return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(LOAD), str(src), name, *faked],
+        [sys.executable, "-c", textwrap.dedent(LOAD), str(src), name, torch_version],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
@@ -159,9 +162,9 @@ def test_a_torch_older_than_supported_is_refused_before_compiling(tmp_path: Path
     assert proc.returncode != 0 and out == ""
     # One message (the traceback's last line), and no compile started.
     assert err.splitlines()[-1] == (
-        "RuntimeError: fairring_pg needs torch >= 2.11 (tested: 2.11 to 2.14), found torch"
+        "RuntimeError: fairring_pg needs torch >= 2.11 (tested: 2.11 to 2.15), found torch"
         " 2.10.2+cpu: its C++ core does not compile against this torch. Upgrade torch"
-        " (pip install 'torch>=2.11,<2.15'), then run again."
+        " (pip install 'torch>=2.11,<2.16'), then run again."
     )
     assert "compiling" not in err
     assert not build_dir.exists()
@@ -172,8 +175,8 @@ def test_a_newer_torch_than_tested_is_tried_with_one_line_saying_so(tmp_path: Pa
     _tiny_extension(src, name, answer=11)
     note = (
         "fairring_pg: torch 2.99.0 is newer than the releases fairring_pg is tested with"
-        " (2.11 to 2.14); trying it. If the build or a collective fails, install a tested"
-        " torch (pip install 'torch>=2.11,<2.15') or a newer fairring_pg."
+        " (2.11 to 2.15); trying it. If the build or a collective fails, install a tested"
+        " torch (pip install 'torch>=2.11,<2.16') or a newer fairring_pg."
     )
     out, err = _finish(_start_load(src, name, build_dir, torch_version="2.99.0"))
     assert out == "11"

@@ -15,7 +15,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize(
-    "version", ["2.11.0", "2.11.0+cu130", "2.13.0+cpu", "2.14.1", "2.14.0a0+git5e0f1a2"]
+    "version",
+    ["2.11.0", "2.11.0+cu130", "2.13.0+cpu", "2.14.1", "2.15.0+cu132", "2.15.0a0+git5e0f1a2"],
 )
 def test_the_tested_releases_pass_silently(version: str) -> None:
     assert _torch_range.check(version) is None
@@ -26,18 +27,18 @@ def test_an_older_torch_is_refused_naming_the_version_and_the_fix(version: str) 
     with pytest.raises(RuntimeError) as info:
         _torch_range.check(version)
     assert str(info.value) == (
-        f"fairring_pg needs torch >= 2.11 (tested: 2.11 to 2.14), found torch {version}: its"
+        f"fairring_pg needs torch >= 2.11 (tested: 2.11 to 2.15), found torch {version}: its"
         " C++ core does not compile against this torch. Upgrade torch"
-        " (pip install 'torch>=2.11,<2.15'), then run again."
+        " (pip install 'torch>=2.11,<2.16'), then run again."
     )
 
 
-@pytest.mark.parametrize("version", ["2.15.0", "2.15.0.dev20260101+cpu", "3.0.0"])
+@pytest.mark.parametrize("version", ["2.16.0", "2.16.0.dev20260101+cpu", "3.0.0"])
 def test_a_newer_torch_gets_a_note(version: str) -> None:
     assert _torch_range.check(version) == (
         f"torch {version} is newer than the releases fairring_pg is tested with (2.11 to"
-        " 2.14); trying it. If the build or a collective fails, install a tested torch"
-        " (pip install 'torch>=2.11,<2.15') or a newer fairring_pg."
+        " 2.15); trying it. If the build or a collective fails, install a tested torch"
+        " (pip install 'torch>=2.11,<2.16') or a newer fairring_pg."
     )
 
 
