@@ -609,35 +609,25 @@ void AllreduceEngine::recordSegment(const Op& op, const Slice& slice, const Segm
       : "\"elements_per_rank\":" + std::to_string(op.sharded.segment(slice.index, seg.index).size());
   const std::string args = "{\"op\":" + std::to_string(op.seq) + ",\"slice\":" + std::to_string(slice.index) +
       ",\"segment\":" + std::to_string(seg.index) + "," + elements + "}";
-  struct Span {
-    const char* name;
-    int64_t begin;
-    int64_t end;
-    bool shown; // a phase this shape has
+  // A phase this shape does not have (no peers on the machine, or one machine) is not drawn.
+  auto span = [&](const char* name, int64_t begin, int64_t end, bool shown) {
+    if (shown) {
+      timeline_.sliceSpan(seg.id, name, begin, end, args);
+    }
   };
-  std::vector<Span> spans;
   if (op.kind == OpKind::kAllGather) {
-    spans = {
-        {"waiting for its turn", op.tEnqueued, slice.tActive, true},
-        {"rail gather", slice.tActive, seg.tChunkFinal, rail},
-        {"all-gather", seg.tChunkFinal, tDone, intraNode},
-    };
-  } else {
-    spans = {
-        {"waiting for staging", op.tEnqueued, slice.tActive, true},
-        {"reduce-scatter", slice.tActive, seg.tRsReduced, intraNode},
-        {"collect", seg.tRsReduced, seg.tReduceStart, rail},
-        {"reduce", seg.tReduceStart, seg.tShardReduced, true},
-    };
-    if (op.isAllreduce()) {
-      spans.push_back({"diffuse", seg.tShardReduced, seg.tChunkFinal, rail});
-      spans.push_back({"all-gather", seg.tChunkFinal, tDone, intraNode});
-    }
+    span("waiting for its turn", op.tEnqueued, slice.tActive, true);
+    span("rail gather", slice.tActive, seg.tChunkFinal, rail);
+    span("all-gather", seg.tChunkFinal, tDone, intraNode);
+    return;
   }
-  for (const Span& span : spans) {
-    if (span.shown) {
-      timeline_.sliceSpan(seg.id, span.name, span.begin, span.end, args);
-    }
+  span("waiting for staging", op.tEnqueued, slice.tActive, true);
+  span("reduce-scatter", slice.tActive, seg.tRsReduced, intraNode);
+  span("collect", seg.tRsReduced, seg.tReduceStart, rail);
+  span("reduce", seg.tReduceStart, seg.tShardReduced, true);
+  if (op.isAllreduce()) {
+    span("diffuse", seg.tShardReduced, seg.tChunkFinal, rail);
+    span("all-gather", seg.tChunkFinal, tDone, intraNode);
   }
 }
 
