@@ -1012,6 +1012,7 @@ void AllreduceEngine::shutdown() {
   }
   mesh_->close();
   tasks_.stop();
+  timeline_.close();
   std::lock_guard<std::mutex> lock(mu_);
   graveyard_.clear();
 }

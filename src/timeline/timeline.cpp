@@ -35,12 +35,21 @@ Timeline::Timeline(const std::string& path, int rank) : rank_(rank) {
 }
 
 Timeline::~Timeline() {
-  if (file_ == nullptr) {
+  close();
+}
+
+void Timeline::close() {
+  if (!enabled()) {
     return;
   }
   flush();
-  std::fputs("\n]\n", file_);
-  std::fclose(file_);
+  std::lock_guard<std::mutex> lock(fileMu_);
+  if (file_ == nullptr) {
+    return;
+  }
+  std::FILE* file = file_.exchange(nullptr);
+  std::fputs("\n]\n", file);
+  std::fclose(file);
 }
 
 int64_t Timeline::now() {
@@ -91,9 +100,11 @@ void Timeline::flush() {
     std::lock_guard<std::mutex> lock(mu_);
     out.swap(buffer_);
   }
-  if (!out.empty()) {
-    std::fwrite(out.data(), 1, out.size(), file_);
-    std::fflush(file_);
+  std::lock_guard<std::mutex> lock(fileMu_);
+  std::FILE* file = file_.load();
+  if (!out.empty() && file != nullptr) {
+    std::fwrite(out.data(), 1, out.size(), file);
+    std::fflush(file);
   }
 }
 

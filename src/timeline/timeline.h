@@ -1,5 +1,6 @@
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -18,7 +19,7 @@ class Timeline {
   Timeline(const std::string& path, int rank);
   ~Timeline();
 
-  bool enabled() const { return file_ != nullptr; }
+  bool enabled() const { return file_.load(std::memory_order_relaxed) != nullptr; }
 
   // Microseconds on the system clock, so that ranks of one host line up when
   // their traces are merged.
@@ -36,11 +37,17 @@ class Timeline {
   // Writes what is buffered. Called from the engine's watchdog, off the data path.
   void flush();
 
+  // Writes the rest and ends the JSON array; later events are dropped. Called at
+  // shutdown, so that a group destroyed while Python objects still hold it (autograd
+  // graphs, DTensor meshes) leaves a complete trace; the destructor closes otherwise.
+  void close();
+
  private:
   void append(const std::string& event);
 
-  std::FILE* file_{nullptr};
+  std::atomic<std::FILE*> file_{nullptr};
   int rank_;
+  std::mutex fileMu_; // file_ against close()
   std::mutex mu_;
   std::string buffer_;
   bool first_{true};
