@@ -98,7 +98,9 @@ def stamp(config: Mapping[str, Any]) -> dict[str, Any]:
     """Where and how a result was measured, so that figures are never compared blind."""
     import torch
 
-    dirty = bool(_git("status", "--porcelain", "--", "src", "fairring_pg", "bench", "scripts"))
+    # Results written earlier in the same suite run are not sources.
+    sources = ("src", "fairring_pg", "bench", "scripts", ":(exclude)bench/results")
+    dirty = bool(_git("status", "--porcelain", "--", *sources))
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "host": socket.gethostname(),
