@@ -3,6 +3,8 @@
 #include <iterator>
 #include <mutex>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
 namespace fairring {
 
@@ -26,13 +28,27 @@ Adopted& adopted() {
 } // namespace
 
 void adoptFuture(const c10::intrusive_ptr<c10::ivalue::Future>& future) {
+  using Weak = c10::weak_intrusive_ptr<c10::ivalue::Future>;
+  // Dropped after the lock: the last weak reference to a finished future destroys it,
+  // and with it the Python callbacks it held, whose release takes the GIL. Under the
+  // lock, that waits for a Python thread that may be waiting for the lock in
+  // isAdoptedFuture (it holds the GIL there): a deadlock.
+  std::vector<Weak> dropped;
   Adopted& a = adopted();
   std::lock_guard<std::mutex> lock(a.mu);
-  a.futures.insert_or_assign(future.get(), c10::weak_intrusive_ptr<c10::ivalue::Future>(future));
+  auto [at, inserted] = a.futures.try_emplace(future.get(), Weak(future));
+  if (!inserted) {
+    dropped.push_back(std::exchange(at->second, Weak(future)));
+  }
   if (a.futures.size() >= a.pruneAt) {
     // Amortised: every future fairring hands out lands here once.
     for (auto it = a.futures.begin(); it != a.futures.end();) {
-      it = it->second.expired() ? a.futures.erase(it) : std::next(it);
+      if (it->second.expired()) {
+        dropped.push_back(std::move(it->second));
+        it = a.futures.erase(it);
+      } else {
+        ++it;
+      }
     }
     a.pruneAt = 2 * a.futures.size() + 64;
   }
