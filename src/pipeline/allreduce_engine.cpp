@@ -16,6 +16,10 @@ using Clock = std::chrono::steady_clock;
 using RedOp = c10d::ReduceOp::RedOpType;
 
 namespace {
+// How long a failed rank keeps its connections open for its aborts to go out, when a
+// peer does not take them.
+constexpr auto kAbortGrace = std::chrono::seconds(2);
+
 std::mutex gRegistryMu;
 std::set<AllreduceEngine*>& registry() {
   static auto* engines = new std::set<AllreduceEngine*>(); // never destroyed: used at exit
@@ -967,7 +971,7 @@ void AllreduceEngine::watchdog() {
     // Close once the aborts are out (or after a grace period if a peer does
     // not take them): closing the pipes earlier would drop them.
     if (!failure_.empty() && !meshClosed_ && ops_.empty() &&
-        (abortsInFlight_ == 0 || Clock::now() - failedAt_ > std::chrono::seconds(2))) {
+        (abortsInFlight_ == 0 || Clock::now() - failedAt_ > kAbortGrace)) {
       // Closing the pipes tells every peer at once that this rank has failed.
       meshClosed_ = true;
       lock.unlock();
@@ -1009,6 +1013,13 @@ void AllreduceEngine::shutdown() {
   run(actions);
   if (watchdog_.joinable()) {
     watchdog_.join();
+  }
+  {
+    // A rank that refused a call and destroys the group at once: the reason must
+    // reach its peers before they see it close, or they report the close instead.
+    // The same grace as the watchdog's, counted from the failure.
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_until(lock, failedAt_ + kAbortGrace, [this] { return abortsInFlight_ == 0 || meshClosed_; });
   }
   mesh_->close();
   tasks_.stop();
