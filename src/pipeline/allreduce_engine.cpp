@@ -19,6 +19,9 @@ namespace {
 // How long a failed rank keeps its connections open for its aborts to go out, when a
 // peer does not take them.
 constexpr auto kAbortGrace = std::chrono::seconds(2);
+// How long a close from a peer waits for the reason to arrive from another (see
+// closedBeforeReason_); the watchdog looks every 100 ms.
+constexpr auto kCloseGrace = std::chrono::milliseconds(300);
 
 std::mutex gRegistryMu;
 std::set<AllreduceEngine*>& registry() {
@@ -680,7 +683,7 @@ void AllreduceEngine::onMessage(int peer, Lane lane, Status status, std::string 
       // A peer that finished everything may close before we have read its
       // last bytes' successors; that is only an error if we wait on it.
       if (needsFrom(peer, lane)) {
-        failLocked(status.message(), actions);
+        lostPeerLocked(status.message(), actions);
       } else if (departed_.empty()) {
         departed_ = status.message();
       }
@@ -826,7 +829,7 @@ void AllreduceEngine::onSent(uint64_t seq, int64_t s, int g, int peer, Status st
     // on that peer.
     if (!status.ok()) {
       if (needsFrom(peer, Lane::kReduce) || needsFrom(peer, Lane::kGather)) {
-        failLocked(status.message(), actions);
+        lostPeerLocked(status.message(), actions);
       } else if (departed_.empty()) {
         departed_ = status.message();
       }
@@ -881,6 +884,17 @@ void AllreduceEngine::failLocked(const std::string& message, Actions& actions, u
     it = parked_.erase(it);
   }
   cv_.notify_all();
+}
+
+void AllreduceEngine::lostPeerLocked(const std::string& message, Actions& actions) {
+  if (!failure_.empty()) {
+    failLocked(message, actions);
+    return;
+  }
+  if (closedBeforeReason_.empty()) {
+    closedBeforeReason_ = message;
+    closedAt_ = Clock::now();
+  }
 }
 
 void AllreduceEngine::discard(int peer, Lane lane, size_t bytes, Actions& actions) {
@@ -981,6 +995,14 @@ void AllreduceEngine::watchdog() {
       continue;
     }
     const auto now = Clock::now();
+    if (!closedBeforeReason_.empty() && failure_.empty() && now - closedAt_ > kCloseGrace) {
+      Actions actions;
+      failLocked(closedBeforeReason_, actions);
+      lock.unlock();
+      run(actions);
+      lock.lock();
+      continue;
+    }
     for (auto& [seq, op] : ops_) {
       if (now > op->deadline) {
         Actions actions;

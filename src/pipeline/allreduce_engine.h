@@ -211,6 +211,9 @@ class AllreduceEngine {
   // watchdog close the connections once no earlier operation is left.
   // Must be called with mu_ held.
   void failLocked(const std::string& message, Actions& actions, uint64_t fromSeq = 0);
+  // A peer this rank still needs is gone: fail, or, while the group is healthy, fail
+  // after kCloseGrace unless an abort brings the reason first.
+  void lostPeerLocked(const std::string& message, Actions& actions);
   // Reads and drops the body of a message for an operation that failed, so
   // that what queues behind it on the pipe still arrives.
   void discard(int peer, Lane lane, size_t bytes, Actions& actions);
@@ -240,6 +243,12 @@ class AllreduceEngine {
   // A peer whose connection closed while nothing in flight needed it: not yet
   // an error, but the next operation (which needs every peer) fails with it.
   std::string departed_;
+  // A peer closed a connection this rank still needs, before any abort said why: the
+  // group fails with that close only after a short grace (the watchdog), in case the
+  // reason is on its way from another peer (a rank that refused a call and destroyed
+  // the group at once reaches some ranks only through others).
+  std::string closedBeforeReason_;
+  std::chrono::steady_clock::time_point closedAt_;
   bool meshClosed_{false};
   int abortsInFlight_{0};
   std::chrono::steady_clock::time_point failedAt_;
