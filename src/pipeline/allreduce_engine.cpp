@@ -79,6 +79,17 @@ void AllreduceEngine::start(c10d::Store& store) {
     mesh_->close();
     throw c10::DistBackendError(status.message());
   }
+  Actions actions;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    meshStarted_ = true;
+    // A peer that failed while we were still connecting told us before we could
+    // tell the peers we had not reached yet: they hear it now.
+    if (!failure_.empty() && !stopping_) {
+      queueAbortsLocked(failure_, failSeq_, actions);
+    }
+  }
+  run(actions);
   watchdog_ = std::thread([this] { watchdog(); });
 }
 
@@ -855,21 +866,10 @@ void AllreduceEngine::failLocked(const std::string& message, Actions& actions, u
   }
   failSeq_ = fromSeq;
   sendOrder_.dropFrom(fromSeq);
-  if (!stopping_) {
-    // On every lane: a peer may hold either one at a message it cannot take yet
-    // (parked), and must still learn the reason before it sees this rank close.
-    for (int peer : layout_.peers()) {
-      for (int l = 0; l < kNumLanes; ++l) {
-        ++abortsInFlight_;
-        actions.push_back([this, peer, l, message, fromSeq] {
-          mesh_->send(peer, static_cast<Lane>(l), encode(Abort{message, fromSeq}), nullptr, 0, [this](Status) {
-            std::lock_guard<std::mutex> lock(mu_);
-            --abortsInFlight_;
-            cv_.notify_all();
-          });
-        });
-      }
-    }
+  // Before start() has connected to every peer, some connections do not exist
+  // yet; start() sends the aborts once they do.
+  if (!stopping_ && meshStarted_) {
+    queueAbortsLocked(message, fromSeq, actions);
   }
   for (auto it = ops_.lower_bound(fromSeq); it != ops_.end();) {
     auto future = it->second->future;
@@ -884,6 +884,23 @@ void AllreduceEngine::failLocked(const std::string& message, Actions& actions, u
     it = parked_.erase(it);
   }
   cv_.notify_all();
+}
+
+void AllreduceEngine::queueAbortsLocked(const std::string& message, uint64_t fromSeq, Actions& actions) {
+  // On every lane: a peer may hold either one at a message it cannot take yet
+  // (parked), and must still learn the reason before it sees this rank close.
+  for (int peer : layout_.peers()) {
+    for (int l = 0; l < kNumLanes; ++l) {
+      ++abortsInFlight_;
+      actions.push_back([this, peer, l, message, fromSeq] {
+        mesh_->send(peer, static_cast<Lane>(l), encode(Abort{message, fromSeq}), nullptr, 0, [this](Status) {
+          std::lock_guard<std::mutex> lock(mu_);
+          --abortsInFlight_;
+          cv_.notify_all();
+        });
+      });
+    }
+  }
 }
 
 void AllreduceEngine::lostPeerLocked(const std::string& message, Actions& actions) {

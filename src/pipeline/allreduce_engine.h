@@ -211,6 +211,7 @@ class AllreduceEngine {
   // watchdog close the connections once no earlier operation is left.
   // Must be called with mu_ held.
   void failLocked(const std::string& message, Actions& actions, uint64_t fromSeq = 0);
+  void queueAbortsLocked(const std::string& message, uint64_t fromSeq, Actions& actions);
   // A peer this rank still needs is gone: fail, or, while the group is healthy, fail
   // after kCloseGrace unless an abort brings the reason first.
   void lostPeerLocked(const std::string& message, Actions& actions);
@@ -249,6 +250,7 @@ class AllreduceEngine {
   // the group at once reaches some ranks only through others).
   std::string closedBeforeReason_;
   std::chrono::steady_clock::time_point closedAt_;
+  bool meshStarted_{false}; // every connection to every peer exists
   bool meshClosed_{false};
   int abortsInFlight_{0};
   std::chrono::steady_clock::time_point failedAt_;
