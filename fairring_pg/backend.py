@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from fairring_pg import future_callbacks
-from fairring_pg.config import Config
+from fairring_pg.config import Config, staging_slot_bytes
 from fairring_pg.cuda import cuda_delegate_kind, cuda_subgroup_kinds
 from fairring_pg.network import listen_address
 from fairring_pg.startup import publish_failure, wait_for
@@ -68,6 +68,13 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
 
     global_ranks = list(dist_backend_opts.global_ranks_in_group) or list(range(size))
     cpu_delegate = make_gloo_delegate(store, rank, size, timeout, config, dist_backend_opts)
+    if opts.cpu_ring_from >= 0 and not config.test_cpu_subgroups:
+        # The ring's own Gloo group: on the delegate, the program's ring allreduces
+        # would interleave with collectives issued from callbacks differently on
+        # each rank.
+        opts.ring_delegate = make_gloo_delegate(
+            store, rank, size, timeout, config, dist_backend_opts, role="ring"
+        )
     # CUDA (fairring_pg/cuda.py): NCCL, or Gloo where ranks share a GPU.
     cuda_kind = cuda_delegate_kind(topology, config.cuda_delegate)
     cuda_delegate = (
@@ -148,9 +155,13 @@ def _fill_options(
     opts: Any, config: Config, topology: Topology, address: str, token: str, timeout: timedelta
 ) -> None:
     opts.slice_size = config.effective_slice_size(topology.num_machines, topology.local_size)
+    opts.staging_slot_bytes = staging_slot_bytes(
+        opts.slice_size, topology.num_machines, topology.local_size
+    )
     opts.timeline_path = config.timeline_path(topology.rank)
     opts.total_memory = config.total_memory
     opts.machine_of = list(topology.machine_of)
+    opts.local_rank_of = list(topology.local_rank_of)
     opts.hostnames = list(topology.hostnames)
     opts.listen_address = address
     opts.job_token = token
@@ -164,8 +175,10 @@ class _PlainOptions:
     """Stand-in for ``_C.Options`` when a test supplies its own core."""
 
     slice_size: int
+    staging_slot_bytes: int
     total_memory: int
     machine_of: list[int]
+    local_rank_of: list[int]
     hostnames: list[str]
     listen_address: str
     job_token: str
@@ -174,21 +187,30 @@ class _PlainOptions:
     direct_below: int
     pipeline_chunk: int
     cpu_ring_from: int
+    ring_delegate: Any = None
     subgroup_slice_size: int
 
 
 def make_gloo_delegate(
-    store: Any, rank: int, size: int, timeout: timedelta, config: Config, dist_backend_opts: Any
+    store: Any,
+    rank: int,
+    size: int,
+    timeout: timedelta,
+    config: Config,
+    dist_backend_opts: Any,
+    role: str = "gloo",
 ) -> Any:
-    """The Gloo group that runs every non-allreduce collective on CPU tensors."""
+    """The Gloo group that runs every non-allreduce collective on CPU tensors
+    (``role="ring"``: the one that runs the allreduces given to Gloo's ring)."""
+    name = str(dist_backend_opts.group_id)
     return gloo_group(
-        dist.PrefixStore("fairring/gloo/", store),
+        dist.PrefixStore(f"fairring/{role}/", store),
         rank,
         size,
         timeout,
         config,
         list(dist_backend_opts.global_ranks_in_group),
-        str(dist_backend_opts.group_id),
+        name if role == "gloo" else f"{name}-{role}",
     )
 
 

@@ -33,6 +33,9 @@ class Topology:
     machine: int  # this rank's machine index
     local_rank: int  # this rank's position on its machine: its rail
     regular: bool  # False: the irregular fallback (one machine per rank) is in force
+    # Every rank's local rank: the C++ core is handed this table rather than
+    # numbering ranks again.
+    local_rank_of: list[int] = dataclasses.field(default_factory=list)
     # The host NCCL sees for each rank: NCCL_HOSTID where set (how machines are
     # simulated on one GPU), else the hostname. NCCL refuses two ranks of one
     # communicator on one GPU of one such host.
@@ -74,7 +77,12 @@ def build_topology(
             stacklevel=2,
         )
         machine_of = list(range(world_size))
-    local_rank = sum(1 for r in range(rank) if machine_of[r] == machine_of[rank])
+    # A rank's local rank is its position among its machine's ranks, in rank order.
+    seen: Counter[int] = Counter()
+    local_rank_of = []
+    for machine in machine_of:
+        local_rank_of.append(seen[machine])
+        seen[machine] += 1
     num_machines = len(set(machine_of))
     return Topology(
         rank=rank,
@@ -84,8 +92,9 @@ def build_topology(
         num_machines=num_machines,
         local_size=world_size // num_machines,
         machine=machine_of[rank],
-        local_rank=local_rank,
+        local_rank=local_rank_of[rank],
         regular=regular,
+        local_rank_of=local_rank_of,
         nccl_hosts=list(hostnames) if nccl_hosts is None else list(nccl_hosts),
     )
 

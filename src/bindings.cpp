@@ -12,9 +12,9 @@
 
 #include "backend/fairring_backend.h"
 #include "backend/python_callback.h"
+#include "faults/fault_points.h"
 #include "pipeline/allreduce_engine.h"
 #include "pipeline/slice_plan.h"
-#include "staging/staging_pool.h"
 #include "subgroups/capture_probe.h"
 #include "subgroups/drain.h"
 #include "subgroups/in_flight_ops.h"
@@ -39,8 +39,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<BackendOptions>(m, "Options")
       .def(py::init<>())
       .def_readwrite("slice_size", &BackendOptions::sliceSize)
+      .def_readwrite("staging_slot_bytes", &BackendOptions::stagingSlotBytes)
       .def_readwrite("total_memory", &BackendOptions::totalMemory)
       .def_readwrite("machine_of", &BackendOptions::machineOf)
+      .def_readwrite("local_rank_of", &BackendOptions::localRankOf)
       .def_readwrite("hostnames", &BackendOptions::hostnames)
       .def_readwrite("listen_address", &BackendOptions::listenAddress)
       .def_readwrite("job_token", &BackendOptions::jobToken)
@@ -50,6 +52,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("subgroup_slice_size", &BackendOptions::subgroupSliceBytes)
       .def_readwrite("direct_below", &BackendOptions::directBelowBytes)
       .def_readwrite("cpu_ring_from", &BackendOptions::cpuRingFrom)
+      .def_readwrite("ring_delegate", &BackendOptions::ringDelegate)
       .def_readwrite("cuda_subgroups", &BackendOptions::cudaSubgroups)
       .def_readwrite("cpu_subgroups", &BackendOptions::cpuSubgroups);
 
@@ -74,7 +77,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             if (!stats) {
               return py::none();
             }
-            return py::dict(py::arg("engine") = stats->engine, py::arg("ring") = stats->ring);
+            return py::dict(
+                py::arg("engine") = stats->engine, py::arg("ring") = stats->ring,
+                py::arg("ring_abandoned") = stats->ringAbandoned);
           },
           "Operations of CPU tensors run so far on fairring's engines and on Gloo's ring "
           "(FAIRRING_CPU_ALLREDUCE), or None where CPU tensors take the sub-group path.")
@@ -104,6 +109,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "Stop every fairring engine of this process (run at interpreter exit), letting posted "
       "operations finish within `grace` first.");
 
+  // TEMPORARY (issue 33): the fault points' controls, until they move to the
+  // test-only module (tests/native/).
+  m.def(
+      "_arm_fault",
+      [](const std::string& point, const std::string& action, int64_t delayMs, int times, int64_t key) {
+        fairring::faults::Action a = fairring::faults::Action::kDelay;
+        if (action == "throw") {
+          a = fairring::faults::Action::kThrow;
+        } else if (action == "close") {
+          a = fairring::faults::Action::kClose;
+        } else {
+          TORCH_CHECK(action == "delay", "arm_fault: action must be delay, throw or close");
+        }
+        fairring::faults::arm(point, a, std::chrono::milliseconds(delayMs), times, key);
+      },
+      py::arg("point"), py::arg("action"), py::arg("delay_ms") = 0, py::arg("times") = 1, py::arg("key") = -1);
+  m.def("_disarm_faults", &fairring::faults::disarmAll);
+  m.def("_fault_uses", &fairring::faults::uses);
+
   // fairring_pg.future_callbacks calls these around every Python callback of a future
   // fairring handed out or one made from it, and asks these which futures those are.
   m.def("enter_future_callback", &fairring::enterPythonFutureCallback);
@@ -116,15 +140,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       fairring::adoptFuture(future->fut);
     }
   });
-
-  // Same argument order as fairring_pg.config.staging_slot_bytes, which a test compares it with.
-  m.def(
-      "staging_slot_bytes",
-      [](size_t sliceSize, int numMachines, int localSize) {
-        return fairring::stagingSlotBytes(sliceSize, localSize, numMachines);
-      },
-      py::arg("slice_size"), py::arg("num_machines"), py::arg("local_size"),
-      "Bytes of one staging slot (must equal fairring_pg.config's formula).");
 
   m.def(
       "lane_staging_bytes",

@@ -27,6 +27,10 @@ std::string callbackTimelinePath(const std::string& path) {
   return path.substr(0, dot) + ".callbacks" + path.substr(dot);
 }
 
+c10::intrusive_ptr<c10::ivalue::Future> tensorListFuture() {
+  return c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+}
+
 } // namespace
 
 CpuAllreduce::CpuAllreduce(
@@ -76,17 +80,17 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::runOn(
     completion_.awaitMarkedCallbacks();
   }
   const bool onRing = ring && !fromCallback;
-  auto source = onRing ? ring() : post(fromCallback ? callbackEngine() : engine_);
-  ++(onRing ? ringOps_ : engineOps_);
-  auto user = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+  auto source = onRing ? issueOnRing(ring) : post(fromCallback ? callbackEngine() : engine_);
+  if (opType != c10d::OpType::BARRIER) {
+    ++(onRing ? ringOps_ : engineOps_);
+  }
+  auto user = tensorListFuture();
   adoptFuture(user);
   // Before the gate that chain() adds: Work.wait() and the profiler range end
   // when the future is marked, not when its turn to run callbacks comes.
   auto result = c10::make_intrusive<FutureWork>(rank_, opType, profilingTitle, inputs, user);
   if (!fromCallback) {
     completion_.chain(source, user);
-    std::lock_guard<std::mutex> lock(mu_);
-    lastIssued_ = user;
     return result;
   }
   // Inside a callback: done before returning, so that callbacks chained on
@@ -101,58 +105,110 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::runOn(
   return result;
 }
 
-CpuAllreduce::Stats CpuAllreduce::stats() const {
-  return Stats{engineOps_.load(), ringOps_.load()};
+c10::intrusive_ptr<c10::ivalue::Future> CpuAllreduce::issueOnRing(const Ring& ring) {
+  // Settled once: by the ring, or by a failure of the group at or before its
+  // turn, whichever comes first (then Gloo runs it on, for nobody).
+  auto done = tensorListFuture();
+  auto settled = std::make_shared<std::atomic<bool>>(false);
+  const uint64_t seq =
+      engine_.takeTurn([done, settled, abandoned = ringAbandoned_](const std::string& message) {
+        if (!settled->exchange(true)) {
+          ++*abandoned;
+          done->setError(std::make_exception_ptr(c10::DistBackendError(message)));
+        }
+      });
+  c10::intrusive_ptr<c10::ivalue::Future> source;
+  try {
+    source = ring();
+  } catch (const std::exception& e) {
+    engine_.turnFailed(seq, e.what());
+    throw;
+  }
+  source->addCallback([engine = &engine_, seq, done, settled](c10::ivalue::Future& f) {
+    if (f.hasError()) {
+      // Its turn failed on this rank: it fails the group from there on.
+      engine->turnFailed(seq, f.tryRetrieveErrorMessage());
+    } else {
+      engine->turnDone(seq);
+    }
+    if (settled->exchange(true)) {
+      return;
+    }
+    if (f.hasError()) {
+      done->setError(f.exception_ptr());
+    } else {
+      done->markCompleted(f.value());
+    }
+  });
+  return done;
 }
 
-void CpuAllreduce::awaitIssued() {
-  c10::intrusive_ptr<c10::ivalue::Future> last;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    last = lastIssued_;
-  }
-  if (!last) {
-    return;
-  }
-  // Bounded: every operation fails at the group's timeout if it cannot finish.
-  last->wait();
-  // A failure fails every operation issued after it, the last one included.
-  if (last->hasError()) {
-    std::rethrow_exception(last->exception_ptr());
-  }
+CpuAllreduce::Stats CpuAllreduce::stats() const {
+  return Stats{engineOps_.load(), ringOps_.load(), ringAbandoned_->load()};
+}
+
+void CpuAllreduce::barrier() {
+  auto work = runOn(
+      [](AllreduceEngine& engine) { return engine.barrier(); }, c10d::OpType::BARRIER, "fairring:barrier", {});
+  // Marked after every earlier operation's future: bounded, since each fails
+  // at the group's timeout if it cannot finish.
+  work->wait();
 }
 
 AllreduceEngine& CpuAllreduce::callbackEngine() {
-  std::lock_guard<std::mutex> lock(mu_);
-  TORCH_CHECK(!stopped_, "fairring: the process group was shut down");
-  if (!startFailure_.empty()) {
-    throw c10::DistBackendError(startFailure_);
-  }
-  if (!callbackEngine_) {
-    try {
-      auto engine = std::make_unique<AllreduceEngine>(engine_.layout(), callbackOptions_);
-      engine->start(*store_);
-      callbackEngine_ = std::move(engine);
-    } catch (const std::exception& e) {
-      // Every rank starts it at its first allreduce from a callback; one that
-      // never gets there (its program differs) leaves the others here.
-      startFailure_ = std::string("fairring: starting the pipeline for allreduces issued from callbacks failed on ") +
-          engine_.layout().describe(engine_.layout().rank()) + ": " + e.what();
+  std::shared_ptr<AllreduceEngine> engine;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    // Another callback may be starting it: wait for that, holding nothing.
+    started_.wait(lock, [&] { return starting_ == nullptr || stopped_; });
+    TORCH_CHECK(!stopped_, "fairring: the process group was shut down");
+    if (!startFailure_.empty()) {
       throw c10::DistBackendError(startFailure_);
     }
+    if (callbackEngine_) {
+      return *callbackEngine_;
+    }
+    engine = std::make_shared<AllreduceEngine>(engine_.layout(), callbackOptions_);
+    starting_ = engine;
   }
+  // Every rank starts it at its first allreduce from a callback, up to the
+  // group's timeout; one that never gets there (its program differs) leaves
+  // the others here, and a shutdown meanwhile interrupts it.
+  std::string error;
+  try {
+    engine->start(*store_);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  starting_ = nullptr;
+  started_.notify_all();
+  if (!error.empty()) {
+    startFailure_ = std::string("fairring: starting the pipeline for allreduces issued from callbacks failed on ") +
+        engine_.layout().describe(engine_.layout().rank()) + ": " + error;
+    throw c10::DistBackendError(startFailure_);
+  }
+  TORCH_CHECK(!stopped_, "fairring: the process group was shut down");
+  callbackEngine_ = std::move(engine);
   return *callbackEngine_;
 }
 
 void CpuAllreduce::shutdown() {
+  std::shared_ptr<AllreduceEngine> engine;
+  std::shared_ptr<AllreduceEngine> starting;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopped_) {
       return;
     }
     stopped_ = true;
-    if (callbackEngine_) {
-      callbackEngine_->shutdown();
+    engine = callbackEngine_;
+    starting = starting_;
+    started_.notify_all();
+  }
+  for (const auto& e : {engine, starting}) {
+    if (e) {
+      e->shutdown();
     }
   }
   completion_.stop(kStopGrace);

@@ -5,6 +5,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <atomic>
+#include <condition_variable>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -16,13 +17,13 @@
 
 namespace fairring {
 
-// Allreduce of CPU tensors as the backend hands it out. The program's own
-// allreduces run on the main engine and their futures complete in issue
-// order through OrderedCompletion. Allreduces issued from inside those
-// futures' callbacks (comm hooks such as PowerSGD) run on a second engine,
-// started at the first one, and return completed: each stream is issued in
-// an order that is the same on every rank, while the two interleave in time
-// differently on each (docs/design.md, "Completion order and comm hooks").
+// The engine's collectives on CPU tensors as the backend hands them out. The
+// program's own run on the main engine and their futures complete in issue
+// order through OrderedCompletion. Those issued from inside those futures'
+// callbacks (comm hooks such as PowerSGD) run on a second engine, started at
+// the first one, and return completed: each stream is issued in an order that
+// is the same on every rank, while the two interleave in time differently on
+// each (docs/design.md, "Completion order and comm hooks").
 class CpuAllreduce {
  public:
   using Post = std::function<c10::intrusive_ptr<c10::ivalue::Future>(AllreduceEngine&)>;
@@ -51,10 +52,12 @@ class CpuAllreduce {
 
   // What run() does, for any operation of the engine: `post` issues it on the
   // engine this call belongs to (main, or callbacks') and returns its future.
-  // `ring`, where given, issues the program's own call on the delegate's ring
-  // instead and returns its future (valued as the caller's outputs); a call
-  // from a callback stays on the callback engine, since on the delegate it
-  // would interleave with the program's calls differently on each rank.
+  // `ring`, where given, issues the program's own call on the ring delegate
+  // instead and returns its future (valued as the caller's outputs); it still
+  // takes its turn on the main engine, so that a failure fails it as it fails
+  // the engine's own calls. A call from a callback stays on the callback
+  // engine: on the delegate it would interleave with the program's calls
+  // differently on each rank.
   c10::intrusive_ptr<c10d::Work> runOn(
       const Post& post,
       c10d::OpType opType,
@@ -62,40 +65,45 @@ class CpuAllreduce {
       const std::vector<at::Tensor>& inputs,
       const Ring& ring = nullptr);
 
-  // Operations run so far: on the engines, and on the delegate's ring.
+  // Operations run so far: on the engines, on the ring, and ring calls a
+  // failure gave up on while Gloo still ran them.
   struct Stats {
     uint64_t engine{0};
     uint64_t ring{0};
+    uint64_t ringAbandoned{0};
   };
   Stats stats() const;
 
-  // Blocks until every operation issued so far on the main engine is done
-  // and its future marked (the callback engine's return done); throws the
-  // group's failure if one of them failed. What barrier() waits for before it
-  // synchronises the ranks, as Gloo's barrier waits for earlier work.
-  void awaitIssued();
+  // The engine's part of barrier(): a barrier operation at its turn, waited
+  // for once every earlier operation's future is marked. Throws the group's
+  // failure if it failed at or before that turn, on every rank alike.
+  void barrier();
 
-  // Stops the callback engine and the completion threads; the caller shuts
-  // the main engine down first, which fails what is in flight. Idempotent.
+  // Stops the callback engine (one still connecting, too) and the completion
+  // threads; the caller shuts the main engine down first, which fails what is
+  // in flight. Idempotent; waits for nothing a peer must do.
   void shutdown();
 
  private:
   AllreduceEngine& callbackEngine();
+  c10::intrusive_ptr<c10::ivalue::Future> issueOnRing(const Ring& ring);
 
   const int rank_;
   AllreduceEngine& engine_;
   const EngineOptions callbackOptions_;
   c10::intrusive_ptr<c10d::Store> store_;
   OrderedCompletion completion_;
-  std::mutex mu_; // guards the three below; held while the callback engine connects
-  std::unique_ptr<AllreduceEngine> callbackEngine_;
-  // The future of the last operation issued on the main engine: futures are
-  // marked in issue order, so once it is, all are.
-  c10::intrusive_ptr<c10::ivalue::Future> lastIssued_;
-  std::atomic<uint64_t> engineOps_{0};
-  std::atomic<uint64_t> ringOps_{0};
+  // Guards the members below. Never held while waiting for anything (a
+  // connect, a start): destroy, abort and barrier take it.
+  std::mutex mu_;
+  std::condition_variable started_;
+  std::shared_ptr<AllreduceEngine> callbackEngine_;
+  std::shared_ptr<AllreduceEngine> starting_; // the callback engine, while it connects
   std::string startFailure_; // a failed start is not retried
   bool stopped_{false};
+  std::atomic<uint64_t> engineOps_{0};
+  std::atomic<uint64_t> ringOps_{0};
+  std::shared_ptr<std::atomic<uint64_t>> ringAbandoned_{std::make_shared<std::atomic<uint64_t>>(0)};
 };
 
 } // namespace fairring

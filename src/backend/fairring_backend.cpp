@@ -33,12 +33,14 @@ FairringBackend::FairringBackend(
     : c10d::Backend(rank, size),
       cpu_(std::move(cpuDelegate)),
       cuda_(std::move(cudaDelegate)),
+      ring_(options.ringDelegate),
       cpuRingFrom_(options.cpuRingFrom) {
   TORCH_CHECK(cpu_, "fairring: a CPU delegate backend is required");
+  TORCH_CHECK(cpuRingFrom_ < 0 || ring_, "fairring: allreduces on the ring need a ring delegate");
   TORCH_CHECK(
       static_cast<int>(options.machineOf.size()) == size, "fairring: machine_of has ", options.machineOf.size(),
       " entries for a world of ", size);
-  RankLayout layout(rank, options.machineOf, options.hostnames);
+  RankLayout layout(rank, options.machineOf, options.localRankOf, options.hostnames);
   SubgroupOptions subgroupOptions;
   subgroupOptions.rank = rank;
   subgroupOptions.worldSize = size;
@@ -58,8 +60,8 @@ FairringBackend::FairringBackend(
     return;
   }
   EngineOptions engineOptions{
-      options.sliceSize, options.totalMemory, options.timeout, options.listenAddress, options.jobToken,
-      options.timelinePath, options.pipelineChunk};
+      options.sliceSize, options.stagingSlotBytes, options.totalMemory, options.timeout, options.listenAddress,
+      options.jobToken, options.timelinePath, options.pipelineChunk};
   engine_ = std::make_unique<AllreduceEngine>(std::move(layout), engineOptions);
   engine_->start(*store);
   cpuAllreduce_ = std::make_unique<CpuAllreduce>(
@@ -137,7 +139,7 @@ CpuAllreduce::Ring FairringBackend::ringFor(
     std::vector<at::Tensor> tensors{work};
     c10d::AllreduceOptions opts;
     opts.reduceOp = c10d::ReduceOp(op);
-    auto ring = cpu_->allreduce(tensors, opts)->getFuture();
+    auto ring = ring_->allreduce(tensors, opts)->getFuture();
     auto done = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
     ring->addCallback([done, outputs, finish, bytes](c10::ivalue::Future& f) {
       if (f.hasError()) {
@@ -332,18 +334,24 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::barrier(const c10d::BarrierOptio
   // group (programs read results after it), and the delegate's does that for
   // what it runs; fairring's own operations are waited for here, before the
   // ranks synchronise, so that past the barrier they are done on every rank.
+  // A failure of the group raises here on every rank alike: the engine's
+  // barrier takes its turn, and fails wherever the group failed before it.
   if (cpuAllreduce_) {
-    cpuAllreduce_->awaitIssued();
+    cpuAllreduce_->barrier();
   }
+  awaitAcceleratorWork();
   return cpu_->barrier(opts);
 }
 
 void FairringBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
   if (cpuAllreduce_) {
-    cpuAllreduce_->awaitIssued();
+    cpuAllreduce_->barrier();
   }
+  awaitAcceleratorWork();
   cpu_->monitoredBarrier(opts, waitAllRanks);
 }
+
+void FairringBackend::awaitAcceleratorWork() {}
 
 void FairringBackend::setSequenceNumberForGroup() {
   cpu_->setSequenceNumberForGroup();
@@ -376,6 +384,7 @@ void FairringBackend::shutdownCore(bool drain) {
 
 void FairringBackend::shutdown() {
   shutdownCore(/*drain=*/true);
+  releaseRing();
   cpu_->shutdown();
   if (cuda_) {
     cuda_->shutdown();
@@ -384,9 +393,20 @@ void FairringBackend::shutdown() {
 
 void FairringBackend::abort() {
   shutdownCore(/*drain=*/false);
+  releaseRing();
   cpu_->abort();
   if (cuda_) {
     cuda_->abort();
+  }
+}
+
+void FairringBackend::releaseRing() {
+  // A ring call the group's failure gave up on may still wait inside Gloo
+  // (for a peer that refused it) until Gloo's timeout, and destroying its
+  // group joins that thread: the group is left to the process instead, so
+  // that destroy takes no longer than fairring's own shutdown.
+  if (ring_ && cpuAllreduce_ && cpuAllreduce_->stats().ringAbandoned > 0) {
+    (void)ring_.release();
   }
 }
 

@@ -26,22 +26,29 @@
 namespace fairring {
 
 // What the Python layer decided before creating the backend (it validates the
-// environment and discovers the topology; see fairring_pg/backend.py).
+// environment and discovers the topology; see fairring_pg/backend.py). Every
+// default and sizing rule is fairring_pg.config's: the core is handed numbers.
 struct BackendOptions {
-  size_t sliceSize{25 << 20};
-  size_t totalMemory{50 << 20};
+  size_t sliceSize{0};
+  size_t stagingSlotBytes{0}; // fairring_pg.config.staging_slot_bytes of sliceSize
+  size_t totalMemory{0};
   std::vector<int> machineOf;
+  std::vector<int> localRankOf; // fairring_pg.topology's local rank of every rank
   std::vector<std::string> hostnames;
-  std::string listenAddress{"127.0.0.1"};
+  std::string listenAddress;
   std::string jobToken;
-  std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+  std::chrono::milliseconds timeout{0};
   std::string timelinePath; // this rank's trace file; empty: off
-  size_t pipelineChunk{1 << 20}; // each local rank's part of the piece of a slice the five steps move at once
+  size_t pipelineChunk{0}; // each local rank's part of the piece of a slice the five steps move at once
+  // CPU allreduces of this many bytes or more go to Gloo's ring (ringDelegate)
+  // instead of the engine; -1: none (fairring_pg.config.cpu_ring_from).
+  int64_t cpuRingFrom{-1};
+  // A Gloo group of its own for the ring: on the CPU delegate the program's
+  // ring allreduces would interleave with collectives issued from callbacks
+  // differently on each rank. Set where cpuRingFrom >= 0.
+  c10::intrusive_ptr<c10d::Backend> ringDelegate;
   // The sub-group allreduce (src/subgroups/): its slice (fitted so that every
   // lane has a staging slot) and the size under which it is one allreduce.
-  // CPU allreduces of this many bytes or more go to the delegate's (Gloo's)
-  // ring instead of the engine; -1: none (fairring_pg.config.cpu_ring_from).
-  int64_t cpuRingFrom{-1};
   size_t subgroupSliceBytes{0};
   size_t directBelowBytes{0};
   // NCCL groups for CUDA tensors; unset without CUDA and NCCL, or where
@@ -176,6 +183,12 @@ class FairringBackend : public c10d::Backend {
   // device still runs finish first (destroy), else it is aborted.
   void shutdownCore(bool drain);
 
+  // What barrier() waits for besides the CPU engine's turn: fairring's work on
+  // the accelerator issued earlier on this group. The CUDA sub-group path's
+  // part of issue 33 fills this in; today it waits for nothing.
+  void awaitAcceleratorWork();
+  void releaseRing();
+
   // The delegate for the device of the first defined tensor of `sets`
   // (tensors, lists of them, lists of lists); on CUDA, what it is given runs
   // after the allreduces in flight on the same memory.
@@ -213,6 +226,7 @@ class FairringBackend : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Backend> cpu_;
   c10::intrusive_ptr<c10d::Backend> cuda_;
+  c10::intrusive_ptr<c10d::Backend> ring_;
   const int64_t cpuRingFrom_;
   std::unique_ptr<AllreduceEngine> engine_; // null when CPU tensors take the sub-group path
   std::unique_ptr<CpuAllreduce> cpuAllreduce_; // uses engine_: declared after it

@@ -11,6 +11,9 @@ enum class OpKind : uint8_t {
   kAllreduce = 0,
   kReduceScatter = 1, // W parts in, this rank's part (reduced over all ranks) out
   kAllGather = 2, // this rank's part in, all W parts out
+  // An allreduce of nothing: it completes on a rank only once every rank has
+  // posted it, and fails wherever the group failed at or before its turn.
+  kBarrier = 3,
 };
 
 // As torch names the collective.
@@ -19,6 +22,7 @@ inline const char* opKindName(OpKind kind) {
     case OpKind::kAllreduce: return "allreduce";
     case OpKind::kReduceScatter: return "reduce_scatter";
     case OpKind::kAllGather: return "all_gather";
+    case OpKind::kBarrier: return "barrier";
   }
   return "unknown collective";
 }

@@ -17,7 +17,7 @@ namespace fairring {
 // (the machine's other local ranks' copies of the parts of this rank's rail)
 // and M-1 pieces of k (the other machines' partial sums of this rank's part):
 // for k = sliceElems / W that is what an allreduce slice of sliceElems stages,
-// so one staging slot fits either (stagingSlotBytes).
+// so one staging slot fits either.
 class ShardedPlan {
  public:
   ShardedPlan(int64_t partElems, int64_t sliceElems, int64_t segmentElems)

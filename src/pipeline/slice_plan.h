@@ -75,6 +75,13 @@ class SlicePlan {
   int64_t maxChunkElems() const { return (sliceElems_ + localSize_ - 1) / localSize_; }
   int64_t maxShardElems() const { return (maxChunkElems() + numMachines_ - 1) / numMachines_; }
 
+  // The staging one slice needs, laid out as the allreduce's steps use it:
+  // the other L-1 local ranks' copies of its chunks, then the other M-1
+  // machines' copies of its shards.
+  int64_t stagedBytes(int64_t elemSize) const {
+    return ((localSize_ - 1) * maxChunkElems() + (numMachines_ - 1) * maxShardElems()) * elemSize;
+  }
+
  private:
   static Range split(Range r, int i, int n) {
     const int64_t len = r.size();

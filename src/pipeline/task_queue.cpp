@@ -1,5 +1,8 @@
 #include "pipeline/task_queue.h"
 
+#include <exception>
+#include <iostream>
+
 namespace fairring {
 
 TaskQueue::TaskQueue() : thread_([this] { run(); }) {}
@@ -39,7 +42,15 @@ void TaskQueue::run() {
       task = std::move(tasks_.front());
       tasks_.pop_front();
     }
-    task();
+    // A task reports its own errors (the engine's reductions fail their
+    // operation); one that escapes must not end the process.
+    try {
+      task();
+    } catch (const std::exception& e) {
+      std::cerr << "fairring: a task of the reduction thread failed: " << e.what() << std::endl;
+    } catch (...) {
+      std::cerr << "fairring: a task of the reduction thread failed" << std::endl;
+    }
   }
 }
 

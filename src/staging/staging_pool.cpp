@@ -8,19 +8,7 @@ namespace fairring {
 
 namespace {
 constexpr size_t kAlign = 64;
-
-size_t ceilDiv(size_t a, size_t b) {
-  return (a + b - 1) / b;
-}
 } // namespace
-
-size_t stagingSlotBytes(size_t sliceBytes, int localSize, int numMachines) {
-  const size_t L = static_cast<size_t>(localSize);
-  const size_t M = static_cast<size_t>(numMachines);
-  // +8 / +16 cover rounding of elements up to 8 bytes wide (see SlicePlan).
-  const size_t bytes = (L - 1) * (ceilDiv(sliceBytes, L) + 8) + (M - 1) * (ceilDiv(sliceBytes, L * M) + 16);
-  return ceilDiv(bytes, kAlign) * kAlign;
-}
 
 StagingPool::StagingPool(size_t totalBytes, size_t slotBytes) : slotBytes_(slotBytes) {
   if (slotBytes_ == 0) {

@@ -7,12 +7,9 @@
 
 namespace fairring {
 
-// The bytes a slice needs to receive what it reduces: the chunks of the other
-// L-1 local ranks, then the shards of the other M-1 machines. Sized for the
-// worst dtype so one slot fits any slice. Must match config.staging_slot_bytes.
-size_t stagingSlotBytes(size_t sliceBytes, int localSize, int numMachines);
-
-// A fixed pool of staging memory cut into equal slots. It is allocated once
+// A fixed pool of staging memory cut into equal slots (of the size
+// fairring_pg.config.staging_slot_bytes gives: the engine checks that a slice
+// of every dtype fits, SlicePlan::stagedBytes). It is allocated once
 // and never grows: when every slot is taken, work waits for one (the caller
 // keeps the queue; this class is not thread-safe and lives under its lock).
 class StagingPool {

@@ -6,40 +6,41 @@
 
 namespace fairring {
 
-RankLayout::RankLayout(int rank, std::vector<int> machineOf, std::vector<std::string> hostnames)
-    : rank_(rank), machineOf_(std::move(machineOf)), hostnames_(std::move(hostnames)) {
+RankLayout::RankLayout(
+    int rank,
+    std::vector<int> machineOf,
+    std::vector<int> localRankOf,
+    std::vector<std::string> hostnames)
+    : rank_(rank),
+      machineOf_(std::move(machineOf)),
+      hostnames_(std::move(hostnames)),
+      localRankOf_(std::move(localRankOf)) {
   const int worldSize = static_cast<int>(machineOf_.size());
   if (rank_ < 0 || rank_ >= worldSize) {
     throw std::invalid_argument(
         "fairring: rank " + std::to_string(rank_) + " is outside a machine table of " +
         std::to_string(worldSize) + " ranks");
   }
-  if (static_cast<int>(hostnames_.size()) != worldSize) {
-    throw std::invalid_argument("fairring: hostnames and machine_of differ in length");
+  if (static_cast<int>(hostnames_.size()) != worldSize || static_cast<int>(localRankOf_.size()) != worldSize) {
+    throw std::invalid_argument("fairring: hostnames, machine_of and local_rank_of differ in length");
   }
   numMachines_ = 1 + *std::max_element(machineOf_.begin(), machineOf_.end());
-  ranksByMachine_.resize(numMachines_);
+  localSize_ = 1 + *std::max_element(localRankOf_.begin(), localRankOf_.end());
+  if (numMachines_ * localSize_ != worldSize) {
+    throw std::invalid_argument(
+        "fairring: " + std::to_string(worldSize) + " ranks are not " + std::to_string(numMachines_) +
+        " machines of " + std::to_string(localSize_) + " ranks");
+  }
+  ranksByMachine_.assign(numMachines_, std::vector<int>(localSize_, -1));
   for (int r = 0; r < worldSize; ++r) {
     const int m = machineOf_[r];
-    if (m < 0) {
-      throw std::invalid_argument("fairring: negative machine index for rank " + std::to_string(r));
-    }
-    ranksByMachine_[m].push_back(r);
-  }
-  localSize_ = static_cast<int>(ranksByMachine_[0].size());
-  for (int m = 0; m < numMachines_; ++m) {
-    if (static_cast<int>(ranksByMachine_[m].size()) != localSize_) {
+    const int l = localRankOf_[r];
+    if (m < 0 || l < 0 || ranksByMachine_[m][l] != -1) {
       throw std::invalid_argument(
-          "fairring: machine " + std::to_string(m) + " has " +
-          std::to_string(ranksByMachine_[m].size()) + " ranks but machine 0 has " +
-          std::to_string(localSize_) + "; every machine needs the same number of ranks");
+          "fairring: rank " + std::to_string(r) + " has machine " + std::to_string(m) + " and local rank " +
+          std::to_string(l) + ": negative, or taken by another rank");
     }
-  }
-  localRankOf_.assign(worldSize, 0);
-  for (const auto& ranks : ranksByMachine_) {
-    for (size_t l = 0; l < ranks.size(); ++l) {
-      localRankOf_[ranks[l]] = static_cast<int>(l);
-    }
+    ranksByMachine_[m][l] = r;
   }
   machine_ = machineOf_[rank_];
   localRank_ = localRankOf_[rank_];

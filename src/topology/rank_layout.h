@@ -10,10 +10,15 @@ namespace fairring {
 // machine to the other local ranks.
 class RankLayout {
  public:
-  // machineOf[r] is the machine index of rank r; machines are numbered 0..M-1
-  // and every machine must have the same number of ranks (the Python layer
-  // falls back to one rank per machine when the deployment is irregular).
-  RankLayout(int rank, std::vector<int> machineOf, std::vector<std::string> hostnames);
+  // machineOf[r] and localRankOf[r] are rank r's machine (0..M-1) and local
+  // rank (0..L-1), as fairring_pg.topology decided them (it falls back to one
+  // rank per machine when the deployment is irregular); every (machine, local
+  // rank) must be taken by exactly one rank, which is checked.
+  RankLayout(
+      int rank,
+      std::vector<int> machineOf,
+      std::vector<int> localRankOf,
+      std::vector<std::string> hostnames);
 
   int rank() const { return rank_; }
   int worldSize() const { return static_cast<int>(machineOf_.size()); }

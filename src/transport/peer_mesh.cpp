@@ -7,6 +7,8 @@
 #include <atomic>
 #include <random>
 
+#include "failure/group_failure.h"
+#include "faults/fault_points.h"
 #include "transport/frame.h"
 #include "transport/handshake.h"
 #include "transport/memory_reader.h"
@@ -18,12 +20,13 @@ namespace {
 // Below this a body rides in the stream: the acknowledgement a memory read
 // needs costs more than copying a small body twice.
 constexpr size_t kMemoryReadMinBytes = 64 * 1024;
-constexpr auto kDrainWait = std::chrono::milliseconds(500);
 // Unsent bytes a rail socket may hold (see setLowUnsent): about 1 ms of a
 // 1 Gbit/s link, enough to keep it busy while the next message is issued.
 constexpr int kRailUnsentBytes = 128 * 1024;
 // Between attempts to get past a gate that had no room.
 constexpr auto kRetryPause = std::chrono::milliseconds(50);
+// Between looks at the store for a peer's address.
+constexpr auto kStorePoll = std::chrono::milliseconds(10);
 
 std::string addressKey(Reach reach, int rank) {
   return std::string(reach == Reach::kLocal ? "addr/local/" : "addr/rail/") + std::to_string(rank);
@@ -129,8 +132,11 @@ Status PeerMesh::start(c10d::Store& store) {
       }
     }
     for (int peer : peers) {
-      const std::vector<uint8_t> raw = store.get(addressKey(reachOf(peer), peer));
-      const std::string url(raw.begin(), raw.end());
+      std::string url;
+      if (Status s = addressOf(store, peer, deadline, url); !s.ok()) {
+        return s;
+      }
+      faults::hit("mesh.connect", peer);
       for (int l = 0; l < kNumLanes; ++l) {
         if (Status s = connect(peer, static_cast<Lane>(l), url, deadline); !s.ok()) {
           return s;
@@ -144,8 +150,12 @@ Status PeerMesh::start(c10d::Store& store) {
 
   std::unique_lock<std::mutex> lock(mu_);
   const size_t expected = peers.size() * kNumLanes;
-  const bool all = cv_.wait_until(lock, deadline, [&] { return closed_ || inbound_.size() == expected; });
-  if (!all || closed_) {
+  const bool all =
+      cv_.wait_until(lock, deadline, [&] { return closed_ || interrupted_ || inbound_.size() == expected; });
+  if (closed_ || interrupted_) {
+    return Status::error("fairring: the process group was shut down while " + me + " was connecting");
+  }
+  if (!all) {
     std::string missing;
     for (int peer : peers) {
       if (!inbound_.count({peer, Lane::kReduce}) || !inbound_.count({peer, Lane::kGather})) {
@@ -161,6 +171,38 @@ Status PeerMesh::start(c10d::Store& store) {
   // refuses strangers before they can send a byte.
   gate_->stop();
   return Status();
+}
+
+Status PeerMesh::addressOf(c10d::Store& store, int peer, Clock::time_point deadline, std::string& url) {
+  const std::string key = addressKey(reachOf(peer), peer);
+  while (!store.check({key})) {
+    if (interrupted()) {
+      return Status::error("fairring: the process group was shut down while " + layout_.describe(layout_.rank()) +
+                           " was connecting");
+    }
+    if (Clock::now() >= deadline) {
+      return failure(
+          "waiting for the address of", peer,
+          "it published none within " + std::to_string(options_.timeout.count()) + " ms (did it start?)");
+    }
+    std::this_thread::sleep_for(kStorePoll);
+  }
+  const std::vector<uint8_t> raw = store.get(key);
+  url.assign(raw.begin(), raw.end());
+  return Status();
+}
+
+bool PeerMesh::interrupted() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return interrupted_ || closed_;
+}
+
+void PeerMesh::interrupt() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    interrupted_ = true;
+  }
+  cv_.notify_all();
 }
 
 HelloReply::Verdict PeerMesh::check(Reach reach, const Hello& hello) {
@@ -228,7 +270,7 @@ Status PeerMesh::connect(int peer, Lane lane, const std::string& url, Clock::tim
       }
       std::this_thread::sleep_for(kRetryPause);
     }
-    if (Status s = connectTo(url, deadline, socket); !s.ok()) {
+    if (Status s = connectTo(url, deadline, socket, [this] { return interrupted(); }); !s.ok()) {
       return failure("connecting to", peer, s.message());
     }
     if (Status s = writeFull(socket, bytes.data(), bytes.size()); !s.ok()) {
@@ -377,7 +419,7 @@ void PeerMesh::awaitDrained(int peer) {
   // in our readers' buffers; once one reader has reached the close, it has
   // read the reason before it.
   std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait_for(lock, kDrainWait, [&] {
+  cv_.wait_for(lock, GroupFailure::kSendFailureWait, [&] {
     if (closed_) {
       return true;
     }
@@ -418,6 +460,9 @@ void PeerMesh::writeLoop(Writer& writer) {
       writer.queue.pop_front();
     }
     auto& [out, msg] = next;
+    if (msg.first) {
+      faults::hit("mesh.send.first", out->peer);
+    }
     if (!out->broken) {
       Status s = transmit(*out, msg);
       if (!s.ok()) {
@@ -470,7 +515,14 @@ Connection* PeerMesh::find(const std::map<Key, std::unique_ptr<Connection>>& con
   return closed_ || it == connections.end() ? nullptr : it->second.get();
 }
 
-void PeerMesh::send(int peer, Lane lane, std::string header, void* data, size_t bytes, Done done) {
+void PeerMesh::send(
+    int peer,
+    Lane lane,
+    std::string header,
+    void* data,
+    size_t bytes,
+    Done done,
+    Priority priority) {
   Outbound* out = find(outbound_, {peer, lane});
   if (out == nullptr) {
     done(Status::error("fairring: no connection to " + layout_.describe(peer) + " (closed)"));
@@ -480,7 +532,17 @@ void PeerMesh::send(int peer, Lane lane, std::string header, void* data, size_t 
   {
     std::lock_guard<std::mutex> lock(writer.mu);
     if (!writer.stop) {
-      writer.queue.emplace_back(out, Outgoing{std::move(header), data, bytes, std::move(done)});
+      Outgoing msg{std::move(header), data, bytes, std::move(done), priority == Priority::kFirst};
+      if (priority == Priority::kFirst) {
+        // Behind the other firsts only: they keep their order.
+        auto at = writer.queue.begin();
+        while (at != writer.queue.end() && at->second.first) {
+          ++at;
+        }
+        writer.queue.emplace(at, out, std::move(msg));
+      } else {
+        writer.queue.emplace_back(out, std::move(msg));
+      }
       writer.cv.notify_one();
       return;
     }

@@ -51,14 +51,30 @@ class PeerMesh {
   // stops listening.
   Status start(c10d::Store& store);
 
+  enum class Priority : uint8_t {
+    kInOrder, // behind everything queued for that connection's writer
+    kFirst, // ahead of everything not yet being written (a failure's abort)
+  };
+
   // Queues a message; `done` runs on the writer's thread once it is sent
   // (for a body read out of this process's memory: once the peer has read it).
-  void send(int peer, Lane lane, std::string header, void* data, size_t bytes, Done done);
+  void send(
+      int peer,
+      Lane lane,
+      std::string header,
+      void* data,
+      size_t bytes,
+      Done done,
+      Priority priority = Priority::kInOrder);
 
   // Reads the body of the message last announced on (peer, lane) into
   // `data` (null: drops it), then waits for the next message on that
   // connection.
   void receive(int peer, Lane lane, void* data, size_t bytes, Done done);
+
+  // Makes a start() in progress give up at once (a shutdown during start-up);
+  // connections already made stay until close(). Idempotent.
+  void interrupt();
 
   // Closes every connection and joins their threads. Idempotent.
   void close();
@@ -73,6 +89,7 @@ class PeerMesh {
     void* data;
     size_t bytes;
     Done done;
+    bool first{false}; // sent with Priority::kFirst
   };
 
   Reach reachOf(int peer) const;
@@ -82,6 +99,10 @@ class PeerMesh {
   HelloReply::Verdict check(Reach reach, const Hello& hello);
   void adopt(const Hello& hello, Socket socket, bool readsMemory);
   Status connect(int peer, Lane lane, const std::string& url, Clock::time_point deadline);
+  // The address `peer` published in the store, polled so that interrupt()
+  // and the deadline end the wait (the store's own would take its timeout).
+  Status addressOf(c10d::Store& store, int peer, Clock::time_point deadline, std::string& url);
+  bool interrupted();
   void readLoop(Inbound& in);
   void writeLoop(Writer& writer);
   Status transmit(Outbound& out, Outgoing& msg);
@@ -100,6 +121,7 @@ class PeerMesh {
   std::mutex mu_;
   std::condition_variable cv_;
   bool closed_{false};
+  bool interrupted_{false};
   std::map<Key, std::unique_ptr<Outbound>> outbound_;
   std::vector<std::unique_ptr<Writer>> writers_;
   // Messages to other machines share this rank's link. The rail connections

@@ -134,7 +134,11 @@ Status listenOn(const std::string& host, Socket& out, std::string& url) {
   return Status();
 }
 
-Status connectTo(const std::string& url, Clock::time_point deadline, Socket& out) {
+Status connectTo(
+    const std::string& url,
+    Clock::time_point deadline,
+    Socket& out,
+    const std::function<bool()>& cancelled) {
   std::string host, port;
   if (!splitUrl(url, host, port)) {
     return Status::error("malformed address '" + url + "'");
@@ -159,7 +163,7 @@ Status connectTo(const std::string& url, Clock::time_point deadline, Socket& out
     err = errno;
     // A full accept queue refuses too; anything else will not get better.
     const bool transient = err == ECONNREFUSED || err == EAGAIN || err == EINTR || err == ETIMEDOUT;
-    if (!transient || Clock::now() >= deadline) {
+    if (!transient || Clock::now() >= deadline || (cancelled && cancelled())) {
       break;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <functional>
 #include <string>
 
 #include "common/status.h"
@@ -48,7 +49,12 @@ std::string formatUrl(const std::string& host, int port);
 Status listenOn(const std::string& host, Socket& out, std::string& url);
 
 // Connects to `url`, retrying while nothing listens there yet, until `deadline`.
-Status connectTo(const std::string& url, Clock::time_point deadline, Socket& out);
+// `cancelled`, if given, is asked between attempts: true gives up.
+Status connectTo(
+    const std::string& url,
+    Clock::time_point deadline,
+    Socket& out,
+    const std::function<bool()>& cancelled = nullptr);
 
 // Blocking, whole-buffer I/O. `closed` is set when the peer closed cleanly
 // before the first byte (an orderly end rather than a torn message).

@@ -1,33 +1,34 @@
 #pragma once
 
-// The state AllreduceEngine keeps per operation, slice and segment, shared by
-// the allreduce's steps (allreduce_engine.cpp) and those of the reduce-scatter
-// and all-gather (sharded_steps.cpp). Lives under the engine's lock.
+// What the engine keeps per operation, slice and segment, under its lock. The
+// steps a segment goes through are its kind's (steps.h); this is their state.
+
+#include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <vector>
 
-#include "pipeline/allreduce_engine.h"
 #include "pipeline/op_kind.h"
 #include "pipeline/sharded_plan.h"
+#include "pipeline/slice_plan.h"
+#include "transport/wire.h"
 
 namespace fairring {
 
 constexpr int kNumPhases = 4;
-
-// A phase's timeline stamp: free when the timeline is off (one branch, no
-// clock read).
-inline void stamp(const Timeline& timeline, int64_t& at) {
-  if (timeline.enabled()) {
-    at = Timeline::now();
-  }
-}
+constexpr int kMaxSteps = 8;
 
 // One segment of a slice on its way through its steps.
-struct AllreduceEngine::Segment {
+struct Segment {
   int index{0};
   uint64_t id{0}; // its timeline row
+  uint8_t step{0}; // the step it is in (its kind's, see KindSteps::stepName)
+  bool busy{false}; // a reduction of its step runs on the reduction thread
+  bool done{false}; // past its last step
   // Which peers' pieces have been announced, per phase, indexed by
   // from · piecesPer(phase) + piece, where `from` is the sender's local rank
   // (intra-node phases) or machine (rail phases). Empty: a phase the
@@ -36,26 +37,21 @@ struct AllreduceEngine::Segment {
   int received[kNumPhases] = {0, 0, 0, 0};
   int pendingReads{0};
   int sendsInFlight{0};
-  bool reducing{false};
-  bool rsReduced{false}; // all-gather: this rank's part copied into the output
-  bool collectSent{false};
-  bool shardReduced{false};
-  bool diffuseSent{false};
-  bool chunkFinal{false}; // all-gather: every part of this rank's rail is here
-  bool agSent{false};
-  bool done{false};
   std::vector<char> forwarded; // all-gather: local ranks sent the rail's parts
-  // Timeline stamps (microseconds), taken only when the timeline is on.
-  int64_t tRsReduced{0};
-  int64_t tReduceStart{0};
-  int64_t tShardReduced{0};
-  int64_t tChunkFinal{0};
+  // Timeline stamps (microseconds), taken only when the timeline is on: when
+  // each step ended, and when the last reduction was posted.
+  int64_t stepEnded[kMaxSteps] = {};
+  int64_t reduceStarted{0};
+
+  int got(Phase phase) const {
+    return received[static_cast<int>(phase)];
+  }
 };
 
 // A slice holds one staging slot for all of its segments: each segment's
 // pieces have their own place in it (SlicePlan::chunkOffset, shardOffset;
 // ShardedPlan::offsetInSlice). An all-gather slice holds none.
-struct AllreduceEngine::Slice {
+struct Slice {
   int64_t index{0};
   bool active{false};
   int slot{-1};
@@ -67,14 +63,16 @@ struct AllreduceEngine::Slice {
   int64_t tActive{0};
 };
 
-struct AllreduceEngine::Op {
-  uint64_t seq{0};
+struct Operation {
+  using Future = c10::ivalue::Future;
+
+  uint64_t seq{0}; // its turn: the same on every rank
   OpKind kind{OpKind::kAllreduce};
   // The allreduce's tensor, or the reduce-scatter's and all-gather's output.
   at::Tensor work;
   at::Tensor input; // reduce-scatter, all-gather; flat and contiguous
   c10d::ReduceOp::RedOpType op{c10d::ReduceOp::SUM};
-  SlicePlan plan{0, 1, 1, 1, 1}; // allreduce
+  SlicePlan plan{0, 1, 1, 1, 1}; // allreduce, barrier
   ShardedPlan sharded{0, 1, 1}; // reduce-scatter, all-gather
   size_t elemSize{1};
   int64_t slicesLeft{0};
@@ -85,8 +83,12 @@ struct AllreduceEngine::Op {
   std::vector<Slice> slices;
   int64_t tEnqueued{0};
 
-  bool isAllreduce() const { return kind == OpKind::kAllreduce; }
-  int64_t numel() const { return isAllreduce() ? plan.numel() : sharded.partElems(); }
+  bool sliced() const {
+    return kind == OpKind::kAllreduce || kind == OpKind::kBarrier;
+  }
+  int64_t numel() const {
+    return sliced() ? plan.numel() : sharded.partElems();
+  }
 
   DataHeader header(int64_t s, int g, Phase phase, int piece = 0) const {
     DataHeader h;
@@ -107,6 +109,9 @@ struct AllreduceEngine::Op {
   }
   uint8_t* inputAt(Range r) const {
     return static_cast<uint8_t*>(input.data_ptr()) + r.begin * static_cast<int64_t>(elemSize);
+  }
+  at::Tensor view(Range r) const {
+    return work.slice(0, r.begin, r.end);
   }
 };
 

@@ -1,0 +1,234 @@
+// What arrives: every message's header is checked against this rank's own
+// view of its operation, then its body is read straight to where the step
+// that waits for it wants it (KindSteps::landing), or parked until its
+// operation is posted and its slice has a slot. Sends coming back are
+// counted here too.
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+#include "ops/reduce_kind.h"
+#include "pipeline/allreduce_engine.h"
+
+namespace fairring {
+
+using RedOp = c10d::ReduceOp::RedOpType;
+
+void AllreduceEngine::onMessage(int peer, Lane lane, Status status, std::string header, size_t bytes) {
+  Actions actions;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_ || meshClosed_) {
+      return;
+    }
+    if (!status.ok()) {
+      // A peer that finished everything may close before we have read its
+      // last bytes' successors; that is only an error if we wait on it.
+      lostPeerLocked(needsFrom(peer, lane), status.message(), actions);
+    } else if (auto abort = decodeAbort(header)) {
+      failLocked(
+          GroupFailure::forwarded(abort->reason, layout_.describe(layout_.rank()), layout_.describe(peer)), actions,
+          abort->fromSeq);
+      // Finish reading it: earlier operations' messages queue behind it.
+      discard(peer, lane, bytes, actions);
+    } else if (auto h = decodeData(header); !h || laneOf(h->phase) != lane) {
+      failLocked("fairring: malformed message from " + layout_.describe(peer), actions);
+    } else {
+      onData(peer, lane, *h, bytes, actions);
+    }
+  }
+  run(actions);
+}
+
+void AllreduceEngine::onData(int peer, Lane lane, const DataHeader& h, size_t bytes, Actions& actions) {
+  if (failure_.fails(h.opSeq)) {
+    discard(peer, lane, bytes, actions);
+    return;
+  }
+  auto it = ops_.find(h.opSeq);
+  if (it != ops_.end()) {
+    Operation& op = *it->second;
+    if (!sameOp(op, h)) {
+      failLocked(describeMismatch(op, peer, h), actions, op.seq);
+    } else if (!op.slices[h.slice].active) {
+      parked_[{h.opSeq, h.slice}].push_back(Parked{peer, h, bytes});
+    } else {
+      deliver(op, op.slices[h.slice], peer, h, bytes, actions);
+    }
+  } else if (h.opSeq < nextSeq_) {
+    failLocked(
+        "fairring: " + std::string(opKindName(static_cast<OpKind>(h.kind))) + " #" + std::to_string(h.opSeq) +
+            " differs between ranks: " + layout_.describe(peer) + " sent " + describeOp(h) +
+            " but it has already finished on " + layout_.describe(layout_.rank()) + " (with fewer elements)",
+        actions, h.opSeq);
+  } else {
+    // The peer is ahead of us; the connection waits until we post this operation.
+    parked_[{h.opSeq, h.slice}].push_back(Parked{peer, h, bytes});
+  }
+}
+
+void AllreduceEngine::deliver(
+    Operation& op,
+    Slice& slice,
+    int peer,
+    const DataHeader& h,
+    size_t bytes,
+    Actions& actions) {
+  if (!sameOp(op, h)) {
+    failLocked(describeMismatch(op, peer, h), actions, op.seq);
+    return;
+  }
+  const KindSteps& steps = stepsOf(op);
+  const bool intraNode = h.phase == Phase::kReduceScatter || h.phase == Phase::kAllGather;
+  const bool samePlace = intraNode ? layout_.machineOf(peer) == layout_.machine()
+                                   : layout_.localRankOf(peer) == layout_.localRank();
+  const int from = intraNode ? layout_.localRankOf(peer) : layout_.machineOf(peer);
+  const int phase = static_cast<int>(h.phase);
+  const int pieces = steps.piecesPer(h.phase);
+  Segment& seg = slice.segments[h.segment];
+  const size_t index = static_cast<size_t>(from) * pieces + h.piece;
+  Turn t{op, slice, seg, *this, actions};
+  std::optional<Landing> landing;
+  if (samePlace && peer != layout_.rank() && h.piece >= 0 && h.piece < pieces &&
+      index < seg.announced[phase].size() && !seg.announced[phase][index]) {
+    landing = steps.landing(t, h.phase, from, h.piece);
+  }
+  if (!landing) {
+    failLocked(
+        "fairring: unexpected " + steps.phaseLabel(h.phase) + " message from " + layout_.describe(peer) + " for " +
+            opKindName(op.kind) + " #" + std::to_string(op.seq),
+        actions);
+    return;
+  }
+  const size_t expected = static_cast<size_t>(landing->range.size()) * op.elemSize;
+  if (bytes != expected) {
+    failLocked(
+        "fairring: " + layout_.describe(peer) + " sent " + std::to_string(bytes) + " bytes for the " +
+            steps.phaseLabel(h.phase) + " of " + opKindName(op.kind) + " #" + std::to_string(op.seq) + " where " +
+            std::to_string(expected) + " were expected",
+        actions);
+    return;
+  }
+  seg.announced[phase][index] = 1;
+  ++seg.pendingReads;
+  actions.push_back([this, peer, p = h.phase, dst = landing->dst, bytes, seq = op.seq, s = h.slice, g = h.segment] {
+    mesh_->receive(peer, laneOf(p), dst, bytes, [this, seq, s, g, p](Status status) {
+      onReceived(seq, s, g, p, std::move(status));
+    });
+  });
+}
+
+void AllreduceEngine::onReceived(uint64_t seq, int64_t s, int g, Phase phase, Status status) {
+  Actions actions;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_ || meshClosed_) {
+      return;
+    }
+    if (!status.ok()) {
+      // A body this rank was reading: needed.
+      lostPeerLocked(true, status.message(), actions);
+    } else if (auto it = ops_.find(seq); it != ops_.end()) {
+      Slice& slice = it->second->slices[s];
+      Turn t{*it->second, slice, slice.segments[g], *this, actions};
+      --t.seg.pendingReads;
+      ++t.seg.received[static_cast<int>(phase)];
+      advance(t);
+    }
+  }
+  run(actions);
+}
+
+void AllreduceEngine::onSent(uint64_t seq, int64_t s, int g, int peer, Status status) {
+  Actions actions;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_ || meshClosed_) {
+      return;
+    }
+    // A failed send does not make this rank's result wrong: only data it still
+    // has to receive can. (A peer that finished and exited may drop the
+    // acknowledgement of bytes it did read from its memory.) So the send
+    // counts as over, and the peer as lost, needed only if work waits on it.
+    if (!status.ok()) {
+      lostPeerLocked(needsFrom(peer, Lane::kReduce) || needsFrom(peer, Lane::kGather), status.message(), actions);
+    }
+    // An operation that failed is gone from ops_; earlier ones carry on.
+    if (auto it = ops_.find(seq); it != ops_.end()) {
+      Slice& slice = it->second->slices[s];
+      Turn t{*it->second, slice, slice.segments[g], *this, actions};
+      --t.seg.sendsInFlight;
+      advance(t);
+    }
+  }
+  run(actions);
+}
+
+void AllreduceEngine::discard(int peer, Lane lane, size_t bytes, Actions& actions) {
+  actions.push_back([this, peer, lane, bytes] { mesh_->receive(peer, lane, nullptr, bytes, [](Status) {}); });
+}
+
+bool AllreduceEngine::needsFrom(int peer, Lane lane) const {
+  const bool local = layout_.machineOf(peer) == layout_.machine();
+  const Phase phase = local ? (lane == Lane::kReduce ? Phase::kReduceScatter : Phase::kAllGather)
+                            : (lane == Lane::kReduce ? Phase::kCollect : Phase::kDiffuse);
+  for (const auto& [seq, op] : ops_) {
+    for (const Slice& slice : op->slices) {
+      for (const Segment& seg : slice.segments) {
+        if (segmentNeeds(*op, slice, seg, peer, phase)) {
+          return true;
+        }
+      }
+    }
+  }
+  return false;
+}
+
+bool AllreduceEngine::segmentNeeds(
+    const Operation& op,
+    const Slice& slice,
+    const Segment& seg,
+    int peer,
+    Phase phase) const {
+  const bool local = layout_.machineOf(peer) == layout_.machine();
+  const int from = local ? layout_.localRankOf(peer) : layout_.machineOf(peer);
+  const size_t pieces = static_cast<size_t>(stepsOf(op).piecesPer(phase));
+  const auto& announced = seg.announced[static_cast<int>(phase)];
+  const auto first = announced.begin() + std::min(announced.size(), from * pieces);
+  const auto last = announced.begin() + std::min(announced.size(), (from + 1) * pieces);
+  if (seg.done || std::all_of(first, last, [](char a) { return a != 0; })) {
+    return false;
+  }
+  // What a peer sent that waits for this rank's slot is already here.
+  auto parked = parked_.find({op.seq, slice.index});
+  return parked == parked_.end() ||
+      std::none_of(parked->second.begin(), parked->second.end(), [&](const Parked& p) {
+           return p.peer == peer && p.header.phase == phase && p.header.segment == seg.index;
+         });
+}
+
+std::string AllreduceEngine::describeOp(const DataHeader& h) const {
+  const auto kind = static_cast<OpKind>(h.kind);
+  const bool allreduce = kind == OpKind::kAllreduce;
+  const std::string what = allreduce ? "" : std::string(opKindName(kind)) + " of ";
+  const std::string perRank = allreduce || kind == OpKind::kBarrier ? "" : " per rank";
+  const std::string reduction = kind == OpKind::kAllGather ? "" : " with ReduceOp." + opName(static_cast<RedOp>(h.op));
+  return what + std::to_string(h.numel) + " elements" + perRank + " of " +
+      dtypeName(static_cast<at::ScalarType>(h.dtype)) + reduction;
+}
+
+bool AllreduceEngine::sameOp(const Operation& op, const DataHeader& h) const {
+  const DataHeader mine = op.header(0, 0, h.phase);
+  return h.numel == mine.numel && h.dtype == mine.dtype && h.op == mine.op && h.kind == mine.kind && h.slice >= 0 &&
+      h.slice < static_cast<int64_t>(op.slices.size()) && h.segment >= 0 &&
+      h.segment < static_cast<int32_t>(op.slices[h.slice].segments.size());
+}
+
+std::string AllreduceEngine::describeMismatch(const Operation& op, int peer, const DataHeader& h) const {
+  return "fairring: " + std::string(opKindName(op.kind)) + " #" + std::to_string(op.seq) + " differs between ranks: " +
+      layout_.describe(layout_.rank()) + " has " + describeOp(op.header(0, 0, h.phase)) + ", " +
+      layout_.describe(peer) + " has " + describeOp(h);
+}
+
+} // namespace fairring
