@@ -13,7 +13,7 @@ import os
 import re
 import socket
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from fractions import Fraction
@@ -74,36 +74,6 @@ _SIZE_HELP = (
 )
 _SWITCH = {"on": True, "off": False}
 
-# Published to the store by every rank; these must agree across the job, whereas the
-# machine id and the interface name legitimately differ from machine to machine.
-_JOB_WIDE_FIELDS = (
-    "slice_size",
-    "total_memory",
-    "slice_scaling",
-    "lanes",
-    "direct_below",
-    "cpu_allreduce",
-    "cuda_allreduce",
-    "pipeline_chunk",
-    "test_cpu_subgroups",
-    "test_local_gloo",
-)
-_ENV_NAME = {
-    "slice_size": "FAIRRING_SLICE_SIZE",
-    "total_memory": "FAIRRING_TOTAL_MEMORY",
-    "slice_scaling": "FAIRRING_SLICE_SCALING",
-    "lanes": "FAIRRING_LANES",
-    "direct_below": "FAIRRING_DIRECT_BELOW",
-    "cpu_allreduce": "FAIRRING_CPU_ALLREDUCE",
-    "cuda_allreduce": "FAIRRING_CUDA_ALLREDUCE",
-    "pipeline_chunk": "FAIRRING_PIPELINE_CHUNK",
-    "test_cpu_subgroups": "FAIRRING_TEST_CPU_SUBGROUPS",
-    "test_local_gloo": "FAIRRING_TEST_LOCAL_GLOO",
-    "machine_id": "FAIRRING_MACHINE_ID",
-    "socket_ifname": "TP_SOCKET_IFNAME",
-    "timeline": "FAIRRING_TIMELINE",
-    "cuda_delegate": "FAIRRING_CUDA_DELEGATE",
-}
 _STORE_KEY = "fairring/config/{rank}"
 
 
@@ -146,6 +116,7 @@ def interface_names() -> list[str]:
 
 
 def _check_ifname(name: str, raw: str) -> str:
+    _non_empty(name, raw)
     ifname = raw.strip()
     available = interface_names()
     if ifname not in available:
@@ -175,60 +146,102 @@ def _switch(name: str, raw: str) -> bool:
         raise ValueError(f"{name}={raw!r} is not a switch: expected 'on' or 'off'") from None
 
 
+def _count(low: int, high: int) -> Callable[[str, str], int]:
+    def parse(name: str, raw: str) -> int:
+        text = raw.strip()
+        if not re.fullmatch(r"\d+", text) or not low <= int(text) <= high:
+            raise ValueError(
+                f"{name}={raw!r} is not valid: expected a whole number from {low} to {high}"
+            )
+        return int(text)
+
+    return parse
+
+
+def _choice(accepted: tuple[str, ...]) -> Callable[[str, str], str]:
+    def parse(name: str, raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in accepted:
+            raise ValueError(f"{name}={raw!r} is not valid: expected one of {', '.join(accepted)}")
+        return value
+
+    return parse
+
+
+def _size_or_zero(name: str, raw: str) -> int:
+    return 0 if raw.strip() == "0" else parse_byte_size(name, raw)
+
+
+def _check_timeline(name: str, raw: str) -> str:
+    path = _non_empty(name, raw)
+    directory = os.path.dirname(os.path.abspath(path.replace("{rank}", "0")))
+    if not os.path.isdir(directory):
+        raise ValueError(
+            f"{name}={raw!r}: the directory {directory!r} does not exist; expected a file path "
+            "in an existing, writable directory ('{rank}' in it is replaced by the rank)"
+        )
+    if not os.access(directory, os.W_OK):
+        raise ValueError(f"{name}={raw!r}: the directory {directory!r} is not writable")
+    return path
+
+
+def _setting(
+    variable: str, parse: Callable[[str, str], Any], default: Any, *, job_wide: bool
+) -> Any:
+    """One row of the settings table: the variable, its parser (raises ValueError
+    naming the variable), its default, and whether every rank must agree on it."""
+    return dataclasses.field(
+        default=default, metadata={"variable": variable, "parse": parse, "job_wide": job_wide}
+    )
+
+
 @dataclass(frozen=True)
 class Config:
-    slice_size: int = DEFAULT_SLICE_SIZE
-    total_memory: int = DEFAULT_TOTAL_MEMORY
-    machine_id: str | None = None
-    socket_ifname: str | None = None
-    slice_scaling: bool = True
-    timeline: str | None = None
-    cuda_delegate: str = "auto"
-    lanes: int = DEFAULT_LANES
-    direct_below: int = DEFAULT_DIRECT_BELOW
-    cpu_allreduce: str = "auto"
-    cuda_allreduce: str = "auto"
-    pipeline_chunk: int = DEFAULT_PIPELINE_CHUNK
+    """Every setting, one line each: the field, its variable, parser, default and
+    whether it is job-wide (compared across ranks at start-up). The machine id and the
+    interface name legitimately differ between machines; the timeline is per rank."""
+
+    slice_size: int = _setting(
+        "FAIRRING_SLICE_SIZE", parse_byte_size, DEFAULT_SLICE_SIZE, job_wide=True
+    )
+    total_memory: int = _setting(
+        "FAIRRING_TOTAL_MEMORY", parse_byte_size, DEFAULT_TOTAL_MEMORY, job_wide=True
+    )
+    machine_id: str | None = _setting("FAIRRING_MACHINE_ID", _non_empty, None, job_wide=False)
+    socket_ifname: str | None = _setting("TP_SOCKET_IFNAME", _check_ifname, None, job_wide=False)
+    slice_scaling: bool = _setting("FAIRRING_SLICE_SCALING", _switch, True, job_wide=True)
+    timeline: str | None = _setting("FAIRRING_TIMELINE", _check_timeline, None, job_wide=False)
+    cuda_delegate: str = _setting(
+        "FAIRRING_CUDA_DELEGATE", _choice(CUDA_DELEGATES), "auto", job_wide=False
+    )
+    lanes: int = _setting("FAIRRING_LANES", _count(1, MAX_LANES), DEFAULT_LANES, job_wide=True)
+    direct_below: int = _setting(
+        "FAIRRING_DIRECT_BELOW", _size_or_zero, DEFAULT_DIRECT_BELOW, job_wide=True
+    )
+    cpu_allreduce: str = _setting(
+        "FAIRRING_CPU_ALLREDUCE", _choice(CPU_ALLREDUCE_PATHS), "auto", job_wide=True
+    )
+    cuda_allreduce: str = _setting(
+        "FAIRRING_CUDA_ALLREDUCE", _choice(CUDA_ALLREDUCE_PATHS), "auto", job_wide=True
+    )
+    pipeline_chunk: int = _setting(
+        "FAIRRING_PIPELINE_CHUNK", parse_byte_size, DEFAULT_PIPELINE_CHUNK, job_wide=True
+    )
     # Test switches: CPU tensors take the sub-group path over Gloo groups (so CI runs
     # the CUDA path's orchestration); CUDA's local groups are Gloo (several ranks of a
     # simulated machine on one GPU, which NCCL refuses).
-    test_cpu_subgroups: bool = False
-    test_local_gloo: bool = False
+    test_cpu_subgroups: bool = _setting(
+        "FAIRRING_TEST_CPU_SUBGROUPS", _switch, False, job_wide=True
+    )
+    test_local_gloo: bool = _setting("FAIRRING_TEST_LOCAL_GLOO", _switch, False, job_wide=True)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> Config:
         values: dict[str, Any] = {}
-        if (raw := environ.get("FAIRRING_SLICE_SIZE")) is not None:
-            values["slice_size"] = parse_byte_size("FAIRRING_SLICE_SIZE", raw)
-        if (raw := environ.get("FAIRRING_TOTAL_MEMORY")) is not None:
-            values["total_memory"] = parse_byte_size("FAIRRING_TOTAL_MEMORY", raw)
-        if (raw := environ.get("FAIRRING_MACHINE_ID")) is not None:
-            values["machine_id"] = _non_empty("FAIRRING_MACHINE_ID", raw)
-        if (raw := environ.get("TP_SOCKET_IFNAME")) is not None:
-            _non_empty("TP_SOCKET_IFNAME", raw)
-            values["socket_ifname"] = _check_ifname("TP_SOCKET_IFNAME", raw)
-        if (raw := environ.get("FAIRRING_SLICE_SCALING")) is not None:
-            values["slice_scaling"] = _switch("FAIRRING_SLICE_SCALING", raw)
-        if (raw := environ.get("FAIRRING_TIMELINE")) is not None:
-            values["timeline"] = _check_timeline("FAIRRING_TIMELINE", raw)
-        if (raw := environ.get("FAIRRING_CUDA_DELEGATE")) is not None:
-            values["cuda_delegate"] = _choice("FAIRRING_CUDA_DELEGATE", raw, CUDA_DELEGATES)
-        if (raw := environ.get("FAIRRING_LANES")) is not None:
-            values["lanes"] = _count("FAIRRING_LANES", raw, 1, MAX_LANES)
-        if (raw := environ.get("FAIRRING_DIRECT_BELOW")) is not None:
-            values["direct_below"] = (
-                0 if raw.strip() == "0" else parse_byte_size("FAIRRING_DIRECT_BELOW", raw)
-            )
-        if (raw := environ.get("FAIRRING_CPU_ALLREDUCE")) is not None:
-            values["cpu_allreduce"] = _choice("FAIRRING_CPU_ALLREDUCE", raw, CPU_ALLREDUCE_PATHS)
-        if (raw := environ.get("FAIRRING_CUDA_ALLREDUCE")) is not None:
-            values["cuda_allreduce"] = _choice("FAIRRING_CUDA_ALLREDUCE", raw, CUDA_ALLREDUCE_PATHS)
-        if (raw := environ.get("FAIRRING_PIPELINE_CHUNK")) is not None:
-            values["pipeline_chunk"] = parse_byte_size("FAIRRING_PIPELINE_CHUNK", raw)
-        if (raw := environ.get("FAIRRING_TEST_CPU_SUBGROUPS")) is not None:
-            values["test_cpu_subgroups"] = _switch("FAIRRING_TEST_CPU_SUBGROUPS", raw)
-        if (raw := environ.get("FAIRRING_TEST_LOCAL_GLOO")) is not None:
-            values["test_local_gloo"] = _switch("FAIRRING_TEST_LOCAL_GLOO", raw)
+        for f in dataclasses.fields(cls):
+            raw = environ.get(f.metadata["variable"])
+            if raw is not None:
+                values[f.name] = f.metadata["parse"](f.metadata["variable"], raw)
         return cls(**values)
 
     def effective_slice_size(self, num_machines: int, local_size: int) -> int:
@@ -346,49 +359,21 @@ class Config:
 
             wait_for(store, keys, timeout, "waiting to compare FAIRRING_* settings")
         mine = dataclasses.asdict(self)
+        job_wide = [f for f in dataclasses.fields(self) if f.metadata["job_wide"]]
         for other, key in zip(others, keys, strict=True):
             theirs = json.loads(store.get(key))
-            for field in _JOB_WIDE_FIELDS:
-                if mine[field] != theirs.get(field):
+            for f in job_wide:
+                if mine[f.name] != theirs.get(f.name):
                     raise ValueError(
-                        f"{_ENV_NAME[field]} differs across ranks: rank {rank} has "
-                        f"{_show(field, mine[field])}, rank {other} has "
-                        f"{_show(field, theirs.get(field))}; expected the same value on "
+                        f"{f.metadata['variable']} differs across ranks: rank {rank} has "
+                        f"{_show(f, mine[f.name])}, rank {other} has "
+                        f"{_show(f, theirs.get(f.name))}; expected the same value on "
                         "every rank"
                     )
 
 
-def _count(name: str, raw: str, low: int, high: int) -> int:
-    text = raw.strip()
-    if not re.fullmatch(r"\d+", text) or not low <= int(text) <= high:
-        raise ValueError(
-            f"{name}={raw!r} is not valid: expected a whole number from {low} to {high}"
-        )
-    return int(text)
-
-
-def _choice(name: str, raw: str, accepted: tuple[str, ...]) -> str:
-    value = raw.strip().lower()
-    if value not in accepted:
-        raise ValueError(f"{name}={raw!r} is not valid: expected one of {', '.join(accepted)}")
-    return value
-
-
-def _check_timeline(name: str, raw: str) -> str:
-    path = _non_empty(name, raw)
-    directory = os.path.dirname(os.path.abspath(path.replace("{rank}", "0")))
-    if not os.path.isdir(directory):
-        raise ValueError(
-            f"{name}={raw!r}: the directory {directory!r} does not exist; expected a file path "
-            "in an existing, writable directory ('{rank}' in it is replaced by the rank)"
-        )
-    if not os.access(directory, os.W_OK):
-        raise ValueError(f"{name}={raw!r}: the directory {directory!r} is not writable")
-    return path
-
-
-def _show(field: str, value: Any) -> str:
-    if field in ("slice_scaling", "test_cpu_subgroups", "test_local_gloo"):
+def _show(f: dataclasses.Field[Any], value: Any) -> str:
+    if f.metadata["parse"] is _switch:
         return "'on'" if value else "'off'"
     return repr(value)
 
