@@ -2,6 +2,8 @@
 // this fails the operations it names, sends the aborts it asks for, closes
 // the connections when it allows, and enforces the group's timeout.
 
+#include <pthread.h>
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -75,6 +77,7 @@ void AllreduceEngine::lostPeerLocked(bool needed, const std::string& message, Ac
 }
 
 void AllreduceEngine::watchdog() {
+  pthread_setname_np(pthread_self(), "fairring-watch");
   std::unique_lock<std::mutex> lock(mu_);
   while (!stopping_) {
     cv_.wait_for(lock, std::chrono::milliseconds(100));

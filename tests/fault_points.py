@@ -1,0 +1,31 @@
+"""The core's test-only fault points (src/faults/fault_points.h), armed from a rank
+process: a named place in the transport or the engine waits, throws or closes, so that
+an interleaving load produces now and then happens every time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _controls() -> Any:
+    from fairring_pg._build import load_extension
+
+    return load_extension()
+
+
+def arm(
+    point: str, action: str = "delay", delay_ms: int = 0, times: int = 1, key: int = -1
+) -> None:
+    """Arm ``point`` for its next ``times`` uses matching ``key`` (a peer's rank, an
+    operation's turn; -1: any): ``action`` is "delay" (``delay_ms``), "throw" or
+    "close"."""
+    _controls()._arm_fault(point, action, delay_ms, times, key)
+
+
+def disarm() -> None:
+    _controls()._disarm_faults()
+
+
+def uses(point: str) -> int:
+    """How many times ``point`` fired in this process."""
+    return int(_controls()._fault_uses(point))

@@ -1,0 +1,372 @@
+"""What a failure does (docs/design.md, "Failure"), each case forced on demand.
+
+* A refused call fails the group from its turn on: earlier calls complete on every rank
+  (also on a rank that learns of the failure before it posts them), the refused call and
+  every later one raise with its reason on every rank, barrier() included, and destroy
+  is prompt.
+* The same with Gloo's ring (one rank per machine): a ring call at a failed turn raises
+  on every rank; the ring has a Gloo group of its own, so that collectives issued from
+  callbacks cannot pair up with it differently on each rank.
+* A reduction that throws fails its operation on every rank, naming the rank; the
+  process lives on.
+* A rank that learns of a failure while still connecting (fault point: a delayed
+  connect) sends its held aborts before it closes, however slowly they leave (fault
+  point: a held send): its peers report the refused call, not its close.
+* destroy_process_group() is not held by a callback engine that is still connecting to
+  a dead peer; a shutdown at exit that meets such a start leaves no thread behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import fault_points
+import torch
+import torch.distributed as dist
+from killed_peer import call_after_error, warm_up
+from multiprocess import SHAPES, fairring_env, launch
+
+GROUP_TIMEOUT_S = 30.0
+# Every rank raises well before the group's timeout: it is told, not timed out.
+TOLD_S = 5.0
+# destroy_process_group() after a failure (docs/design.md: 2 s for aborts a peer does
+# not take, 2 s for callbacks still running; here neither waits).
+DESTROY_S = 4.0
+JOB_TIMEOUT_S = 120
+
+
+def _attempt(fn: Any) -> tuple[str | None, float]:
+    t0 = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        return str(exc), time.monotonic() - t0
+    return None, time.monotonic() - t0
+
+
+def _bad_reduce_scatter(
+    rank: int, world: int, group: Any, refuser: int
+) -> tuple[str | None, float]:
+    """A reduce-scatter whose input has one element too many on ``refuser``."""
+    out = torch.empty(1000)
+    inp = torch.ones(world * 1000 + (1 if rank == refuser else 0))
+    return _attempt(lambda: dist.reduce_scatter_tensor(out, inp, group=group))
+
+
+def _destroy(group: Any) -> float:
+    t0 = time.monotonic()
+    dist.destroy_process_group(group)
+    return time.monotonic() - t0
+
+
+# ------------------------------------------------- earlier calls, barrier, destroy
+
+
+def _refused_after_async(rank: int, world: int, late: int, refuser: int) -> dict[str, Any]:
+    """Four async allreduces, then a reduce-scatter ``refuser`` gets wrong; rank
+    ``late`` posts everything two seconds after the others (it hears of the refusal
+    before it posts the allreduces); then a barrier and a destroy."""
+    group = dist.new_group(backend="fairring", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    warm_up(rank, group)
+    dist.barrier(group=group)
+    if rank == late:
+        time.sleep(2.0)
+    tensors = [torch.arange(50_000, dtype=torch.float32) * (rank + 1) + i for i in range(4)]
+    works = [dist.all_reduce(t, group=group, async_op=True) for t in tensors]
+    rs_message, rs_s = _bad_reduce_scatter(rank, world, group, refuser)
+    total = sum(range(1, world + 1))
+    earlier = []
+    for i, (t, w) in enumerate(zip(tensors, works, strict=True)):
+        error, _ = _attempt(w.wait)
+        want = torch.arange(50_000, dtype=torch.float32) * total + world * i
+        earlier.append(error or ("exact" if torch.equal(t, want) else "wrong values"))
+    barrier_message, barrier_s = _attempt(lambda: dist.barrier(group=group))
+    return {
+        "earlier": earlier,
+        "rs_message": rs_message,
+        "rs_s": rs_s,
+        "barrier_message": barrier_message,
+        "barrier_s": barrier_s,
+        "destroy_s": _destroy(group),
+    }
+
+
+def test_earlier_calls_complete_and_every_later_one_raises_alike() -> None:
+    late, refuser = 3, 2
+    outcomes = launch(
+        _refused_after_async,
+        4,
+        SHAPES["2x2"],
+        timeout_s=JOB_TIMEOUT_S,
+        late=late,
+        refuser=refuser,
+    )
+    bad = [o for o in outcomes if not o.ok]
+    assert not bad, "\n".join(o.describe() for o in bad)
+    problems = []
+    for o in outcomes:
+        v = o.value
+        if v["earlier"] != ["exact"] * 4:
+            problems.append(f"rank {o.rank}: the allreduces before the refusal: {v['earlier']}")
+        why = f"reduce_scatter on rank {refuser}"
+        for what in ("rs", "barrier"):
+            message = v[f"{what}_message"]
+            if message is None or why not in message or "expected the world size" not in message:
+                problems.append(f"rank {o.rank}: {what} did not raise the refusal: {message!r}")
+            elif v[f"{what}_s"] > TOLD_S + (2.0 if o.rank == late and what == "rs" else 0.0):
+                problems.append(f"rank {o.rank}: {what} raised only after {v[f'{what}_s']:.1f} s")
+        if v["destroy_s"] > DESTROY_S:
+            problems.append(f"rank {o.rank}: destroy took {v['destroy_s']:.1f} s")
+    assert not problems, "\n".join(problems)
+
+
+# ---------------------------------------------------------------- Gloo's ring
+
+
+def _ring_stats(group: Any) -> dict[str, int]:
+    return group._get_backend(torch.device("cpu")).cpu_allreduce_stats()
+
+
+RING_NUMEL = 2 * 1024 * 1024 // 4  # 2 MiB of float32: the ring's, at one rank per machine
+
+
+def _refused_with_the_ring(rank: int, world: int, refuser: int) -> dict[str, Any]:
+    group = dist.new_group(backend="fairring", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    warm_up(rank, group)
+    before = _ring_stats(group)
+    first = torch.full((RING_NUMEL,), float(rank + 1))
+    work = dist.all_reduce(first, group=group, async_op=True)
+    rs_message, _ = _bad_reduce_scatter(rank, world, group, refuser)
+    later = torch.ones(RING_NUMEL)
+    later_message, later_s = _attempt(lambda: dist.all_reduce(later, group=group))
+    first_error, _ = _attempt(work.wait)
+    first_ok = first_error is None and torch.equal(
+        first, torch.full((RING_NUMEL,), float(sum(range(1, world + 1))))
+    )
+    barrier_message, barrier_s = _attempt(lambda: dist.barrier(group=group))
+    after = _ring_stats(group)
+    return {
+        "rs_message": rs_message,
+        "later_message": later_message,
+        "later_s": later_s,
+        "first": "exact" if first_ok else (first_error or "wrong values"),
+        "barrier_message": barrier_message,
+        "barrier_s": barrier_s,
+        "ring_calls": after["ring"] - before["ring"],
+        "destroy_s": _destroy(group),
+    }
+
+
+def test_a_ring_call_at_a_failed_turn_raises_on_every_rank() -> None:
+    refuser = 1
+    outcomes = launch(
+        _refused_with_the_ring,
+        3,
+        SHAPES["3x1"],
+        env=fairring_env(FAIRRING_CPU_ALLREDUCE="auto"),
+        timeout_s=JOB_TIMEOUT_S,
+        refuser=refuser,
+    )
+    bad = [o for o in outcomes if not o.ok]
+    assert not bad, "\n".join(o.describe() for o in bad)
+    problems = []
+    why = f"reduce_scatter on rank {refuser}"
+    for o in outcomes:
+        v = o.value
+        if v["first"] != "exact":
+            problems.append(f"rank {o.rank}: the ring allreduce before the refusal: {v['first']}")
+        if v["ring_calls"] != 1:
+            problems.append(f"rank {o.rank}: {v['ring_calls']} calls went to the ring, expected 1")
+        for what in ("rs", "later", "barrier"):
+            message = v[f"{what}_message"]
+            if message is None or why not in message:
+                problems.append(f"rank {o.rank}: {what} did not raise the refusal: {message!r}")
+        for what in ("later", "barrier"):
+            if v[f"{what}_s"] > TOLD_S:
+                problems.append(f"rank {o.rank}: {what} raised only after {v[f'{what}_s']:.1f} s")
+        if v["destroy_s"] > DESTROY_S:
+            problems.append(f"rank {o.rank}: destroy took {v['destroy_s']:.1f} s")
+    assert not problems, "\n".join(problems)
+
+
+def _ring_beside_callbacks(rank: int, world: int) -> dict[str, Any]:
+    """The program's ring allreduce and a broadcast from a callback, in opposite orders
+    on rank 0 and on the others; both must come out right everywhere."""
+    group = dist.new_group(backend="fairring", timeout=timedelta(seconds=15))
+    warm_up(rank, group)
+
+    def broadcast_from_callback(fut: torch.futures.Future[Any]) -> float:
+        if rank == 0:
+            time.sleep(0.5)  # rank 0 issues its ring allreduce first
+        x = torch.full((1000,), float(rank + 7))
+        dist.broadcast(x, src=0, group=group)
+        return x[0].item()
+
+    fut = dist.all_reduce(torch.ones(10), group=group, async_op=True).get_future()
+    chained = fut.then(broadcast_from_callback)
+    if rank != 0:
+        time.sleep(0.5)  # the others broadcast first
+    big = torch.full((RING_NUMEL,), float(rank + 1))
+    error, _ = _attempt(lambda: dist.all_reduce(big, group=group))
+    broadcast = chained.wait()
+    want = torch.full((RING_NUMEL,), float(sum(range(1, world + 1))))
+    exact = error is None and torch.equal(big, want)
+    return {"ring": "exact" if exact else (error or "wrong values"), "broadcast": broadcast}
+
+
+def test_the_ring_does_not_pair_up_with_collectives_from_callbacks() -> None:
+    outcomes = launch(
+        _ring_beside_callbacks,
+        3,
+        SHAPES["3x1"],
+        env=fairring_env(FAIRRING_CPU_ALLREDUCE="auto"),
+        timeout_s=JOB_TIMEOUT_S,
+        abort_grace_s=30,
+    )
+    bad = [o for o in outcomes if not o.ok]
+    assert not bad, "\n".join(o.describe() for o in bad)
+    for o in outcomes:
+        assert o.value == {"ring": "exact", "broadcast": 7.0}, f"rank {o.rank}: {o.value}"
+
+
+# ---------------------------------------------------------- a reduction that throws
+
+THROWER = 1
+
+
+def _reduction_throws(rank: int, world: int) -> dict[str, Any]:
+    group = dist.new_group(backend="fairring", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    warm_up(rank, group)  # the group's turn 0
+    if rank == THROWER:
+        fault_points.arm("engine.reduce", "throw", key=1)
+    t = torch.full((100_000,), float(rank + 1))
+    message, elapsed = _attempt(lambda: dist.all_reduce(t, group=group))
+    after_s, after_message = call_after_error(group)
+    return {
+        "message": message,
+        "elapsed_s": elapsed,
+        "after_message": after_message,
+        "fired": fault_points.uses("engine.reduce"),
+        "destroy_s": _destroy(group),
+    }
+
+
+def test_a_reduction_that_throws_fails_its_operation_on_every_rank() -> None:
+    outcomes = launch(_reduction_throws, 4, SHAPES["2x2"], timeout_s=JOB_TIMEOUT_S)
+    bad = [o for o in outcomes if not o.ok]
+    assert not bad, "\n".join(o.describe() for o in bad)
+    assert outcomes[THROWER].value["fired"] == 1
+    why = f"a reduction of allreduce #1 failed on rank {THROWER}"
+    for o in outcomes:
+        v = o.value
+        assert v["message"] is not None and why in v["message"], f"rank {o.rank}: {v['message']!r}"
+        assert "fault point engine.reduce" in v["message"], f"rank {o.rank}: {v['message']!r}"
+        assert v["elapsed_s"] < TOLD_S, f"rank {o.rank}: raised after {v['elapsed_s']:.1f} s"
+        assert v["after_message"] is not None and why in v["after_message"], f"rank {o.rank}"
+        assert v["destroy_s"] < DESTROY_S, f"rank {o.rank}: destroy took {v['destroy_s']:.1f} s"
+
+
+# ------------------------------------------------ aborts held during start-up
+
+SLOW_CONNECTOR = 0
+REFUSER_AT_START = 3
+
+
+def _refused_while_others_connect(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 connects 3 s late, so ranks 1 and 2 are still starting when rank 3
+    (started: its peers are 1 and 2) refuses a call; they hold the abort until their
+    start ends, then send it slowly (each first message held 0.4 s). Rank 0 hears of
+    the refusal only through them."""
+    if rank == SLOW_CONNECTOR:
+        fault_points.arm("mesh.connect", "delay", delay_ms=3000, key=1)
+    elif rank != REFUSER_AT_START:
+        fault_points.arm("mesh.send.first", "delay", delay_ms=400, times=8)
+    group = dist.new_group(backend="fairring", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    message, _ = _bad_reduce_scatter(rank, world, group, REFUSER_AT_START)
+    return {"message": message, "destroy_s": _destroy(group)}
+
+
+def test_aborts_held_during_start_up_leave_before_the_close() -> None:
+    outcomes = launch(_refused_while_others_connect, 4, SHAPES["2x2"], timeout_s=JOB_TIMEOUT_S)
+    bad = [o for o in outcomes if not o.ok]
+    assert not bad, "\n".join(o.describe() for o in bad)
+    why = f"reduce_scatter on rank {REFUSER_AT_START}"
+    for o in outcomes:
+        message = o.value["message"]
+        assert message is not None and why in message, f"rank {o.rank}: {message!r}"
+
+
+# ------------------------------------------- destroy while the callbacks' engine connects
+
+
+def _destroy_while_callback_engine_connects(rank: int, world: int) -> dict[str, Any] | None:
+    """Rank 1 dies once the first allreduce is done; rank 0's callback of it issues an
+    allreduce, whose engine waits (up to the group's timeout) for rank 1 to connect;
+    rank 0 destroys the group meanwhile."""
+    group = dist.new_group(backend="fairring", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    warm_up(rank, group)
+    fut = dist.all_reduce(torch.ones(10), group=group, async_op=True).get_future()
+    if rank == 1:
+        fut.wait()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def nested(f: torch.futures.Future[Any]) -> str:
+        message, _ = _attempt(lambda: dist.all_reduce(torch.ones(10), group=group))
+        return message or "completed"
+
+    chained = fut.then(nested)
+    time.sleep(1.0)  # the callback is connecting its engine to the dead rank
+    destroy_s = _destroy(group)
+    return {"destroy_s": destroy_s, "nested": chained.wait()}
+
+
+def test_destroy_is_not_held_by_a_callback_engine_still_connecting() -> None:
+    outcomes = launch(
+        _destroy_while_callback_engine_connects,
+        2,
+        ["m0", "m1"],
+        timeout_s=JOB_TIMEOUT_S,
+        abort_grace_s=None,
+    )
+    assert outcomes[1].status == "crashed", outcomes[1].describe()
+    assert outcomes[0].ok, outcomes[0].describe()
+    v = outcomes[0].value
+    assert v["destroy_s"] < DESTROY_S, f"destroy took {v['destroy_s']:.1f} s"
+    assert "shut down" in v["nested"], v["nested"]
+
+
+def _fairring_threads(name: str) -> int:
+    tasks = Path(f"/proc/{os.getpid()}/task")
+    count = 0
+    for task in tasks.iterdir():
+        try:
+            count += (task / "comm").read_text().strip() == name
+        except OSError:
+            pass  # it ended meanwhile
+    return count
+
+
+def _exit_while_callback_engine_starts(rank: int, world: int) -> dict[str, int]:
+    """What the interpreter's exit does (fairring_pg.backend's atexit hook) while a
+    callback's engine is between connecting and starting its watchdog."""
+    from fairring_pg._build import load_extension
+
+    fault_points.arm("engine.start", "delay", delay_ms=1500)
+    fut = dist.all_reduce(torch.ones(4), async_op=True).get_future()
+    fut.then(lambda f: dist.all_reduce(torch.ones(4)))
+    time.sleep(0.5)
+    load_extension().shutdown_all(timedelta(milliseconds=200))
+    time.sleep(2.0)  # the start has gone on past the shutdown
+    watchdogs = _fairring_threads("fairring-watch")
+    return {"fired": fault_points.uses("engine.start"), "watchdogs": watchdogs}
+
+
+def test_a_shutdown_at_exit_during_a_start_leaves_no_watchdog() -> None:
+    outcomes = launch(_exit_while_callback_engine_starts, 1, ["m0"], timeout_s=JOB_TIMEOUT_S)
+    assert outcomes[0].ok, outcomes[0].describe()
+    assert outcomes[0].value == {"fired": 1, "watchdogs": 0}
