@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import time
@@ -363,6 +364,11 @@ def _exit_while_callback_engine_starts(rank: int, world: int) -> dict[str, int]:
     load_extension().shutdown_all(timedelta(milliseconds=200))
     time.sleep(2.0)  # the start has gone on past the shutdown
     watchdogs = _fairring_threads("fairring-watch")
+    # Freeing the engines: a watchdog thread started after the shutdown would never
+    # be joined, and destroying its engine would end the process (std::terminate).
+    dist.destroy_process_group()
+    del fut
+    gc.collect()
     return {"fired": fault_points.uses("engine.start"), "watchdogs": watchdogs}
 
 
