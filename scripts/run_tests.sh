@@ -19,7 +19,9 @@ python -c "import torch; print(f'== torch {torch.__version__}')"
 # compiler warning fails the run.
 bash scripts/build_core.sh python
 
-python -m pytest -q tests "$@"
+# -rs: the summary lists every skipped test with its reason (without a GPU the CUDA
+# tests skip; a green run must still say what it did not run).
+python -m pytest -q -rs tests "$@"
 
 if [[ "${COMPAT_TORCH:-}" != none ]]; then
     bash scripts/compat_check.sh

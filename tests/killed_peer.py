@@ -44,12 +44,16 @@ def killed_peer(
     big_numel: int,
     group_timeout_s: float,
     victim_joins: bool = True,
-) -> dict[str, Any]:
+    mate: int | None = None,
+    mate_after_s: float = 0.0,
+) -> dict[str, Any] | None:
     """In a group of its own (so that its short timeout does not cover start-up), rank
     ``victim`` joins a big allreduce once the others are inside it and SIGKILLs itself
-    a few slices in (with ``victim_joins=False``, without joining it); each survivor
-    reports the error it got (None if the allreduce completed), how long after the kill
-    it came, and what a call after it did."""
+    a few slices in (with ``victim_joins=False``, without joining it); rank ``mate``, if
+    given, dies ``mate_after_s`` after it (as torchrun's agent ends the rest of a
+    machine whose rank died). Each survivor reports the error it got (None if the
+    allreduce completed), how long after the kill it came, what a call after it did,
+    and how long destroying the group then took."""
     store = default_store()
     group = dist.new_group(backend=group_backend, timeout=timedelta(seconds=group_timeout_s))
     warm_up(rank, group)
@@ -67,6 +71,10 @@ def killed_peer(
     work = dist.all_reduce(big, group=group, async_op=True)
     assert work is not None
     store.set(f"kill/posted/{rank}", "1")
+    if rank == mate:
+        killed_at = float(wait_key(store, "kill/at", 30))
+        time.sleep(max(0.0, killed_at + mate_after_s - time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
     message = None
     try:
         work.wait()
@@ -82,11 +90,15 @@ def killed_peer(
     if group_backend == "fairring":
         # Gloo makes no promise about calls after an error (it may wait for the timeout).
         out["after_s"], out["after_message"] = call_after_error(group)
+        t0 = time.monotonic()
+        dist.destroy_process_group(group)
+        out["destroy_s"] = time.monotonic() - t0
     return out
 
 
-def surviving(outcomes: tuple[RankOutcome, ...], victim: int) -> list[RankOutcome]:
-    assert outcomes[victim].status == "crashed", outcomes[victim].describe()
-    bad = [o for o in outcomes if o.rank != victim and not o.ok]
+def surviving(outcomes: tuple[RankOutcome, ...], *dead: int) -> list[RankOutcome]:
+    for rank in dead:
+        assert outcomes[rank].status == "crashed", outcomes[rank].describe()
+    bad = [o for o in outcomes if o.rank not in dead and not o.ok]
     assert not bad, "survivors failed or hung:\n" + "\n".join(o.describe() for o in bad)
-    return [o for o in outcomes if o.rank != victim]
+    return [o for o in outcomes if o.rank not in dead]

@@ -9,36 +9,59 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from multiprocess import DEFAULT_BACKEND, memoised, run_ranks
+from reliability_helpers import default_store
 
 MACHINES = ["m0", "m0", "m1"]
 COUNT = 12
+
+
+def _thread_name() -> str:
+    """The calling thread's name as the kernel knows it (fairring's completion threads
+    name themselves "fairring-cb"; Python has no name for a thread it did not start)."""
+    return Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
 
 
 def done_callbacks(rank: int, world: int) -> dict[str, Any]:
     """Each allreduce gets an add_done_callback that issues an allreduce of its own. On
     every other rank (alternating per allreduce) the future is waited for first, so the
     callback runs inline on the main thread; elsewhere it runs on a completion thread.
-    The callbacks' allreduces must still pair up across ranks."""
+    The callbacks' allreduces must still pair up across ranks. On rank 0 the others
+    post each allreduce only once rank 0 has attached its callback, so that where rank 0
+    does not wait the future is not complete yet and the callback must run on a
+    completion thread."""
+    store = default_store()
     got: dict[int, tuple[float, float, str]] = {}
     lock = threading.Lock()
     for i in range(COUNT):
         size = 1 + 1000 * (i % 3)  # sizes differ, so that mispaired allreduces fail
+        attached = f"done_callbacks/attached/{i}"
+        if rank != 0:
+            # Polled: the store's own wait holds the GIL, which a callback of this
+            # rank may need meanwhile on a completion thread.
+            deadline = time.monotonic() + 60
+            while not store.check([attached]) and time.monotonic() < deadline:
+                time.sleep(0.005)
         fut = dist.all_reduce(torch.full((size,), float(rank + i)), async_op=True).get_future()
         if (rank + i) % 2 == 0:
+            if rank == 0:
+                store.set(attached, "1")
             fut.wait()  # complete before add_done_callback: the callback runs here
 
         def callback(f: torch.futures.Future, i: int = i) -> None:
             x = torch.full((i + 1,), float(10 * (rank + 1)))
             dist.all_reduce(x)
             with lock:
-                got[i] = (f.value()[0][0].item(), x[0].item(), threading.current_thread().name)
+                got[i] = (f.value()[0][0].item(), x[0].item(), _thread_name())
 
         fut.add_done_callback(callback)
+        if rank == 0 and (rank + i) % 2 == 1:
+            store.set(attached, "1")
     deadline = time.monotonic() + 60
     while len(got) < COUNT and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -62,7 +85,7 @@ def done_callbacks(rank: int, world: int) -> dict[str, Any]:
         refused = str(exc)
     return {
         "got": got,
-        "main": threading.main_thread().name,
+        "main": _thread_name(),
         "doubled": doubled.tolist(),
         "raised": raised,
         "refused": refused,
@@ -144,6 +167,9 @@ def test_done_callbacks_issue_allreduces_that_pair_up_inline_or_not() -> None:
             assert issued == sum(10 * (q + 1) for q in range(world)), f"rank {rank}, callback {i}"
             if (rank + i) % 2 == 0:
                 assert thread == r["main"], f"rank {rank}: callback {i} ran on {thread}"
+            elif rank == 0 and DEFAULT_BACKEND == "fairring":
+                # Attached before the others posted: not complete, so not inline.
+                assert thread == "fairring-cb", f"rank 0: callback {i} ran on {thread}"
 
 
 def test_wrapped_callbacks_behave_as_torchs_own() -> None:
