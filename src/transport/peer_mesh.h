@@ -15,6 +15,7 @@
 
 #include "common/status.h"
 #include "topology/rank_layout.h"
+#include "transport/connections.h"
 #include "transport/gate.h"
 #include "transport/handshake.h"
 #include "transport/socket.h"
@@ -41,7 +42,7 @@ class PeerMesh {
   // Called on a connection's thread once per arriving message (header only:
   // call receive() to read its body), or once with a failure of the connection.
   using OnMessage = std::function<void(int peer, Lane lane, Status status, std::string header, size_t bytes)>;
-  using Done = std::function<void(Status)>;
+  using Done = SendDone;
 
   PeerMesh(const RankLayout& layout, Options options, OnMessage onMessage);
   ~PeerMesh();
@@ -81,16 +82,10 @@ class PeerMesh {
 
  private:
   using Key = std::pair<int, Lane>;
-  struct Inbound;
-  struct Outbound;
-  struct Writer;
-  struct Outgoing {
-    std::string header;
-    void* data;
-    size_t bytes;
-    Done done;
-    bool first{false}; // sent with Priority::kFirst
-  };
+  using Inbound = InboundConnection;
+  using Outbound = OutboundConnection;
+  using Writer = ConnectionWriter;
+  using Outgoing = OutgoingMessage;
 
   Reach reachOf(int peer) const;
   // The connection for `key`, or null once closed.
@@ -99,6 +94,11 @@ class PeerMesh {
   HelloReply::Verdict check(Reach reach, const Hello& hello);
   void adopt(const Hello& hello, Socket socket, bool readsMemory);
   Status connect(int peer, Lane lane, const std::string& url, Clock::time_point deadline);
+  // Connects to `url` and exchanges the hello, retrying where the gate closed
+  // the connection without a verdict; the verdict in `reply`.
+  Status hello(int peer, Lane lane, const std::string& url, Clock::time_point deadline, Socket& socket, HelloReply& reply);
+  // Adds the connection to `peer` and its writer (rail connections of a lane share one).
+  Status add(int peer, Lane lane, Socket socket, bool readsMemory);
   // The address `peer` published in the store, polled so that interrupt()
   // and the deadline end the wait (the store's own would take its timeout).
   Status addressOf(c10d::Store& store, int peer, Clock::time_point deadline, std::string& url);

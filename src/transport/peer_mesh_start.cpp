@@ -1,0 +1,278 @@
+// PeerMesh's start-up: listen, publish, connect to every peer (a hello each,
+// checked by the peer's gate) and wait for every peer to connect back.
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <optional>
+#include <thread>
+
+#include "faults/fault_points.h"
+#include "transport/handshake.h"
+#include "transport/peer_mesh.h"
+
+namespace fairring {
+
+namespace {
+
+// Unsent bytes a rail socket may hold (see setLowUnsent): about 1 ms of a
+// 1 Gbit/s link, enough to keep it busy while the next message is issued.
+constexpr int kRailUnsentBytes = 128 * 1024;
+// Between attempts to get past a gate that had no room.
+constexpr auto kRetryPause = std::chrono::milliseconds(50);
+// Between looks at the store for a peer's address.
+constexpr auto kStorePoll = std::chrono::milliseconds(10);
+
+std::string addressKey(Reach reach, int rank) {
+  return std::string(reach == Reach::kLocal ? "addr/local/" : "addr/rail/") + std::to_string(rank);
+}
+
+} // namespace
+
+Status PeerMesh::start(c10d::Store& store) {
+  const std::string me = layout_.describe(layout_.rank());
+  if (options_.token.size() != Hello::kTokenBytes) {
+    return Status::error(
+        "fairring: the job token must be " + std::to_string(Hello::kTokenBytes) + " characters, got " +
+        std::to_string(options_.token.size()));
+  }
+  const auto deadline = Clock::now() + options_.timeout;
+  const std::vector<int> peers = layout_.peers();
+  if (peers.empty()) {
+    return Status();
+  }
+  gate_ = std::make_unique<Gate>(
+      me, options_.token, [this](Reach reach, const Hello& h) { return check(reach, h); },
+      [this](Reach, const Hello& h, Socket s, bool readsMemory) { adopt(h, std::move(s), readsMemory); });
+  std::string urls[2];
+  for (Reach reach : {Reach::kLocal, Reach::kRail}) {
+    const bool needed = reach == Reach::kLocal ? layout_.localSize() > 1 : layout_.numMachines() > 1;
+    if (!needed) {
+      continue;
+    }
+    // Local peers share this machine, so their listener needs only loopback.
+    const std::string host = reach == Reach::kLocal ? "127.0.0.1" : options_.listenAddress;
+    if (Status s = gate_->listen(reach, host, urls[static_cast<int>(reach)]); !s.ok()) {
+      return Status::error("fairring: " + me + ": " + s.message());
+    }
+  }
+  gate_->start();
+  try {
+    for (int r = 0; r < 2; ++r) {
+      if (!urls[r].empty()) {
+        store.set(addressKey(static_cast<Reach>(r), layout_.rank()), std::vector<uint8_t>(urls[r].begin(), urls[r].end()));
+      }
+    }
+    for (int peer : peers) {
+      std::string url;
+      if (Status s = addressOf(store, peer, deadline, url); !s.ok()) {
+        return s;
+      }
+      faults::hit("mesh.connect", peer);
+      for (int l = 0; l < kNumLanes; ++l) {
+        if (Status s = connect(peer, static_cast<Lane>(l), url, deadline); !s.ok()) {
+          return s;
+        }
+      }
+    }
+  } catch (const std::exception& e) {
+    return Status::error(
+        "fairring: exchanging listener addresses through the store failed on " + me + ": " + e.what());
+  }
+
+  std::unique_lock<std::mutex> lock(mu_);
+  const size_t expected = peers.size() * kNumLanes;
+  const bool all =
+      cv_.wait_until(lock, deadline, [&] { return closed_ || interrupted_ || inbound_.size() == expected; });
+  if (closed_ || interrupted_) {
+    return Status::error("fairring: the process group was shut down while " + me + " was connecting");
+  }
+  if (!all) {
+    std::string missing;
+    for (int peer : peers) {
+      if (!inbound_.count({peer, Lane::kReduce}) || !inbound_.count({peer, Lane::kGather})) {
+        missing += (missing.empty() ? "" : ", ") + layout_.describe(peer);
+      }
+    }
+    return Status::error(
+        "fairring: " + me + " timed out after " + std::to_string(options_.timeout.count()) + " ms waiting for " +
+        missing + " to connect");
+  }
+  lock.unlock();
+  // Every peer is in: nothing needs to listen any more, and a closed port
+  // refuses strangers before they can send a byte.
+  gate_->stop();
+  return Status();
+}
+
+Status PeerMesh::addressOf(c10d::Store& store, int peer, Clock::time_point deadline, std::string& url) {
+  const std::string key = addressKey(reachOf(peer), peer);
+  while (!store.check({key})) {
+    if (interrupted()) {
+      return Status::error("fairring: the process group was shut down while " + layout_.describe(layout_.rank()) +
+                           " was connecting");
+    }
+    if (Clock::now() >= deadline) {
+      return failure(
+          "waiting for the address of", peer,
+          "it published none within " + std::to_string(options_.timeout.count()) + " ms (did it start?)");
+    }
+    std::this_thread::sleep_for(kStorePoll);
+  }
+  const std::vector<uint8_t> raw = store.get(key);
+  url.assign(raw.begin(), raw.end());
+  return Status();
+}
+
+bool PeerMesh::interrupted() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return interrupted_ || closed_;
+}
+
+void PeerMesh::interrupt() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    interrupted_ = true;
+  }
+  cv_.notify_all();
+}
+
+HelloReply::Verdict PeerMesh::check(Reach reach, const Hello& hello) {
+  const std::vector<int> peers = layout_.peers();
+  if (std::find(peers.begin(), peers.end(), hello.rank) == peers.end()) {
+    return HelloReply::Verdict::kNotAPeer;
+  }
+  if (reachOf(hello.rank) != reach) {
+    return HelloReply::Verdict::kWrongListener;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) {
+    return HelloReply::Verdict::kClosing;
+  }
+  if (inbound_.count({hello.rank, hello.lane})) {
+    return HelloReply::Verdict::kAlreadyConnected;
+  }
+  return HelloReply::Verdict::kAccepted;
+}
+
+void PeerMesh::adopt(const Hello& hello, Socket socket, bool readsMemory) {
+  auto in = std::make_unique<Inbound>();
+  in->peer = hello.rank;
+  in->lane = hello.lane;
+  in->socket = std::move(socket);
+  in->readsMemory = readsMemory;
+  in->pid = hello.pid;
+  Inbound* raw = in.get();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) {
+      return;
+    }
+    raw->thread = std::thread([this, raw] { readLoop(*raw); });
+    inbound_[{hello.rank, hello.lane}] = std::move(in);
+  }
+  cv_.notify_all();
+}
+
+Status PeerMesh::connect(int peer, Lane lane, const std::string& url, Clock::time_point deadline) {
+  Socket socket;
+  HelloReply reply;
+  if (Status s = hello(peer, lane, url, deadline, socket, reply); !s.ok()) {
+    return s;
+  }
+  if (reply.verdict == HelloReply::Verdict::kWrongVersion) {
+    return failure("connecting to", peer, describeVersions(reply.version, helloVersion()));
+  }
+  if (reply.verdict != HelloReply::Verdict::kAccepted) {
+    return failure("connecting to", peer, "it refused this rank's hello: " + describe(reply.verdict));
+  }
+  // With one rail peer there is no order between sockets to keep, and on a
+  // fast link the extra wake-ups cost CPU.
+  if (reachOf(peer) == Reach::kRail && layout_.numMachines() > 2) {
+    setLowUnsent(socket, kRailUnsentBytes);
+  }
+  return add(peer, lane, std::move(socket), reply.readsMemory);
+}
+
+Status PeerMesh::hello(
+    int peer,
+    Lane lane,
+    const std::string& url,
+    Clock::time_point deadline,
+    Socket& socket,
+    HelloReply& reply) {
+  Hello hello;
+  hello.rank = layout_.rank();
+  hello.lane = lane;
+  hello.token = options_.token;
+  if (reachOf(peer) == Reach::kLocal) {
+    hello.pid = static_cast<int32_t>(::getpid());
+    hello.probeAddress = reinterpret_cast<uint64_t>(&probe_);
+    hello.probeValue = probe_;
+  }
+  const auto bytes = encode(hello);
+  std::string closedWhy;
+  // A gate closes a connection without an answer only when it had no room
+  // (a storm of strangers at start-up): that is worth another try. A verdict
+  // is final.
+  for (int attempts = 0;; ++attempts) {
+    if (attempts > 0) {
+      if (Clock::now() + kRetryPause >= deadline) {
+        return failure(
+            "connecting to", peer,
+            "it closed the connection without answering, " + std::to_string(attempts) + " times (" + closedWhy +
+                "; is " + url + " a listener of this job? its log says why)");
+      }
+      std::this_thread::sleep_for(kRetryPause);
+    }
+    if (Status s = connectTo(url, deadline, socket, [this] { return interrupted(); }); !s.ok()) {
+      return failure("connecting to", peer, s.message());
+    }
+    if (Status s = writeFull(socket, bytes.data(), bytes.size()); !s.ok()) {
+      closedWhy = s.message();
+      continue;
+    }
+    if (!waitReadable(socket, deadline)) {
+      return failure(
+          "connecting to", peer, "no answer to its hello within " + std::to_string(options_.timeout.count()) + " ms");
+    }
+    uint8_t raw[HelloReply::kBytes];
+    if (Status s = readFull(socket, raw, sizeof(raw)); !s.ok()) {
+      closedWhy = s.message();
+      continue;
+    }
+    const std::optional<HelloReply> decoded = decodeHelloReply(raw);
+    if (!decoded) {
+      return failure("connecting to", peer, "a malformed answer to its hello");
+    }
+    reply = *decoded;
+    return Status();
+  }
+}
+
+Status PeerMesh::add(int peer, Lane lane, Socket socket, bool readsMemory) {
+  const bool rail = reachOf(peer) == Reach::kRail;
+  auto out = std::make_unique<Outbound>();
+  out->peer = peer;
+  out->lane = lane;
+  out->socket = std::move(socket);
+  out->readsMemory = readsMemory;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) {
+    return Status::error("fairring: the process group was closed during start-up");
+  }
+  Writer*& shared = railWriters_[static_cast<int>(lane)];
+  if (!rail || shared == nullptr) {
+    writers_.push_back(std::make_unique<Writer>());
+    Writer* w = writers_.back().get();
+    w->thread = std::thread([this, w] { writeLoop(*w); });
+    if (rail) {
+      shared = w;
+    }
+  }
+  out->writer = rail ? shared : writers_.back().get();
+  outbound_[{peer, lane}] = std::move(out);
+  return Status();
+}
+
+} // namespace fairring
