@@ -1,6 +1,7 @@
 #include "vehicle_device.h"
 
 #include <ATen/EmptyTensor.h>
+#include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/view_native.h>
@@ -343,6 +344,35 @@ TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
 
 C10_REGISTER_GUARD_IMPL(PrivateUse1, Guard);
 
+// What torch asks an accelerator (torch.accelerator, dist.barrier()'s device).
+struct Hooks final : public at::PrivateUse1HooksInterface {
+  bool isBuilt() const override {
+    return true;
+  }
+  bool isAvailable() const override {
+    return true;
+  }
+  bool hasPrimaryContext(c10::DeviceIndex) const override {
+    return true;
+  }
+  c10::DeviceIndex deviceCount() const override {
+    return 1;
+  }
+  void setCurrentDevice(c10::DeviceIndex) const override {}
+  c10::DeviceIndex getCurrentDevice() const override {
+    return 0;
+  }
+  c10::DeviceIndex exchangeDevice(c10::DeviceIndex) const override {
+    return 0;
+  }
+  c10::DeviceIndex maybeExchangeDevice(c10::DeviceIndex) const override {
+    return 0;
+  }
+  at::Device getDeviceFromPtr(void*) const override {
+    return device();
+  }
+};
+
 } // namespace
 
 c10::Device device() {
@@ -418,6 +448,7 @@ void install() {
   std::call_once(once, [] {
     c10::register_privateuse1_backend("vehicle");
     c10::SetAllocator(kType, &gAllocator);
+    at::RegisterPrivateUse1HooksInterface(new Hooks());
     Ledger::get().nameStream(kDefaultStream, "default stream");
   });
 }

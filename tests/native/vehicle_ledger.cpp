@@ -240,7 +240,9 @@ void Ledger::released(uintptr_t begin, uintptr_t end, int64_t allocStream, const
   // The allocator hands the block out again once the device has passed these
   // points; anything touching it that is not before them may run after the
   // next owner starts writing.
+  // (and what the host already knows to be done is done).
   Clock safe = clockLocked(allocStream);
+  safe.join(host_);
   for (int64_t stream : recordedOn) {
     safe.join(clockLocked(stream));
   }
