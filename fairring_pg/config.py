@@ -211,8 +211,9 @@ class Config:
     socket_ifname: str | None = _setting("TP_SOCKET_IFNAME", _check_ifname, None, job_wide=False)
     slice_scaling: bool = _setting("FAIRRING_SLICE_SCALING", _switch, True, job_wide=True)
     timeline: str | None = _setting("FAIRRING_TIMELINE", _check_timeline, None, job_wide=False)
+    # Who runs CUDA collectives: NCCL on one rank and Gloo on another hang both.
     cuda_delegate: str = _setting(
-        "FAIRRING_CUDA_DELEGATE", _choice(CUDA_DELEGATES), "auto", job_wide=False
+        "FAIRRING_CUDA_DELEGATE", _choice(CUDA_DELEGATES), "auto", job_wide=True
     )
     lanes: int = _setting("FAIRRING_LANES", _count(1, MAX_LANES), DEFAULT_LANES, job_wide=True)
     direct_below: int = _setting(

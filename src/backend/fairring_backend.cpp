@@ -34,6 +34,8 @@ FairringBackend::FairringBackend(
       cpu_(std::move(cpuDelegate)),
       cuda_(std::move(cudaDelegate)),
       ring_(options.ringDelegate),
+      accelerator_(options.acceleratorType),
+      cudaUnavailable_(options.cudaUnavailable),
       cpuRingFrom_(options.cpuRingFrom) {
   TORCH_CHECK(cpu_, "fairring: a CPU delegate backend is required");
   TORCH_CHECK(cpuRingFrom_ < 0 || ring_, "fairring: allreduces on the ring need a ring delegate");
@@ -53,7 +55,7 @@ FairringBackend::FairringBackend(
   subgroupOptions.directBelowBytes = options.directBelowBytes;
   subgroupOptions.totalMemory = options.totalMemory;
   if (options.cudaSubgroups) {
-    cudaSubgroups_ = std::make_unique<SubgroupAllreduce>(*options.cudaSubgroups, subgroupOptions, c10::kCUDA);
+    cudaSubgroups_ = std::make_unique<SubgroupAllreduce>(*options.cudaSubgroups, subgroupOptions, accelerator_);
   }
   if (options.cpuSubgroups) {
     cpuSubgroups_ = std::make_unique<SubgroupAllreduce>(*options.cpuSubgroups, subgroupOptions, c10::kCPU);
@@ -82,12 +84,10 @@ c10d::Backend& FairringBackend::delegateForAll(const std::vector<at::Tensor>& te
     if (!tensor.defined()) {
       continue;
     }
-    if (!tensor.device().is_cuda()) {
+    if (!onAccelerator(tensor)) {
       return *cpu_;
     }
-    TORCH_CHECK(
-        cuda_, "fairring: CUDA tensors need NCCL, which this build of torch does not provide (or CUDA is not "
-        "available in this process)");
+    TORCH_CHECK(cuda_, "fairring: rank ", getRank(), ": ", cudaUnavailable_);
     if (cudaSubgroups_) {
       cudaSubgroups_->orderBefore(tensors);
     }
@@ -102,7 +102,7 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce(
   TORCH_CHECK(
       tensors.size() == 1, "fairring: allreduce takes exactly one tensor per process, got ", tensors.size());
   at::Tensor& tensor = tensors[0];
-  if (tensor.defined() && tensor.device().is_cuda()) {
+  if (tensor.defined() && onAccelerator(tensor)) {
     if (cudaSubgroups_) {
       return cudaSubgroups_->allreduce(tensor, opts.reduceOp.op_);
     }
@@ -169,7 +169,7 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceCoalescedOptions& opts) {
   TORCH_CHECK(!tensors.empty(), "fairring: allreduce_coalesced needs at least one tensor");
-  if (tensors[0].defined() && tensors[0].device().is_cuda()) {
+  if (tensors[0].defined() && onAccelerator(tensors[0])) {
     if (cudaSubgroups_) {
       return cudaSubgroups_->allreduceCoalesced(tensors, opts.reduceOp.op_);
     }
@@ -339,7 +339,7 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::barrier(const c10d::BarrierOptio
   if (cpuAllreduce_) {
     cpuAllreduce_->barrier();
   }
-  awaitAcceleratorWork();
+  awaitSubgroups();
   return cpu_->barrier(opts);
 }
 
@@ -347,11 +347,19 @@ void FairringBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wa
   if (cpuAllreduce_) {
     cpuAllreduce_->barrier();
   }
-  awaitAcceleratorWork();
+  awaitSubgroups();
   cpu_->monitoredBarrier(opts, waitAllRanks);
 }
 
-void FairringBackend::awaitAcceleratorWork() {}
+void FairringBackend::awaitSubgroups() {
+  // The allreduces on the accelerator are done on the device, not only
+  // enqueued, past a barrier, as they would be behind NCCL's.
+  for (auto* subgroups : {cudaSubgroups_.get(), cpuSubgroups_.get()}) {
+    if (subgroups != nullptr) {
+      subgroups->awaitIssued();
+    }
+  }
+}
 
 void FairringBackend::setSequenceNumberForGroup() {
   cpu_->setSequenceNumberForGroup();

@@ -6,6 +6,7 @@
 #include <c10/core/StreamGuard.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -53,8 +54,8 @@ class LaneStreams {
   // lane's stream has passed this point (the caller may free it at once).
   void keepAlive(const at::Tensor& t, int lane) const;
   // Joins the lanes this operation used on the stream of `last` (the lane of
-  // its last unit) and makes that stream current until the guard goes.
-  c10::OptionalStreamGuard join(int last);
+  // its last unit): the stream on which the operation is done (none on CPU).
+  std::optional<c10::Stream> join(int last);
   // An event recorded at the current point of lane `lane`'s stream (null on CPU).
   std::shared_ptr<c10::Event> mark(int lane) const;
 
@@ -77,6 +78,10 @@ void blockCurrentStream(const c10::Event& event, c10::Device device);
 // Waits on the host until the device has passed `event`, or `deadline` (which
 // is an error). Polls, so that a peer that never comes cannot hold the
 // caller forever, as a plain synchronize would.
-Status waitOnHost(const c10::Event& event, std::chrono::steady_clock::time_point deadline);
+// `stop` ends the wait early (an abort), as an error.
+Status waitOnHost(
+    const c10::Event& event,
+    std::chrono::steady_clock::time_point deadline,
+    const std::function<bool()>& stop = [] { return false; });
 
 } // namespace fairring
