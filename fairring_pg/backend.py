@@ -10,10 +10,10 @@ from __future__ import annotations
 import atexit
 import secrets
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from fairring_pg import future_callbacks
@@ -36,6 +36,20 @@ _stand_in_accelerator: StandInAccelerator | None = None
 _cuda_decisions: dict[str, CudaDecision] = {}
 
 
+@dataclass
+class _Agreed:
+    """What every rank of the group has settled before the core starts."""
+
+    config: Config
+    topology: Topology
+    cuda_decision: CudaDecision
+    subgroup_slice: int
+    token: str
+    factory: Callable[..., Any]
+    opts: Any
+    ext: Any
+
+
 def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
     """``extended_api`` creator: returns a ``c10d.Backend`` for one process group."""
     store = dist_backend_opts.store
@@ -43,10 +57,53 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
     size = int(dist_backend_opts.group_size)
     timeout: timedelta = dist_backend_opts.timeout
 
+    agreed = _agree(store, rank, size, timeout)
+    config, topology, opts = agreed.config, agreed.topology, agreed.opts
+    address = listen_address(config, single_host=len(set(topology.hostnames)) == 1)
+    _fill_options(opts, config, topology, address, agreed.token, timeout)
+    opts.subgroup_slice_size = agreed.subgroup_slice
+    _cuda_decisions[str(dist_backend_opts.group_id)] = agreed.cuda_decision
+    cpu_delegate = make_gloo_delegate(store, rank, size, timeout, config, dist_backend_opts)
+    if opts.cpu_ring_from >= 0 and not config.test_cpu_subgroups:
+        # The ring's own Gloo group: on the delegate, the program's ring allreduces
+        # would interleave with collectives issued from callbacks differently on
+        # each rank.
+        opts.ring_delegate = make_gloo_delegate(
+            store, rank, size, timeout, config, dist_backend_opts, role="ring"
+        )
+    cuda_delegate = _cuda_side(agreed, store, rank, size, timeout, dist_backend_opts, cpu_delegate)
+    if config.test_cpu_subgroups and _core_factory is None:
+        make = gloo_maker(store, timeout, config, _global_ranks(dist_backend_opts, size))
+        opts.cpu_subgroups = build_subgroups(
+            agreed.ext.Subgroups(),
+            topology,
+            config,
+            cpu_delegate,
+            make,
+            make,
+            "cpu",
+            str(dist_backend_opts.group_id),
+        )
+    core_store = dist.PrefixStore("fairring/core/", store)
+    try:
+        return agreed.factory(core_store, rank, size, opts, cpu_delegate, cuda_delegate)
+    except Exception as exc:
+        raise RuntimeError(
+            f"fairring: rank {rank} of {size} could not start the allreduce core "
+            f"(listening on {address}, {topology.num_machines} machine(s) x "
+            f"{topology.local_size} rank(s)): {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _agree(store: Any, rank: int, size: int, timeout: timedelta) -> _Agreed:
+    """Settings, topology, the CUDA decision and the job token, the same on every rank;
+    a rank that fails here tells the others, which raise at once rather than at the init
+    timeout."""
     try:
         config = Config.from_env()
         # Compile/load before any rendezvous: a first build takes minutes, and it must
         # not eat into the store timeouts below (a machine's ranks wait on one build).
+        ext: Any = None
         if _core_factory is None:
             from fairring_pg._build import load_extension
 
@@ -70,45 +127,53 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
         subgroup_slice = config.subgroup_slice_size(topology.num_machines, topology.local_size)
         token = job_token(store, rank, timeout)
     except Exception as exc:
-        # The others are waiting on the store for this rank: tell them, so they raise
-        # now rather than at the init timeout.
         publish_failure(store, rank, exc)
         raise
-    address = listen_address(config, single_host=len(set(topology.hostnames)) == 1)
-    _fill_options(opts, config, topology, address, token, timeout)
-    opts.subgroup_slice_size = subgroup_slice
+    return _Agreed(config, topology, cuda_decision, subgroup_slice, token, factory, opts, ext)
 
-    global_ranks = list(dist_backend_opts.global_ranks_in_group) or list(range(size))
+
+def _global_ranks(dist_backend_opts: Any, size: int) -> list[int]:
+    return list(dist_backend_opts.global_ranks_in_group) or list(range(size))
+
+
+def _cuda_side(
+    agreed: _Agreed,
+    store: Any,
+    rank: int,
+    size: int,
+    timeout: timedelta,
+    dist_backend_opts: Any,
+    cpu_delegate: Any,
+) -> Any:
+    """The CUDA delegate (NCCL, Gloo where ranks share a GPU, or the tests' stand-in
+    accelerator), and the CUDA sub-groups where allreduces are composed of them."""
+    config, topology, opts = agreed.config, agreed.topology, agreed.opts
+    global_ranks = _global_ranks(dist_backend_opts, size)
     group_id = str(dist_backend_opts.group_id)
-    _cuda_decisions[group_id] = cuda_decision
-    cpu_delegate = make_gloo_delegate(store, rank, size, timeout, config, dist_backend_opts)
-    if opts.cpu_ring_from >= 0 and not config.test_cpu_subgroups:
-        # The ring's own Gloo group: on the delegate, the program's ring allreduces
-        # would interleave with collectives issued from callbacks differently on
-        # each rank.
-        opts.ring_delegate = make_gloo_delegate(
-            store, rank, size, timeout, config, dist_backend_opts, role="ring"
-        )
     cuda_delegate = None
     makers: dict[str, Any] = {}
     if _stand_in_accelerator is not None:
         accelerator = _stand_in_accelerator
         opts.accelerator_type = accelerator.device_type
         cuda_delegate = accelerator.make_world(
-            dist.PrefixStore("fairring/accelerator/", store), rank, size, timeout, global_ranks,
+            dist.PrefixStore("fairring/accelerator/", store),
+            rank,
+            size,
+            timeout,
+            global_ranks,
             f"fairring-{accelerator.device_type}-g{group_id}-world",
         )
         makers["nccl"] = accelerator.maker(store, timeout, global_ranks)
-    elif cuda_decision.delegate == "nccl":
+    elif agreed.cuda_decision.delegate == "nccl":
         cuda_delegate = make_nccl_delegate(store, rank, size, timeout, dist_backend_opts)
         makers["nccl"] = nccl_maker(store, timeout, global_ranks)
-    elif cuda_decision.delegate == "gloo":
+    elif agreed.cuda_decision.delegate == "gloo":
         cuda_delegate = cpu_delegate
-    kinds = cuda_subgroup_kinds(topology, cuda_decision.delegate, config.test_local_gloo)
+    kinds = cuda_subgroup_kinds(topology, agreed.cuda_decision.delegate, config.test_local_gloo)
     if kinds is not None and _core_factory is None:
         makers["gloo"] = gloo_maker(store, timeout, config, global_ranks)
         opts.cuda_subgroups = build_subgroups(
-            ext.Subgroups(),
+            agreed.ext.Subgroups(),
             topology,
             config,
             cuda_delegate,
@@ -118,30 +183,11 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
             group_id,
         )
     opts.cuda_unavailable = (
-        "" if cuda_delegate is not None else f"CUDA collectives cannot run: {cuda_decision.reason}"
+        ""
+        if cuda_delegate is not None
+        else f"CUDA collectives cannot run: {agreed.cuda_decision.reason}"
     )
-    if config.test_cpu_subgroups and _core_factory is None:
-        make = gloo_maker(store, timeout, config, global_ranks)
-        opts.cpu_subgroups = build_subgroups(
-            ext.Subgroups(),
-            topology,
-            config,
-            cpu_delegate,
-            make,
-            make,
-            "cpu",
-            group_id,
-        )
-    core_store = dist.PrefixStore("fairring/core/", store)
-    try:
-        backend = factory(core_store, rank, size, opts, cpu_delegate, cuda_delegate)
-    except Exception as exc:
-        raise RuntimeError(
-            f"fairring: rank {rank} of {size} could not start the allreduce core "
-            f"(listening on {address}, {topology.num_machines} machine(s) x "
-            f"{topology.local_size} rank(s)): {type(exc).__name__}: {exc}"
-        ) from exc
-    return backend
+    return cuda_delegate
 
 
 # How long allreduces posted but never waited for may take to finish at exit.

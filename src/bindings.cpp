@@ -12,9 +12,7 @@
 
 #include "backend/fairring_backend.h"
 #include "backend/python_callback.h"
-#include "faults/fault_points.h"
 #include "pipeline/allreduce_engine.h"
-#include "pipeline/slice_plan.h"
 #include "subgroups/capture_probe.h"
 #include "subgroups/drain.h"
 #include "subgroups/in_flight_ops.h"
@@ -26,9 +24,10 @@ using fairring::BackendOptions;
 using fairring::FairringBackend;
 using fairring::Subgroups;
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "fairring_pg C++ core: reduction-server allreduce";
+namespace {
 
+// What fairring_pg.backend fills in and hands over.
+void bindOptions(py::module_& m) {
   py::class_<Subgroups>(m, "Subgroups")
       .def(py::init<>())
       .def_readwrite("world", &Subgroups::world)
@@ -60,7 +59,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           [](const BackendOptions& o) { return c10::DeviceTypeName(o.acceleratorType, /*lower_case=*/true); },
           [](BackendOptions& o, const std::string& type) { o.acceleratorType = c10::Device(type).type(); })
       .def_readwrite("cpu_subgroups", &BackendOptions::cpuSubgroups);
+}
 
+void bindBackend(py::module_& m) {
   py::class_<FairringBackend, c10d::Backend, c10::intrusive_ptr<FairringBackend>>(m, "FairringBackend")
       .def(
           py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, BackendOptions options,
@@ -105,31 +106,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("device"),
           "What the sub-group allreduce of `device` ('cpu': the test path, 'cuda') has done, or None "
           "where it is not used: operations, direct and sliced units, ordering waits, how destroy ended.");
+}
 
+// What the process as a whole needs: the exit hook, and the marks
+// fairring_pg.future_callbacks puts around Python callbacks.
+void bindProcess(py::module_& m) {
   m.def(
       "shutdown_all", &fairring::AllreduceEngine::shutdownAll, py::arg("grace"),
       py::call_guard<py::gil_scoped_release>(),
       "Stop every fairring engine of this process (run at interpreter exit), letting posted "
       "operations finish within `grace` first.");
-
-  // TEMPORARY (issue 33): the fault points' controls, until they move to the
-  // test-only module (tests/native/).
-  m.def(
-      "_arm_fault",
-      [](const std::string& point, const std::string& action, int64_t delayMs, int times, int64_t key) {
-        fairring::faults::Action a = fairring::faults::Action::kDelay;
-        if (action == "throw") {
-          a = fairring::faults::Action::kThrow;
-        } else if (action == "close") {
-          a = fairring::faults::Action::kClose;
-        } else {
-          TORCH_CHECK(action == "delay", "arm_fault: action must be delay, throw or close");
-        }
-        fairring::faults::arm(point, a, std::chrono::milliseconds(delayMs), times, key);
-      },
-      py::arg("point"), py::arg("action"), py::arg("delay_ms") = 0, py::arg("times") = 1, py::arg("key") = -1);
-  m.def("_disarm_faults", &fairring::faults::disarmAll);
-  m.def("_fault_uses", &fairring::faults::uses);
 
   // fairring_pg.future_callbacks calls these around every Python callback of a future
   // fairring handed out or one made from it, and asks these which futures those are.
@@ -143,7 +129,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       fairring::adoptFuture(future->fut);
     }
   });
+}
 
+// The sub-group path's logic for tests that need no GPU (tests/test_subgroup_logic.py,
+// tests/test_plans.py): test-only, bound here until they move to the test module.
+void bindSubgroupLogic(py::module_& m) {
   m.def(
       "lane_staging_bytes",
       [](size_t sliceSize, int numMachines, int localSize) {
@@ -151,42 +141,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("slice_size"), py::arg("num_machines"), py::arg("local_size"),
       "Bytes of one lane's staging in the sub-group path (must equal fairring_pg.config's formula).");
-
-  // The two plans, laid out for tests (tests/test_plans.py) that check them over many shapes.
-  m.def(
-      "slice_plan",
-      [](int64_t numel, int64_t sliceElems, int64_t chunkElems, int localSize, int numMachines) {
-        const fairring::SlicePlan plan(numel, sliceElems, chunkElems, localSize, numMachines);
-        py::list slices;
-        for (int64_t s = 0; s < plan.numSlices(); ++s) {
-          py::list segments;
-          for (int g = 0; g < plan.numSegments(s); ++g) {
-            py::list chunks;
-            for (int l = 0; l < localSize; ++l) {
-              py::list shards;
-              for (int m = 0; m < numMachines; ++m) {
-                const fairring::Range r = plan.shard(s, g, l, m);
-                shards.append(py::make_tuple(r.begin, r.end));
-              }
-              const fairring::Range c = plan.chunk(s, g, l);
-              chunks.append(py::make_tuple(c.begin, c.end, shards));
-            }
-            const fairring::Range seg = plan.segment(s, g);
-            segments.append(
-                py::make_tuple(seg.begin, seg.end, plan.chunkOffset(g), plan.shardOffset(g), chunks));
-          }
-          const fairring::Range sl = plan.slice(s);
-          slices.append(py::make_tuple(sl.begin, sl.end, segments));
-        }
-        return py::dict(
-            py::arg("slices") = slices, py::arg("segment_elems") = plan.segmentElems(),
-            py::arg("max_chunk_elems") = plan.maxChunkElems(),
-            py::arg("max_shard_elems") = plan.maxShardElems());
-      },
-      py::arg("numel"), py::arg("slice_elems"), py::arg("chunk_elems"), py::arg("local_size"),
-      py::arg("num_machines"),
-      "SlicePlan laid out: slices of (begin, end, segments); segments of (begin, end, chunk "
-      "offset, shard offset, chunks); chunks of (begin, end, shards); shards of (begin, end).");
 
   m.def(
       "plan_units",
@@ -234,7 +188,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           })
       .def("all", &ProbeOps::all)
       .def("__len__", &ProbeOps::size);
+}
 
+// The capture states and the drain, for the same tests (test-only, as above).
+void bindCaptureAndDrain(py::module_& m) {
   m.def(
       "capture_state",
       [](int result, int status) { return fairring::captureStateName(fairring::captureStateFrom(result, status)); },
@@ -269,4 +226,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("pending"), py::arg("failed"), py::arg("timeout"),
       "drainUntil with Python predicates: 'drained', 'failed' or 'timed out'.");
+}
+
+} // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fairring_pg C++ core: reduction-server allreduce";
+  bindOptions(m);
+  bindBackend(m);
+  bindProcess(m);
+  bindSubgroupLogic(m);
+  bindCaptureAndDrain(m);
 }

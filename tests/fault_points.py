@@ -8,9 +8,9 @@ from typing import Any
 
 
 def _controls() -> Any:
-    from fairring_pg._build import load_extension
+    from fairring_pg._build import load_test_extension
 
-    return load_extension()
+    return load_test_extension().faults
 
 
 def arm(
@@ -19,13 +19,13 @@ def arm(
     """Arm ``point`` for its next ``times`` uses matching ``key`` (a peer's rank, an
     operation's turn; -1: any): ``action`` is "delay" (``delay_ms``), "throw" or
     "close"."""
-    _controls()._arm_fault(point, action, delay_ms, times, key)
+    _controls().arm(point, action, delay_ms, times, key)
 
 
 def disarm() -> None:
-    _controls()._disarm_faults()
+    _controls().disarm()
 
 
 def uses(point: str) -> int:
     """How many times ``point`` fired in this process."""
-    return int(_controls()._fault_uses(point))
+    return int(_controls().uses(point))

@@ -3,7 +3,8 @@ M machines): SlicePlan (src/pipeline/slice_plan.h, the CPU pipeline) and planUni
 (src/subgroups/unit_plan.h, the sub-group path). Every element must be covered exactly
 once, each piece must go to the local rank (chunk l) and the machine (shard m) its index
 names, and the staging offsets must put each segment's pieces where the segments before
-it end. The bindings (core.slice_plan, core.plan_units) only lay the plans out."""
+it end. The bindings (the test module's slice_plan, the core's plan_units) only lay the
+plans out."""
 
 from __future__ import annotations
 
@@ -31,8 +32,15 @@ def _balanced(begin: int, end: int, n: int) -> list[tuple[int, int]]:
     return [(begin + size * i // n, begin + size * (i + 1) // n) for i in range(n)]
 
 
+@cache
+def _testing() -> ModuleType:
+    from fairring_pg._build import load_test_extension
+
+    return load_test_extension()
+
+
 def _check_slice_plan(numel: int, slice_elems: int, chunk_elems: int, L: int, M: int) -> None:
-    plan: dict[str, Any] = _core().slice_plan(numel, slice_elems, chunk_elems, L, M)
+    plan: dict[str, Any] = _testing().slice_plan(numel, slice_elems, chunk_elems, L, M)
     what = f"numel={numel} slice={slice_elems} chunk={chunk_elems} L={L} M={M}"
     seg_elems = plan["segment_elems"]
     if M > 1 and seg_elems < slice_elems:

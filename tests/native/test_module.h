@@ -5,3 +5,5 @@
 // The parts of the test-only module (fairring_pg_testing), each in a file of
 // its own; test_module.cpp calls them in order.
 void bindStreamVehicle(pybind11::module_& m);
+// The CPU engine's internals and its fault points (engine_bindings.cpp).
+void bindEngine(pybind11::module_& m);

@@ -1,0 +1,78 @@
+// The CPU engine's internals for tests: its slice plan laid out
+// (tests/test_plans.py) and the fault points' controls (tests/fault_points.py).
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+
+#include <chrono>
+#include <string>
+
+#include "faults/fault_points.h"
+#include "pipeline/slice_plan.h"
+#include "test_module.h"
+
+namespace py = pybind11;
+
+namespace {
+
+py::dict layOut(const fairring::SlicePlan& plan, int localSize, int numMachines) {
+  py::list slices;
+  for (int64_t s = 0; s < plan.numSlices(); ++s) {
+    py::list segments;
+    for (int g = 0; g < plan.numSegments(s); ++g) {
+      py::list chunks;
+      for (int l = 0; l < localSize; ++l) {
+        py::list shards;
+        for (int m = 0; m < numMachines; ++m) {
+          const fairring::Range r = plan.shard(s, g, l, m);
+          shards.append(py::make_tuple(r.begin, r.end));
+        }
+        const fairring::Range c = plan.chunk(s, g, l);
+        chunks.append(py::make_tuple(c.begin, c.end, shards));
+      }
+      const fairring::Range seg = plan.segment(s, g);
+      segments.append(py::make_tuple(seg.begin, seg.end, plan.chunkOffset(g), plan.shardOffset(g), chunks));
+    }
+    const fairring::Range sl = plan.slice(s);
+    slices.append(py::make_tuple(sl.begin, sl.end, segments));
+  }
+  return py::dict(
+      py::arg("slices") = slices, py::arg("segment_elems") = plan.segmentElems(),
+      py::arg("max_chunk_elems") = plan.maxChunkElems(), py::arg("max_shard_elems") = plan.maxShardElems());
+}
+
+fairring::faults::Action actionNamed(const std::string& action) {
+  if (action == "delay") {
+    return fairring::faults::Action::kDelay;
+  }
+  if (action == "throw") {
+    return fairring::faults::Action::kThrow;
+  }
+  TORCH_CHECK(action == "close", "faults.arm: action must be 'delay', 'throw' or 'close', got '", action, "'");
+  return fairring::faults::Action::kClose;
+}
+
+} // namespace
+
+void bindEngine(py::module_& m) {
+  m.def(
+      "slice_plan",
+      [](int64_t numel, int64_t sliceElems, int64_t chunkElems, int localSize, int numMachines) {
+        return layOut(fairring::SlicePlan(numel, sliceElems, chunkElems, localSize, numMachines), localSize,
+                      numMachines);
+      },
+      py::arg("numel"), py::arg("slice_elems"), py::arg("chunk_elems"), py::arg("local_size"),
+      py::arg("num_machines"),
+      "SlicePlan laid out: slices of (begin, end, segments); segments of (begin, end, chunk "
+      "offset, shard offset, chunks); chunks of (begin, end, shards); shards of (begin, end).");
+
+  auto faults = m.def_submodule("faults", "The core's fault points (src/faults/fault_points.h).");
+  faults.def(
+      "arm",
+      [](const std::string& point, const std::string& action, int64_t delayMs, int times, int64_t key) {
+        fairring::faults::arm(point, actionNamed(action), std::chrono::milliseconds(delayMs), times, key);
+      },
+      py::arg("point"), py::arg("action"), py::arg("delay_ms") = 0, py::arg("times") = 1, py::arg("key") = -1,
+      "Arms `point` for its next `times` uses whose key matches (-1: any).");
+  faults.def("disarm", &fairring::faults::disarmAll, "Disarms every point.");
+  faults.def("uses", &fairring::faults::uses, py::arg("point"), "How many times `point` fired in this process.");
+}
