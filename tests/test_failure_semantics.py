@@ -27,10 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import fault_points
+import pytest
 import torch
 import torch.distributed as dist
 from killed_peer import call_after_error, warm_up
-from multiprocess import SHAPES, fairring_env, launch
+from multiprocess import SHAPES, RankOutcome, fairring_env, launch, memoised
 
 GROUP_TIMEOUT_S = 30.0
 # Every rank raises well before the group's timeout: it is told, not timed out.
@@ -235,38 +236,63 @@ def test_the_ring_does_not_pair_up_with_collectives_from_callbacks() -> None:
         assert o.value == {"ring": "exact", "broadcast": 7.0}, f"rank {o.rank}: {o.value}"
 
 
-# ---------------------------------------------------------- a reduction that throws
+# ------------------------------ a reduction that throws, a connection that breaks
 
 THROWER = 1
+READER, BROKEN_PEER = 0, 2  # rank 0 reads from its rail peer, rank 2
 
 
-def _reduction_throws(rank: int, world: int) -> dict[str, Any]:
-    group = dist.new_group(backend="fairring", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+def _broken(rank: int, world: int, group: Any, point: str, action: str, key: int) -> dict[str, Any]:
+    """On its own group: the fault armed on ``point`` fires in the allreduce after the
+    warm-up (turn 1, the key of engine.reduce)."""
     warm_up(rank, group)  # the group's turn 0
-    if rank == THROWER:
-        fault_points.arm("engine.reduce", "throw", key=1)
+    if (rank, point) in ((THROWER, "engine.reduce"), (READER, "mesh.read.close")):
+        fault_points.arm(point, action, key=key)
     t = torch.full((100_000,), float(rank + 1))
     message, elapsed = _attempt(lambda: dist.all_reduce(t, group=group))
-    after_s, after_message = call_after_error(group)
+    _, after_message = call_after_error(group)
     return {
         "message": message,
         "elapsed_s": elapsed,
         "after_message": after_message,
-        "fired": fault_points.uses("engine.reduce"),
+        "fired": fault_points.uses(point),
         "destroy_s": _destroy(group),
     }
 
 
-def test_a_reduction_that_throws_fails_its_operation_on_every_rank() -> None:
-    outcomes = launch(_reduction_throws, 4, SHAPES["2x2"], timeout_s=JOB_TIMEOUT_S)
+def _broken_operations(rank: int, world: int) -> dict[str, Any]:
+    def new_group() -> Any:
+        return dist.new_group(backend="fairring", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+
+    return {
+        "throw": _broken(rank, world, new_group(), "engine.reduce", "throw", 1),
+        # The connection from rank 2 breaks under a body rank 0 reads (its onReceived).
+        "close": _broken(rank, world, new_group(), "mesh.read.close", "close", BROKEN_PEER),
+    }
+
+
+@memoised
+def _broken_job() -> tuple[RankOutcome, ...]:
+    return tuple(launch(_broken_operations, 4, SHAPES["2x2"], timeout_s=JOB_TIMEOUT_S))
+
+
+@pytest.mark.parametrize(
+    ("case", "culprit", "why"),
+    [
+        ("throw", THROWER, f"a reduction of allreduce #1 failed on rank {THROWER}"),
+        ("close", READER, f"receiving from rank {BROKEN_PEER}"),
+    ],
+)
+def test_a_broken_operation_fails_on_every_rank_naming_where(
+    case: str, culprit: int, why: str
+) -> None:
+    outcomes = _broken_job()
     bad = [o for o in outcomes if not o.ok]
     assert not bad, "\n".join(o.describe() for o in bad)
-    assert outcomes[THROWER].value["fired"] == 1
-    why = f"a reduction of allreduce #1 failed on rank {THROWER}"
+    assert outcomes[culprit].value[case]["fired"] == 1
     for o in outcomes:
-        v = o.value
+        v = o.value[case]
         assert v["message"] is not None and why in v["message"], f"rank {o.rank}: {v['message']!r}"
-        assert "fault point engine.reduce" in v["message"], f"rank {o.rank}: {v['message']!r}"
         assert v["elapsed_s"] < TOLD_S, f"rank {o.rank}: raised after {v['elapsed_s']:.1f} s"
         assert v["after_message"] is not None and why in v["after_message"], f"rank {o.rank}"
         assert v["destroy_s"] < DESTROY_S, f"rank {o.rank}: destroy took {v['destroy_s']:.1f} s"

@@ -97,7 +97,10 @@ void PeerMesh::readLoop(Inbound& in) {
       done = std::move(in.done);
     }
     Status body;
-    if (bytes != frame.bodyBytes) {
+    if (faults::hit("mesh.read.close", peer)) {
+      in.socket.shutdown(); // the connection breaks under this body
+      body = Status::error("the connection broke (fault point mesh.read.close)");
+    } else if (bytes != frame.bodyBytes) {
       body = Status::error(
           "its message has " + std::to_string(frame.bodyBytes) + " bytes, " + std::to_string(bytes) +
           " were expected");
