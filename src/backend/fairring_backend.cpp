@@ -38,7 +38,6 @@ FairringBackend::FairringBackend(
       cudaUnavailable_(options.cudaUnavailable),
       cpuRingFrom_(options.cpuRingFrom) {
   TORCH_CHECK(cpu_, "fairring: a CPU delegate backend is required");
-  TORCH_CHECK(cpuRingFrom_ < 0 || ring_, "fairring: allreduces on the ring need a ring delegate");
   TORCH_CHECK(
       static_cast<int>(options.machineOf.size()) == size, "fairring: machine_of has ", options.machineOf.size(),
       " entries for a world of ", size);
@@ -61,6 +60,7 @@ FairringBackend::FairringBackend(
     cpuSubgroups_ = std::make_unique<SubgroupAllreduce>(*options.cpuSubgroups, subgroupOptions, c10::kCPU);
     return;
   }
+  TORCH_CHECK(cpuRingFrom_ < 0 || ring_, "fairring: allreduces on the ring need a ring delegate");
   EngineOptions engineOptions{
       options.sliceSize, options.stagingSlotBytes, options.totalMemory, options.timeout, options.listenAddress,
       options.jobToken, options.timelinePath, options.pipelineChunk};
