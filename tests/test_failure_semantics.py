@@ -98,21 +98,17 @@ def _refused_after_async(rank: int, world: int, late: int, refuser: int) -> dict
     }
 
 
+LATE, REFUSER = 3, 2
+
+
 def test_earlier_calls_complete_and_every_later_one_raises_alike() -> None:
-    late, refuser = 3, 2
-    outcomes = launch(
-        _refused_after_async,
-        4,
-        SHAPES["2x2"],
-        timeout_s=JOB_TIMEOUT_S,
-        late=late,
-        refuser=refuser,
-    )
+    late, refuser = LATE, REFUSER
+    outcomes = _two_by_two_job()
     bad = [o for o in outcomes if not o.ok]
     assert not bad, "\n".join(o.describe() for o in bad)
     problems = []
     for o in outcomes:
-        v = o.value
+        v = o.value["refused"]
         if v["earlier"] != ["exact"] * 4:
             problems.append(f"rank {o.rank}: the allreduces before the refusal: {v['earlier']}")
         why = f"reduce_scatter on rank {refuser}"
@@ -164,22 +160,34 @@ def _refused_with_the_ring(rank: int, world: int, refuser: int) -> dict[str, Any
     }
 
 
-def test_a_ring_call_at_a_failed_turn_raises_on_every_rank() -> None:
-    refuser = 1
-    outcomes = launch(
-        _refused_with_the_ring,
-        3,
-        SHAPES["3x1"],
-        env=fairring_env(FAIRRING_CPU_ALLREDUCE="auto"),
-        timeout_s=JOB_TIMEOUT_S,
-        refuser=refuser,
+RING_REFUSER = 1
+
+
+def _three_by_one(rank: int, world: int) -> dict[str, Any]:
+    """Both ring cases, each on a group of its own, in one job."""
+    return {
+        "failed_turn": _refused_with_the_ring(rank, world, RING_REFUSER),
+        "beside_callbacks": _ring_beside_callbacks(rank, world),
+    }
+
+
+@memoised
+def _three_by_one_job() -> tuple[RankOutcome, ...]:
+    env = fairring_env(FAIRRING_CPU_ALLREDUCE="auto")
+    return tuple(
+        launch(_three_by_one, 3, SHAPES["3x1"], env=env, timeout_s=JOB_TIMEOUT_S, abort_grace_s=30)
     )
+
+
+def test_a_ring_call_at_a_failed_turn_raises_on_every_rank() -> None:
+    refuser = RING_REFUSER
+    outcomes = _three_by_one_job()
     bad = [o for o in outcomes if not o.ok]
     assert not bad, "\n".join(o.describe() for o in bad)
     problems = []
     why = f"reduce_scatter on rank {refuser}"
     for o in outcomes:
-        v = o.value
+        v = o.value["failed_turn"]
         if v["first"] != "exact":
             problems.append(f"rank {o.rank}: the ring allreduce before the refusal: {v['first']}")
         if v["ring_calls"] != 1:
@@ -222,18 +230,12 @@ def _ring_beside_callbacks(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_the_ring_does_not_pair_up_with_collectives_from_callbacks() -> None:
-    outcomes = launch(
-        _ring_beside_callbacks,
-        3,
-        SHAPES["3x1"],
-        env=fairring_env(FAIRRING_CPU_ALLREDUCE="auto"),
-        timeout_s=JOB_TIMEOUT_S,
-        abort_grace_s=30,
-    )
+    outcomes = _three_by_one_job()
     bad = [o for o in outcomes if not o.ok]
     assert not bad, "\n".join(o.describe() for o in bad)
     for o in outcomes:
-        assert o.value == {"ring": "exact", "broadcast": 7.0}, f"rank {o.rank}: {o.value}"
+        v = o.value["beside_callbacks"]
+        assert v == {"ring": "exact", "broadcast": 7.0}, f"rank {o.rank}: {v}"
 
 
 # ------------------------------ a reduction that throws, a connection that breaks
@@ -260,11 +262,14 @@ def _broken(rank: int, world: int, group: Any, point: str, action: str, key: int
     }
 
 
-def _broken_operations(rank: int, world: int) -> dict[str, Any]:
+def _two_by_two(rank: int, world: int) -> dict[str, Any]:
+    """The 2x2 cases, each on a group of its own, in one job."""
+
     def new_group() -> Any:
         return dist.new_group(backend="fairring", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
 
     return {
+        "refused": _refused_after_async(rank, world, LATE, REFUSER),
         "throw": _broken(rank, world, new_group(), "engine.reduce", "throw", 1),
         # The connection from rank 2 breaks under a body rank 0 reads (its onReceived).
         "close": _broken(rank, world, new_group(), "mesh.read.close", "close", BROKEN_PEER),
@@ -272,8 +277,8 @@ def _broken_operations(rank: int, world: int) -> dict[str, Any]:
 
 
 @memoised
-def _broken_job() -> tuple[RankOutcome, ...]:
-    return tuple(launch(_broken_operations, 4, SHAPES["2x2"], timeout_s=JOB_TIMEOUT_S))
+def _two_by_two_job() -> tuple[RankOutcome, ...]:
+    return tuple(launch(_two_by_two, 4, SHAPES["2x2"], timeout_s=JOB_TIMEOUT_S))
 
 
 @pytest.mark.parametrize(
@@ -286,7 +291,7 @@ def _broken_job() -> tuple[RankOutcome, ...]:
 def test_a_broken_operation_fails_on_every_rank_naming_where(
     case: str, culprit: int, why: str
 ) -> None:
-    outcomes = _broken_job()
+    outcomes = _two_by_two_job()
     bad = [o for o in outcomes if not o.ok]
     assert not bad, "\n".join(o.describe() for o in bad)
     assert outcomes[culprit].value[case]["fired"] == 1
@@ -383,12 +388,12 @@ def _exit_while_callback_engine_starts(rank: int, world: int) -> dict[str, int]:
     callback's engine is between connecting and starting its watchdog."""
     from fairring_pg._build import load_extension
 
-    fault_points.arm("engine.start", "delay", delay_ms=1500)
+    fault_points.arm("engine.start", "delay", delay_ms=1000)
     fut = dist.all_reduce(torch.ones(4), async_op=True).get_future()
     fut.then(lambda f: dist.all_reduce(torch.ones(4)))
-    time.sleep(0.5)
+    time.sleep(0.3)
     load_extension().shutdown_all(timedelta(milliseconds=200))
-    time.sleep(2.0)  # the start has gone on past the shutdown
+    time.sleep(1.2)  # the start has gone on past the shutdown
     watchdogs = _fairring_threads("fairring-watch")
     # Freeing the engines: a watchdog thread started after the shutdown would never
     # be joined, and destroying its engine would end the process (std::terminate).
