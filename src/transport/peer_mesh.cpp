@@ -292,16 +292,18 @@ void PeerMesh::receive(int peer, Lane lane, void* data, size_t bytes, Done done)
 }
 
 void PeerMesh::close() {
+  Gate* gate = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) {
       return;
     }
     closed_ = true;
+    gate = gate_.get(); // set only under this lock, never once closed
   }
   cv_.notify_all();
-  if (gate_) {
-    gate_->stop();
+  if (gate != nullptr) {
+    gate->stop();
   }
   std::map<Key, std::unique_ptr<Outbound>> outbound;
   std::map<Key, std::unique_ptr<Inbound>> inbound;

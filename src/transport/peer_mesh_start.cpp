@@ -41,7 +41,7 @@ Status PeerMesh::start(c10d::Store& store) {
   if (peers.empty()) {
     return Status();
   }
-  gate_ = std::make_unique<Gate>(
+  auto gate = std::make_unique<Gate>(
       me, options_.token, [this](Reach reach, const Hello& h) { return check(reach, h); },
       [this](Reach, const Hello& h, Socket s, bool readsMemory) { adopt(h, std::move(s), readsMemory); });
   std::string urls[2];
@@ -52,11 +52,20 @@ Status PeerMesh::start(c10d::Store& store) {
     }
     // Local peers share this machine, so their listener needs only loopback.
     const std::string host = reach == Reach::kLocal ? "127.0.0.1" : options_.listenAddress;
-    if (Status s = gate_->listen(reach, host, urls[static_cast<int>(reach)]); !s.ok()) {
+    if (Status s = gate->listen(reach, host, urls[static_cast<int>(reach)]); !s.ok()) {
       return Status::error("fairring: " + me + ": " + s.message());
     }
   }
-  gate_->start();
+  {
+    // A close() meanwhile (a shutdown during start-up) must find the gate, or
+    // this start must see the close.
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_ || interrupted_) {
+      return Status::error("fairring: the process group was shut down while " + me + " was connecting");
+    }
+    gate_ = std::move(gate);
+    gate_->start();
+  }
   try {
     for (int r = 0; r < 2; ++r) {
       if (!urls[r].empty()) {
