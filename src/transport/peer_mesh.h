@@ -93,6 +93,10 @@ class PeerMesh {
   Connection* find(const std::map<Key, std::unique_ptr<Connection>>& connections, Key key);
   HelloReply::Verdict check(Reach reach, const Hello& hello);
   void adopt(const Hello& hello, Socket socket, bool readsMemory);
+  // Creates the gate and its listeners (`urls`, by Reach), unless closed meanwhile.
+  Status openGate(const std::string& me, std::string urls[2]);
+  // Waits until every peer has connected back (both lanes).
+  Status awaitPeers(const std::string& me, const std::vector<int>& peers, Clock::time_point deadline);
   Status connect(int peer, Lane lane, const std::string& url, Clock::time_point deadline);
   // Connects to `url` and exchanges the hello, retrying where the gate closed
   // the connection without a verdict; the verdict in `reply`.

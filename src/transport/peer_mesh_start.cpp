@@ -41,30 +41,9 @@ Status PeerMesh::start(c10d::Store& store) {
   if (peers.empty()) {
     return Status();
   }
-  auto gate = std::make_unique<Gate>(
-      me, options_.token, [this](Reach reach, const Hello& h) { return check(reach, h); },
-      [this](Reach, const Hello& h, Socket s, bool readsMemory) { adopt(h, std::move(s), readsMemory); });
   std::string urls[2];
-  for (Reach reach : {Reach::kLocal, Reach::kRail}) {
-    const bool needed = reach == Reach::kLocal ? layout_.localSize() > 1 : layout_.numMachines() > 1;
-    if (!needed) {
-      continue;
-    }
-    // Local peers share this machine, so their listener needs only loopback.
-    const std::string host = reach == Reach::kLocal ? "127.0.0.1" : options_.listenAddress;
-    if (Status s = gate->listen(reach, host, urls[static_cast<int>(reach)]); !s.ok()) {
-      return Status::error("fairring: " + me + ": " + s.message());
-    }
-  }
-  {
-    // A close() meanwhile (a shutdown during start-up) must find the gate, or
-    // this start must see the close.
-    std::lock_guard<std::mutex> lock(mu_);
-    if (closed_ || interrupted_) {
-      return Status::error("fairring: the process group was shut down while " + me + " was connecting");
-    }
-    gate_ = std::move(gate);
-    gate_->start();
+  if (Status s = openGate(me, urls); !s.ok()) {
+    return s;
   }
   try {
     for (int r = 0; r < 2; ++r) {
@@ -88,7 +67,42 @@ Status PeerMesh::start(c10d::Store& store) {
     return Status::error(
         "fairring: exchanging listener addresses through the store failed on " + me + ": " + e.what());
   }
+  if (Status s = awaitPeers(me, peers, deadline); !s.ok()) {
+    return s;
+  }
+  // Every peer is in: nothing needs to listen any more, and a closed port
+  // refuses strangers before they can send a byte.
+  gate_->stop();
+  return Status();
+}
 
+Status PeerMesh::openGate(const std::string& me, std::string urls[2]) {
+  auto gate = std::make_unique<Gate>(
+      me, options_.token, [this](Reach reach, const Hello& h) { return check(reach, h); },
+      [this](Reach, const Hello& h, Socket s, bool readsMemory) { adopt(h, std::move(s), readsMemory); });
+  for (Reach reach : {Reach::kLocal, Reach::kRail}) {
+    const bool needed = reach == Reach::kLocal ? layout_.localSize() > 1 : layout_.numMachines() > 1;
+    if (!needed) {
+      continue;
+    }
+    // Local peers share this machine, so their listener needs only loopback.
+    const std::string host = reach == Reach::kLocal ? "127.0.0.1" : options_.listenAddress;
+    if (Status s = gate->listen(reach, host, urls[static_cast<int>(reach)]); !s.ok()) {
+      return Status::error("fairring: " + me + ": " + s.message());
+    }
+  }
+  // A close() meanwhile (a shutdown during start-up) must find the gate, or
+  // this start must see the close.
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_ || interrupted_) {
+    return Status::error("fairring: the process group was shut down while " + me + " was connecting");
+  }
+  gate_ = std::move(gate);
+  gate_->start();
+  return Status();
+}
+
+Status PeerMesh::awaitPeers(const std::string& me, const std::vector<int>& peers, Clock::time_point deadline) {
   std::unique_lock<std::mutex> lock(mu_);
   const size_t expected = peers.size() * kNumLanes;
   const bool all =
@@ -96,22 +110,18 @@ Status PeerMesh::start(c10d::Store& store) {
   if (closed_ || interrupted_) {
     return Status::error("fairring: the process group was shut down while " + me + " was connecting");
   }
-  if (!all) {
-    std::string missing;
-    for (int peer : peers) {
-      if (!inbound_.count({peer, Lane::kReduce}) || !inbound_.count({peer, Lane::kGather})) {
-        missing += (missing.empty() ? "" : ", ") + layout_.describe(peer);
-      }
-    }
-    return Status::error(
-        "fairring: " + me + " timed out after " + std::to_string(options_.timeout.count()) + " ms waiting for " +
-        missing + " to connect");
+  if (all) {
+    return Status();
   }
-  lock.unlock();
-  // Every peer is in: nothing needs to listen any more, and a closed port
-  // refuses strangers before they can send a byte.
-  gate_->stop();
-  return Status();
+  std::string missing;
+  for (int peer : peers) {
+    if (!inbound_.count({peer, Lane::kReduce}) || !inbound_.count({peer, Lane::kGather})) {
+      missing += (missing.empty() ? "" : ", ") + layout_.describe(peer);
+    }
+  }
+  return Status::error(
+      "fairring: " + me + " timed out after " + std::to_string(options_.timeout.count()) + " ms waiting for " +
+      missing + " to connect");
 }
 
 Status PeerMesh::addressOf(c10d::Store& store, int peer, Clock::time_point deadline, std::string& url) {
