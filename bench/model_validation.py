@@ -177,6 +177,7 @@ def cuda_comparison() -> list[dict[str, Any]]:
     machines is taken as what NCCL's own ring moved at 100 MiB in the same run (its
     busbw), i.e. the reference sets the link and the model predicts fairring from it."""
     from fairring_pg.config import Config
+    from fairring_pg.model.composition import FAIRRING_PG_SLICES
     from fairring_pg.model.gpu import fairring_time
     from fairring_pg.model.nodes import GpuNode
 
@@ -204,7 +205,10 @@ def cuda_comparison() -> list[dict[str, Any]]:
         }
         for name, sizes in cases.items():
             measured = data["in_flight"] if "flight" in name else data["sizes"][name]
-            predicted, _, _ = fairring_time(node, machines, sizes, Config(lanes=2))
+            # What ran there: the five steps in a row per slice, forced at one rank
+            # per machine (FAIRRING_CUDA_ALLREDUCE=lanes).
+            config = Config(lanes=2, cuda_allreduce="lanes")
+            predicted, _ = fairring_time(node, machines, sizes, config, impl=FAIRRING_PG_SLICES)
             rows.append(
                 {
                     "shape": f"{machines}x1",

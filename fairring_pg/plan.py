@@ -199,7 +199,8 @@ def machine_range(highlight: int, last: int) -> list[int]:
     return sorted({m for m in MACHINE_STEPS if m <= last} | {highlight})
 
 
-def row(p: GpuPrediction, machines: int, gpus: int) -> dict[str, Any]:
+def row(p: GpuPrediction, machines: int, gpus: int, size: int) -> dict[str, Any]:
+    piece = p.plan.piece_bytes(size)
     return {
         "machines": machines,
         "gpus": machines * gpus,
@@ -212,7 +213,10 @@ def row(p: GpuPrediction, machines: int, gpus: int) -> dict[str, Any]:
         "speedup": p.speedup,
         "fairring_bottleneck": p.fairring.bottleneck,
         "direct": p.direct,
-        "slice": p.slice_bytes,
+        "runs": "NCCL's allreduce" if p.direct else f"{-(-size // piece)} x {show_size(piece)}, {p.row.exchange}",
+        "piece": piece,
+        "exchange": p.row.exchange,
+        "reason": p.row.reason,
     }
 
 
@@ -224,7 +228,7 @@ def run_gpu(args: argparse.Namespace, config: Config) -> dict[str, Any]:
     predictions = {}
     for m in machine_range(highlight, max(args.max_machines, 1)):
         predictions[m] = predict_gpu(node, m, args.size_bytes, args.in_flight, config, tuning)
-        rows.append(row(predictions[m], m, node.gpus))
+        rows.append(row(predictions[m], m, node.gpus, args.size_bytes))
     chosen = predictions[highlight]
     return {
         "device": "cuda",
@@ -246,13 +250,14 @@ def run_gpu(args: argparse.Namespace, config: Config) -> dict[str, Any]:
         "reference": chosen.reference,
         "speedup": chosen.speedup,
         "rows": rows,
+        "plan": json.loads(chosen.plan.to_json()),
         "assumptions": chosen.assumptions + list(node.sources),
     }
 
 
 def verdict(r: dict[str, Any]) -> str:
     if r["direct"]:
-        return "same: one NCCL allreduce"
+        return "same: NCCL's allreduce"
     if r["speedup"] >= 1.02:
         return "fairring faster"
     if r["speedup"] > 0.98:
@@ -270,20 +275,22 @@ def show_gpu(result: dict[str, Any]) -> str:
         f"{', NVLink SHARP' if node['nvls'] else ''}:",
         "",
         "   machines  GPUs  fairring ms  NCCL ring ms  NCCL tree ms  NCCL picks       "
-        "speedup  verdict",
+        "fairring runs                    speedup  verdict",
     ]
     for r in result["rows"]:
         mark = ">" if r["machines"] == result["machines"] else " "
         lines.append(
             f" {mark} {r['machines']:>7}  {r['gpus']:>4}  {r['fairring_ms']:>11.3f}  "
             f"{r['nccl_ring_ms']:>12.3f}  {r['nccl_tree_ms']:>12.3f}  "
-            f"{r['nccl_algorithm']:<15}  {r['speedup']:>6.2f}x  {verdict(r)}"
+            f"{r['nccl_algorithm']:<15}  {r['runs']:<31}  {r['speedup']:>6.2f}x  {verdict(r)}"
         )
     losses = [r for r in result["rows"] if not r["direct"] and r["speedup"] <= 0.98]
     lines.append("")
     lines.append(
         "speedup = NCCL's time (the algorithm it would pick) / fairring's; NCCL runs the "
-        "allreduces in flight one after another."
+        "allreduces in flight one after another. fairring runs what its plan "
+        "(FAIRRING_CUDA_ALLREDUCE=auto) picks for one call of this size: NCCL's allreduce, or "
+        "pieces through the composition with that rail exchange."
     )
     if losses:
         where = ", ".join(str(r["machines"]) for r in losses)
@@ -299,18 +306,24 @@ def show_gpu(result: dict[str, Any]) -> str:
 
 
 _CAUSES = {
-    "lanes": "each slice's five steps take their latency, and only FAIRRING_LANES slices are "
-    "in flight; NCCL's tree has log(M) latency",
-    "proxy": "each slice sends a message to every other machine, 4(M-1) per GPU per slice: "
-    "larger buckets (bucket_cap_mb) make fewer slices",
     "nic": "the machines' NICs: both move about the same bytes",
     "nvlink": "NVLink inside the machine",
-    "critical path": "one slice's five steps, one after the other",
+    "critical path": "one piece's steps, one after the other",
+    "host": "the calling thread issuing every step",
+    "local reduce-scatter": "the machine's reduce-scatter communicator, a latency per piece",
+    "local all-gather": "the machine's all-gather communicator, a latency per piece",
 }
 
 
 def _explain(causes: list[str]) -> str:
-    return "; ".join(_CAUSES.get(c, c) for c in causes)
+    def why(cause: str) -> str:
+        if cause.startswith("lane"):
+            return f"{cause}: the rail exchange's latency per piece, on one communicator"
+        if cause.startswith("proxy"):
+            return f"{cause}: a message to every other machine per piece (NCCL's proxy)"
+        return _CAUSES.get(cause, cause)
+
+    return "; ".join(why(c) for c in causes)
 
 
 def plot(path: str, size: int, in_flight: int, config: Config, tuning: nccl.NcclTuning) -> None:

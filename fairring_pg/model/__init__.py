@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from fairring_pg.model.calibration import Primitives, calibrate
 from fairring_pg.model.cpu import CpuCluster, CpuPrediction, predict_cpu
-from fairring_pg.model.gpu import FAIRRING_PG, GpuPrediction, Implementation, predict_gpu
+from fairring_pg.model.composition import FAIRRING_PG, Implementation
+from fairring_pg.model.gpu import GpuPrediction, predict_gpu
 from fairring_pg.model.nodes import NODE_TYPES, GpuNode
 
 __all__ = [
