@@ -23,6 +23,7 @@ from typing import Any
 from fairring_pg.config import Config
 from fairring_pg.model import calibration, nccl
 from fairring_pg.model.cpu import CpuCluster, predict_cpu
+from fairring_pg.model.cuda_plan import CudaPlan
 from fairring_pg.model.gpu import GpuPrediction, predict_gpu
 from fairring_pg.model.nodes import IB_EFFICIENCY, NODE_TYPES, GpuNode
 from fairring_pg.model.units import parse_rate, parse_size, show_rate, show_size
@@ -31,7 +32,15 @@ MACHINE_STEPS = (1, 2, 4, 8, 16, 32, 64, 128)
 _HBM = {"volta": 0.9e12, "ampere": 2.0e12, "hopper": 3.35e12}
 _CHANNELS = {"volta": 8, "ampere": 16, "hopper": 16}
 _TUNINGS = {"2.28": nccl.NCCL_2_28, "2.11": nccl.NCCL_2_11}
-_GPU_OPTIONS = ("gpus_per_machine", "nic", "nics_per_machine", "intra", "node", "plot")
+_GPU_OPTIONS = (
+    "gpus_per_machine",
+    "nic",
+    "nics_per_machine",
+    "intra",
+    "node",
+    "plot",
+    "show_plan",
+)
 _CPU_OPTIONS = ("ranks_per_machine", "link")
 
 
@@ -78,6 +87,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     gpu.add_argument("--nvls", choices=("on", "off"), help="NVLink SHARP (default: on for hopper)")
     gpu.add_argument("--nccl", choices=sorted(_TUNINGS), default="2.28", help="NCCL's tuning")
     gpu.add_argument("--max-machines", type=int, default=128, help="the table's last row")
+    gpu.add_argument(
+        "--show-plan",
+        action="store_true",
+        help="also print the plan FAIRRING_CUDA_ALLREDUCE=auto would use at --machines: "
+        "per size, NCCL's allreduce or how many pieces with which rail exchange",
+    )
     gpu.add_argument(
         "--plot",
         metavar="PNG",
@@ -200,7 +215,8 @@ def machine_range(highlight: int, last: int) -> list[int]:
 
 
 def row(p: GpuPrediction, machines: int, gpus: int, size: int) -> dict[str, Any]:
-    piece = p.plan.piece_bytes(size)
+    pieces = [u.numel * 4 for u in p.plan.units(size) if not u.direct]
+    runs = f"{len(pieces)} x {show_size(max(pieces))}, {p.row.exchange}" if pieces else ""
     return {
         "machines": machines,
         "gpus": machines * gpus,
@@ -213,8 +229,8 @@ def row(p: GpuPrediction, machines: int, gpus: int, size: int) -> dict[str, Any]
         "speedup": p.speedup,
         "fairring_bottleneck": p.fairring.bottleneck,
         "direct": p.direct,
-        "runs": "NCCL's allreduce" if p.direct else f"{-(-size // piece)} x {show_size(piece)}, {p.row.exchange}",
-        "piece": piece,
+        "runs": runs or "NCCL's allreduce",
+        "pieces": len(pieces),
         "exchange": p.row.exchange,
         "reason": p.row.reason,
     }
@@ -370,6 +386,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             result = run_gpu(args, config)
             text = show_gpu(result)
+            if args.show_plan:
+                text += CudaPlan.from_json(json.dumps(result["plan"])).describe() + "\n"
             if args.plot:
                 plot(args.plot, args.size_bytes, args.in_flight, config, _TUNINGS[args.nccl])
                 result["plot"] = args.plot

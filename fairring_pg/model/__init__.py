@@ -17,8 +17,8 @@ runtime would ask before choosing a path.
 from __future__ import annotations
 
 from fairring_pg.model.calibration import Primitives, calibrate
-from fairring_pg.model.cpu import CpuCluster, CpuPrediction, predict_cpu
 from fairring_pg.model.composition import FAIRRING_PG, Implementation
+from fairring_pg.model.cpu import CpuCluster, CpuPrediction, predict_cpu
 from fairring_pg.model.gpu import GpuPrediction, predict_gpu
 from fairring_pg.model.nodes import NODE_TYPES, GpuNode
 

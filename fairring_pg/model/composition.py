@@ -57,6 +57,10 @@ class Implementation:
     overlap: bool  # the steps of consecutive pieces overlap (streams per step)
     planned: bool  # pieces and exchange per call from the model (else whole slices)
     single_machine_allreduce: bool = True  # M = 1 is one NCCL allreduce
+    # Who posts the rail messages: each lane's communicator its own NCCL proxy thread
+    # (NCCL 2.28.9 src/init.cc: a split shares its parent's only when asked to), or
+    # one CPU thread for the process (the Fairring seed's TensorPipe loop).
+    proxy_per_lane: bool = True
     # The host's seconds to issue one step (a ProcessGroupNCCL collective with its event
     # record and stream wait, or the reduction kernel): see docs/design.md, "The cost
     # model", for what it rests on.
@@ -252,9 +256,7 @@ def rail_stages(
             collective("rail all-gather", nccl.ALL_GATHER),
         ]
     messages = 2 * (M - 1) * impl.message_s  # M-1 sent and M-1 received
-    # Every communicator has its own proxy thread (NCCL 2.28.9 src/init.cc: a split
-    # shares its parent's only when asked to), so each lane posts its own messages.
-    proxy = f"proxy {lane}"
+    proxy = f"proxy of {lane}" if impl.proxy_per_lane else "proxy"
     one_ppn = tuning.one_ppn_inter_lat_from_tree
     net_step = tuning.hw_lat[nccl.NET][nccl.TREE if one_ppn else nccl.RING][nccl.SIMPLE] * 1e-6
     if exchange == MESSAGES:

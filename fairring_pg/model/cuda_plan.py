@@ -32,8 +32,8 @@ from fairring_pg.model import nccl
 from fairring_pg.model.composition import (
     _TUNINGS,
     FAIRRING_PG,
-    REDUCE_SCATTER,
     Implementation,
+    Unit,
     call_pieces,
     cut_pieces,
     nccl_time,
@@ -49,7 +49,9 @@ COMPOSE_MARGIN = 0.01
 # two up to 1 GiB; a call between two takes the row of the one below, a larger one the
 # last row.
 _GRID = tuple(
-    sorted({m << 20 for k in range(7) for m in (1 << k, 3 << k >> 1)} | {m << 20 for m in (128, 256, 512, 1024)})
+    sorted(
+        {m << 20 for k in range(7) for m in (1 << k, 3 << k >> 1)} | {m << 27 for m in (1, 2, 4, 8)}
+    )
 )
 # Pieces per call the planner tries (each piece a multiple of 8·L·M bytes).
 _PIECE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -85,12 +87,16 @@ class CudaPlan:
         starts = [row.from_bytes for row in self.rows]
         return self.rows[bisect.bisect_right(starts, nbytes) - 1]
 
-    def piece_bytes(self, nbytes: int, elem_size: int = 4) -> int:
-        """The piece a composed call of ``nbytes`` is cut by (0: NCCL's allreduce)."""
+    def units(self, nbytes: int, elem_size: int = 4) -> list[Unit]:
+        """How a call of ``nbytes`` is cut: pieces and a direct tail, or one direct
+        unit (NCCL's allreduce)."""
         row = self.row_for(nbytes)
-        if row.path != COMPOSE:
-            return 0
-        return piece_bytes(nbytes, elem_size, row.pieces, self.largest_piece, self.local_size * self.machines)
+        numel = nbytes // elem_size
+        if row.path != COMPOSE or numel < self.local_size * self.machines:
+            return [Unit(0, numel, True)] if numel else []
+        return cut_pieces(
+            numel, elem_size, row.pieces, self.largest_piece, self.local_size, self.machines
+        )
 
     @property
     def composes(self) -> bool:
@@ -225,7 +231,9 @@ def _decide(
     speedup = theirs.seconds / seconds
     nccl_name = f"{theirs.algorithm}/{theirs.protocol}"
     if forced:
-        return PlanRow(size, COMPOSE, count, exchange, f"FAIRRING_CUDA_ALLREDUCE=lanes ({speedup:.2f}x)")
+        return PlanRow(
+            size, COMPOSE, count, exchange, f"FAIRRING_CUDA_ALLREDUCE=lanes ({speedup:.2f}x)"
+        )
     at_upper = nccl_time(tuning, world_fabric(node), M, upper, nccl.ALLREDUCE).seconds / (
         composed_seconds(node, M, upper, count, exchange, largest, tuning, impl, lanes)
     )
@@ -250,9 +258,3 @@ def composed_seconds(
     calls = [(size, count, exchange)]
     pieces, order = call_pieces(node, M, calls, lanes, largest, tuning, impl)
     return schedule(pieces, order).seconds
-
-
-def piece_bytes(nbytes: int, elem_size: int, pieces: int, largest: int, unit: int) -> int:
-    """The largest piece a composed call of ``nbytes`` gets (for display)."""
-    units = cut_pieces(nbytes // elem_size, elem_size, pieces, largest, unit, 1)
-    return max((u.numel * elem_size for u in units if not u.direct), default=0)

@@ -104,7 +104,9 @@ def predict_gpu(
     tree_algos = (nccl.TREE, nccl.NVLS_TREE)
     tree = nccl.best(times, tree_algos) if any(t.algorithm in tree_algos for t in times) else ring
     plan = plan_allreduce(node, machines, config, tuning, impl)
-    scheduled, bound = fairring_time(node, machines, [size] * in_flight, config, tuning, impl, elem_size)
+    scheduled, bound = fairring_time(
+        node, machines, [size] * in_flight, config, tuning, impl, elem_size
+    )
     return GpuPrediction(
         scheduled=scheduled,
         bound=bound,

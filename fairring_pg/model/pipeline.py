@@ -137,9 +137,7 @@ class Scheduled:
     stages: tuple[tuple[str, float, float], ...]  # (stage name, start, end) in issue order
 
 
-def schedule(
-    pieces: Sequence[Piece], order: Sequence[tuple[int, int]] | None = None
-) -> Scheduled:
+def schedule(pieces: Sequence[Piece], order: Sequence[tuple[int, int]] | None = None) -> Scheduled:
     """The schedule of the module's docstring. ``order``: the (piece, stage) pairs in
     the order the host issues them, each stage after its piece's previous one (default:
     piece after piece)."""

@@ -43,6 +43,7 @@ SEED = Implementation(
     overlap=False,
     planned=False,
     single_machine_allreduce=False,
+    proxy_per_lane=False,
 )
 
 
@@ -65,11 +66,7 @@ def predict(
     lanes: int = IN_FLIGHT_SLICES,
     message_s: float = MESSAGE_S,
 ) -> GpuPrediction:
-    impl = (
-        SEED
-        if message_s == MESSAGE_S
-        else dataclasses.replace(SEED, message_s=message_s)
-    )
+    impl = SEED if message_s == MESSAGE_S else dataclasses.replace(SEED, message_s=message_s)
     return predict_gpu(
         V100_4X100G,
         machines,
