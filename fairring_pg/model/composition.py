@@ -101,13 +101,13 @@ def cut_pieces(
     """How a composed call is cut, the same on every rank (the C++ applies this rule:
     notes/cuda_plan_spec.md). The call's whole groups of L·M elements go into
     P = min(groups, max(pieces, ceil(groups / G))) pieces, G the groups that fit in
-    ``largest_piece`` bytes, as even as can be (the first ``groups mod P`` one group
+    ``largest_piece`` bytes (0: no limit), as even as can be (the first ``groups mod P`` one group
     longer); the fewer than L·M elements left over are one direct unit."""
     unit = L * M
     groups, tail = divmod(numel, unit)
     units: list[Unit] = []
     if groups:
-        fit = max(1, largest_piece // (elem_size * unit))
+        fit = max(1, largest_piece // (elem_size * unit)) if largest_piece else groups
         count = min(groups, max(pieces, -(-groups // fit)))
         base, longer = divmod(groups, count)
         begin = 0
