@@ -101,7 +101,7 @@ class NodeFacts:
             intra=self.intra or base.intra,
             hbm=base.hbm,
             channels=base.channels,
-            nvls=self.nvls if self.nvls is not None else self.arch == "hopper" and local_size > 1,
+            nvls=bool(_nvls(self.arch, self.nvlink, self.nvls)) and local_size > 1,
             nic_efficiency=IB_EFFICIENCY,
         )
 
@@ -173,12 +173,23 @@ class Probes:
 
 
 def detect(probes: Probes = Probes()) -> NodeFacts:
+    arch = arch_of(probes.capability())
+    nvlink = nvlink_of(probes.nvlink_matrix(), probes.device_name())
     return NodeFacts(
-        arch=arch_of(probes.capability()),
-        nvlink=nvlink_of(probes.nvlink_matrix(), probes.device_name()),
+        arch=arch,
+        nvlink=nvlink,
         nic_rates=nic_rates(probes),
+        nvls=_nvls(arch, nvlink, None),
         source="detected",
     )
+
+
+def _nvls(arch: str | None, nvlink: bool | None, given: bool | None) -> bool | None:
+    """NVLink SHARP where not said: Hopper on NVLink (HGX H100 and H200 have the
+    NVSwitches); assuming it makes NCCL's side faster, never fairring's."""
+    if given is not None or arch is None or nvlink is None:
+        return given
+    return arch == "hopper" and nvlink
 
 
 def arch_of(capability: tuple[int, int] | None) -> str | None:
@@ -304,12 +315,13 @@ def from_file(path: str) -> NodeFacts:
             f"{where}: expected 'nics' (a list of rates) or 'nic' and 'nics_per_machine'"
         )
     intra = parse_rate(f"{where}: 'intra'", str(data["intra"])) if "intra" in data else None
+    nvlink = data.get("nvlink", True)
     return NodeFacts(
         arch=arch,
-        nvlink=data.get("nvlink", True),
+        nvlink=nvlink,
         nic_rates=tuple(sorted(rates, reverse=True)),
         intra=intra,
-        nvls=data.get("nvls"),
+        nvls=_nvls(arch, nvlink, data.get("nvls")),
         source=where,
     )
 

@@ -19,7 +19,6 @@ import pytest
 from fairring_pg import plan
 from fairring_pg.config import MIB, Config
 from fairring_pg.model import calibration, nccl, prefer_fairring, seed
-from fairring_pg.model.cpu import CpuCluster, gloo_time, predict_cpu, segment_size
 from fairring_pg.model.composition import (
     FAIRRING_PG,
     Unit,
@@ -27,9 +26,10 @@ from fairring_pg.model.composition import (
     issue_order,
     piece_stages,
 )
+from fairring_pg.model.cpu import CpuCluster, gloo_time, predict_cpu, segment_size
 from fairring_pg.model.cuda_plan import COMPOSE_MARGIN, CudaPlan, plan_allreduce
 from fairring_pg.model.gpu import predict_gpu
-from fairring_pg.model.nodes import H100_8X400G, NODE_TYPES, V100_4X100G, GpuNode
+from fairring_pg.model.nodes import NODE_TYPES, V100_4X100G, GpuNode
 from fairring_pg.model.pipeline import Piece, Stage, flow_time, schedule
 from fairring_pg.model.units import parse_rate, parse_size
 
