@@ -291,27 +291,38 @@ def call_pieces(
 ) -> tuple[list[Piece], list[tuple[int, int]]]:
     """The pieces of ``calls`` issued at once, and the order the host issues their
     stages in; each call is (bytes, pieces at least, or 0 for NCCL's own allreduce,
-    exchange). Units take lanes in turn, across calls, as the C++ does."""
+    exchange). Pieces take lanes in turn, across calls, as the C++ does; a call that is
+    NCCL's allreduce takes the next lane too. With the steps overlapped (and several GPUs
+    per machine) a composed call's tail (its last fewer than L·M elements) is issued
+    first, on the all-gather stream, whose first all-gather comes much later: its
+    latency hides under the pieces instead of adding to the end."""
     L = node.gpus
+    wavefront = L > 1 and impl.overlap
     pieces: list[Piece] = []
     order: list[tuple[int, int]] = []
     counter = 0
     for nbytes, count, exchange in calls:
         numel = nbytes // elem_size
         if not count or numel < L * M:
-            units = [Unit(0, numel, True)] if numel else []
-        else:
-            units = cut_pieces(numel, elem_size, count, largest_piece, L, M)
+            if numel:
+                pieces.append(
+                    direct_piece(node, M, nbytes, tuning, impl, f"lane {counter % lanes}")
+                )
+                order.append((len(pieces) - 1, 0))
+                counter += 1
+            continue
+        units = cut_pieces(numel, elem_size, count, largest_piece, L, M)
         first = len(pieces)
         for unit in units:
-            lane = counter % lanes
-            counter += 1
             size = unit.numel * elem_size
             if unit.direct:
-                pieces.append(direct_piece(node, M, size, tuning, impl, f"lane {lane}"))
+                stream = "local all-gather" if wavefront else f"lane {counter % lanes}"
+                pieces.append(direct_piece(node, M, size, tuning, impl, stream))
+                counter += 0 if wavefront else 1
             else:
-                pieces.append(piece_stages(node, M, size, exchange, lane, tuning, impl))
-        order += issue_order(pieces, first, len(pieces), L > 1 and impl.overlap)
+                pieces.append(piece_stages(node, M, size, exchange, counter % lanes, tuning, impl))
+                counter += 1
+        order += issue_order(pieces, first, len(pieces), wavefront)
     return pieces, order
 
 
@@ -323,13 +334,13 @@ def issue_order(
     With the steps overlapped (and a machine of several GPUs) the host issues a
     wavefront: at tick t the reduce-scatter of piece t, the rail exchange of piece t-1
     and the all-gather of piece t-2, so that it is never a whole piece ahead of the
-    step a stream waits for; a direct unit (the tail) comes last. Otherwise piece after
+    step a stream waits for; a direct unit (the tail) comes first. Otherwise piece after
     piece. Each communicator still sees its pieces in order, and every wait is on a
     step issued before, on every rank alike."""
     if not wavefront:
         return [(i, j) for i in range(first, end) for j in range(len(pieces[i].stages))]
     composed = [i for i in range(first, end) if len(pieces[i].stages) > 1]
-    order: list[tuple[int, int]] = []
+    order = [(i, 0) for i in range(first, end) if len(pieces[i].stages) == 1]
     for tick in range(len(composed) + 2):
         if tick < len(composed):  # the reduce-scatter of piece t
             order.append((composed[tick], 0))
@@ -339,5 +350,4 @@ def issue_order(
         if 0 <= tick - 2 < len(composed):  # the all-gather of piece t-2
             i = composed[tick - 2]
             order.append((i, len(pieces[i].stages) - 1))
-    order += [(i, 0) for i in range(first, end) if len(pieces[i].stages) == 1]
     return order

@@ -30,16 +30,14 @@ the stages in a given order (each after its piece's previous stage), paying each
 stage's issue cost one after the other; a stage starts once its piece's previous stage
 is done, its queues are free (a stream runs what it was given in order) and the host
 has issued everything before it (a stage's own issue cost overlaps its start, as NCCL's
-fixed latency includes its launch); after its latency each bandwidth resource serves
-it in the time it leaves free, stages issued earlier first (a later transfer fills the
-gaps an earlier one leaves: bandwidth is shared, not reserved). It is never below
-``flow_time``.
+fixed latency includes its launch); after its latency its transfers run, each
+bandwidth resource shared equally by the transfers on it at the time (as flows share a
+NIC). It is never below ``flow_time``.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
+import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -143,68 +141,120 @@ def schedule(pieces: Sequence[Piece], order: Sequence[tuple[int, int]] | None = 
     piece after piece)."""
     if order is None:
         order = [(i, j) for i, piece in enumerate(pieces) for j in range(len(piece.stages))]
-    host = 0.0
-    queue_free: dict[str, float] = {}
-    used: dict[str, list[list[float]]] = {}  # resource -> sorted, disjoint busy intervals
-    done: dict[tuple[int, int], float] = {}
-    timeline: list[tuple[str, float, float]] = []
-    for i, j in order:
-        stage = pieces[i].stages[j]
-        start = max(done[(i, j - 1)] if j else 0.0, host)
-        for queue in stage.hold:
-            start = max(start, queue_free.get(queue, 0.0))
-        host += stage.issue
-        begin = start + stage.latency
-        end = begin
-        for resource, seconds in stage.busy.items():
-            intervals = used.get(resource)
-            if intervals is None:
-                intervals = used[resource] = []
-            end = max(end, _serve(intervals, begin, seconds))
-        for queue in stage.hold:
-            queue_free[queue] = end
-        done[(i, j)] = end
-        timeline.append((stage.name, start, end))
-    return Scheduled(max(done.values(), default=0.0), tuple(timeline))
+    return _Simulation(pieces, order).run()
 
 
-def _serve(intervals: list[list[float]], begin: float, seconds: float) -> float:
-    """Serves ``seconds`` of work on a resource from ``begin`` on, in the time its
-    earlier users left free (``intervals``: its busy time, sorted and disjoint); marks
-    that time used and returns when the work is done."""
-    if seconds <= 0.0:
-        return begin
-    if not intervals or begin >= intervals[-1][1]:  # the usual case: nothing to fill
-        if intervals and begin == intervals[-1][1]:
-            intervals[-1][1] = begin + seconds
-        else:
-            intervals.append([begin, begin + seconds])
-        return begin + seconds
-    # The first busy interval that ends after ``begin``, then the gaps from there.
-    k = bisect.bisect_right(intervals, [begin, math.inf])
-    if k and intervals[k - 1][1] > begin:
-        k -= 1
-    t, left = begin, seconds
-    head, tail = intervals[:k], intervals[k:]
-    filled: list[list[float]] = []
-    for lo, hi in tail:
-        if left > 0.0 and lo > t:
-            gap = min(lo - t, left)
-            filled.append([t, t + gap])
-            left -= gap
-            t += gap
-        if left > 0.0:
-            t = max(t, hi)
-        filled.append([lo, hi])
-    done = t
-    if left > 0.0:
-        filled.append([t, t + left])
-        done = t + left
-    merged = head
-    for lo, hi in filled:
-        if merged and lo <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], hi)
-        else:
-            merged.append([lo, hi])
-    intervals[:] = merged
-    return done
+class _Simulation:
+    """Events in time order: a stage starts when the host has issued everything before
+    it, its piece's previous stage is done and it is first in each of its queues; after
+    its latency its transfers run, each bandwidth resource shared equally by the
+    transfers on it; it ends when the last is done, which frees its queues."""
+
+    def __init__(self, pieces: Sequence[Piece], order: Sequence[tuple[int, int]]) -> None:
+        self.stages = [pieces[i].stages[j] for i, j in order]
+        index = {pair: k for k, pair in enumerate(order)}
+        self.before = [index[(i, j - 1)] if j else -1 for i, j in order]
+        self.after = [index.get((i, j + 1), -1) for i, j in order]
+        self.issued_at: list[float] = []
+        host = 0.0
+        for stage in self.stages:
+            self.issued_at.append(host)
+            host += stage.issue
+        self.queues: dict[str, list[int]] = {}
+        for k, stage in enumerate(self.stages):
+            for queue in stage.hold:
+                self.queues.setdefault(queue, []).append(k)
+        self.head = dict.fromkeys(self.queues, 0)
+        n = len(self.stages)
+        self.started = [False] * n
+        self.done = [False] * n
+        self.start = [0.0] * n
+        self.end = [0.0] * n
+        self.left = [0] * n  # transfers of the stage still running
+        self.waking: list[tuple[float, int]] = []  # (latency over, stage)
+        self.flows: dict[str, dict[int, float]] = {}  # resource -> stage -> work left
+
+    def run(self) -> Scheduled:
+        n = len(self.stages)
+        pending_issue = sorted(range(n), key=lambda k: self.issued_at[k])
+        next_issue = 0
+        now = 0.0
+        finished = 0
+        while finished < n:
+            while next_issue < n and self.issued_at[pending_issue[next_issue]] <= now:
+                self._try_start(pending_issue[next_issue], now)
+                next_issue += 1
+            candidates = [self.waking[0][0]] if self.waking else []
+            if next_issue < n:
+                candidates.append(self.issued_at[pending_issue[next_issue]])
+            for flows in self.flows.values():
+                if flows:
+                    candidates.append(now + min(flows.values()) * len(flows))
+            if not candidates:
+                raise RuntimeError("schedule: no stage can start (a queue or order cycle)")
+            later = max(now, min(candidates))
+            for flows in self.flows.values():
+                if flows:
+                    _advance(flows, now, later)
+            now = later
+            while self.waking and self.waking[0][0] <= now:
+                _, k = heapq.heappop(self.waking)
+                finished += self._transfer(k, now)
+            for flows in self.flows.values():
+                for k in [k for k, left in flows.items() if left <= _EPSILON]:
+                    del flows[k]
+                    self.left[k] -= 1
+                    if not self.left[k]:
+                        finished += self._finish(k, now)
+        timeline = tuple(
+            (stage.name, self.start[k], self.end[k]) for k, stage in enumerate(self.stages)
+        )
+        return Scheduled(max(self.end, default=0.0), timeline)
+
+    def _try_start(self, k: int, now: float) -> None:
+        if self.started[k] or self.issued_at[k] > now:
+            return
+        if self.before[k] >= 0 and not self.done[self.before[k]]:
+            return
+        stage = self.stages[k]
+        if any(self.queues[q][self.head[q]] != k for q in stage.hold):
+            return
+        self.started[k] = True
+        self.start[k] = now
+        heapq.heappush(self.waking, (now + stage.latency, k))
+
+    def _transfer(self, k: int, now: float) -> int:
+        work = {r: s for r, s in self.stages[k].busy.items() if s > 0.0}
+        if not work:
+            return self._finish(k, now)
+        self.left[k] = len(work)
+        for resource, seconds in work.items():
+            self.flows.setdefault(resource, {})[k] = seconds
+        return 0
+
+    def _finish(self, k: int, now: float) -> int:
+        self.done[k] = True
+        self.end[k] = now
+        freed = []
+        for queue in self.stages[k].hold:
+            self.head[queue] += 1
+            if self.head[queue] < len(self.queues[queue]):
+                freed.append(self.queues[queue][self.head[queue]])
+        for other in [self.after[k], *freed]:
+            if other >= 0:
+                self._try_start(other, now)
+        return 1
+
+
+_EPSILON = 1e-12  # seconds: a picosecond
+
+
+def _advance(flows: dict[int, float], now: float, later: float) -> None:
+    """The work left of the transfers sharing one resource, ``later - now`` on: the
+    shortest ones end exactly when their finishing time is ``later`` (not a rounding
+    error above it)."""
+    least = min(flows.values())
+    ends_now = now + least * len(flows) <= later
+    share = (later - now) / len(flows)
+    for k, left in flows.items():
+        flows[k] = 0.0 if ends_now and left == least else max(0.0, left - share)
