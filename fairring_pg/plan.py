@@ -97,7 +97,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--plot",
         metavar="PNG",
         help="write speedup against machines for H100+8x400G, H100+2x200G, A100+4x200G and "
-        "V100+4x100G (at --size and --in-flight) to this file",
+        "V100+4x100G (at --size, one at a time and --in-flight) to this file",
     )
     args = p.parse_args(argv)
     given = {k for k, v in vars(args).items() if v not in (None, False)}
@@ -353,20 +353,27 @@ def plot(path: str, size: int, in_flight: int, config: Config, tuning: nccl.Nccl
             "fairring-plan: --plot needs matplotlib (pip install matplotlib, or the 'bench' extra)"
         ) from None
     machines = list(MACHINE_STEPS)
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for node in NODE_TYPES.values():
-        speedups = [predict_gpu(node, m, size, in_flight, config, tuning).speedup for m in machines]
-        ax.plot(machines, speedups, marker="o", label=node.name)
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    counts = sorted({1, in_flight})
+    for index, node in enumerate(NODE_TYPES.values()):
+        color = f"C{index}"
+        for count in counts:
+            speedups = [predict_gpu(node, m, size, count, config, tuning).speedup for m in machines]
+            style = "-" if count == 1 else "--"
+            label = f"{node.name}, {count} in flight"
+            ax.plot(machines, speedups, style, marker="o", color=color, label=label)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xticks(machines, [str(m) for m in machines])
     ax.set_xlabel("machines (8 GPUs each)")
     ax.set_ylabel("predicted speedup over NCCL")
     ax.set_title(
-        f"fairring vs NCCL {tuning.version}: allreduce of {show_size(size)}, {in_flight} in flight"
+        f"fairring (FAIRRING_CUDA_ALLREDUCE=auto) vs NCCL {tuning.version}: "
+        f"allreduce of {show_size(size)}",
+        fontsize=10,
     )
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
