@@ -7,6 +7,7 @@ bench/model_validation.py; these tests use fixed primitives.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -488,6 +489,10 @@ def test_plan_takes_nccls_allreduce_where_composing_cannot_win() -> None:
         assert not made.composes and why in made.rows[0].reason
     direct = plan_allreduce(A100, 8, Config(cuda_allreduce="direct"))
     assert not direct.composes and len(direct.rows) == 1
+    # Without FAIRRING_DIRECT_BELOW the model decides from 0; alike rows are one row.
+    zero = plan_allreduce(A100, 8, Config(direct_below=0))
+    assert zero.rows[0].from_bytes == 0 and zero.row_for(64).path == "nccl"
+    assert all(not a.same_choice(b) for a, b in itertools.pairwise(zero.rows))
     lanes = plan_allreduce(A100, 8, Config(cuda_allreduce="lanes"))
     assert [r.path for r in lanes.rows] == ["nccl"] + ["compose"] * (len(lanes.rows) - 1)
     assert lanes.rows[1].from_bytes == config.direct_below

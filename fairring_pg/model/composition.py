@@ -121,7 +121,6 @@ def cut_pieces(
 
 
 _CACHE: dict[tuple[object, ...], nccl.AlgoTime] = {}
-_TUNINGS = {t.version: t for t in (nccl.NCCL_2_28, nccl.NCCL_2_11)}
 
 
 def nccl_time(
@@ -195,7 +194,7 @@ def piece_stages(
 def _piece_stages(
     node: GpuNode, M: int, nbytes: int, exchange: str, lane: int, version: str, impl: Implementation
 ) -> Piece:
-    tuning = _TUNINGS[version]
+    tuning = nccl.TUNINGS[version]
     L = node.gpus
     lane_queue = f"lane {lane}"
     # As built before issue 34 a slice's steps all run on its lane's stream.

@@ -3,14 +3,15 @@
 From the job's node facts (fairring_pg.node_facts, merged across ranks), its shape (M
 machines of L ranks) and its configuration, the plan is a sorted table of rows
 
-    (from_bytes, path, piece_bytes, exchange, reason)
+    (from_bytes, path, pieces, exchange, reason)
 
 computed in Python from the cost model; the C++ takes it at the group's creation and,
 for a call whose reduced buffer has ``b`` bytes (numel x the element size it reduces
 in: int16 travels as int32), applies the last row with ``from_bytes <= b``: ``nccl``,
-one NCCL allreduce on the world group; ``compose``, pieces of ``piece_bytes`` through
-the steps of fairring_pg.model.composition with that rail ``exchange``
-(notes/cuda_plan_spec.md has the exact rule). Every rank uses the same table (rank 0
+one NCCL allreduce on the world group; ``compose``, at least ``pieces`` pieces (none
+larger than the plan's ``largest_piece``) through the steps of
+fairring_pg.model.composition with that rail ``exchange`` (notes/cuda_plan_spec.md has
+the exact rule). Every rank uses the same table (rank 0
 publishes it), so every rank takes the same path for the same call.
 
 A row composes only where the model predicts the composition faster than NCCL's own
@@ -23,6 +24,7 @@ another); elsewhere, where the node is unknown, and with one rank per machine
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import json
 from dataclasses import asdict, dataclass
@@ -30,7 +32,6 @@ from dataclasses import asdict, dataclass
 from fairring_pg.config import Config
 from fairring_pg.model import nccl
 from fairring_pg.model.composition import (
-    _TUNINGS,
     FAIRRING_PG,
     Implementation,
     Unit,
@@ -155,7 +156,7 @@ def _plan(
     version: str,
     impl: Implementation,
 ) -> CudaPlan:
-    tuning = _TUNINGS[version]
+    tuning = nccl.TUNINGS[version]
     name = node.name if node else "unknown"
     mode = config.cuda_allreduce
     if L * M == 1:
@@ -185,22 +186,21 @@ def _plan(
         rows = [PlanRow(config.direct_below, COMPOSE, 1, exchange, why)]
         start = [below] if config.direct_below else []
         return CudaPlan(M, L, name, tuple(start + rows), largest)
-    rows: list[PlanRow] = [below]
+    # Below FAIRRING_DIRECT_BELOW, NCCL's allreduce; from it, what the model decides at
+    # each size of the grid for the sizes up to the next.
+    rows: list[PlanRow] = [below] if config.direct_below else []
     grid = [s for s in _GRID if s >= config.direct_below]
     if not grid or grid[0] > config.direct_below:
         grid.insert(0, max(config.direct_below, 8 * L * M))
     for i, size in enumerate(grid):
         upper = grid[i + 1] - 1 if i + 1 < len(grid) else size
-        rows.append(_decide(node, M, size, upper, largest, forced, tuning, impl, config.lanes))
-    merged: list[PlanRow] = []
-    for row in rows:
-        # Rows the model chose merge with the one before when they choose alike.
-        if len(merged) > 1 and merged[-1].same_choice(row):
-            continue
-        merged.append(row)
-    if merged[0].from_bytes != 0:
-        merged.insert(0, PlanRow(0, NCCL, reason="below the smallest planned size"))
-    return CudaPlan(M, L, name, tuple(merged), largest)
+        row = _decide(node, M, size, upper, largest, forced, tuning, impl, config.lanes)
+        if not rows:
+            row = dataclasses.replace(row, from_bytes=0)
+        if rows and rows[-1] is not below and rows[-1].same_choice(row):
+            continue  # the same choice as the sizes below: one row
+        rows.append(row)
+    return CudaPlan(M, L, name, tuple(rows), largest)
 
 
 def _decide(
