@@ -40,7 +40,10 @@ from fairring_pg.model import calibration  # noqa: E402
 from fairring_pg.model.cpu import CpuCluster, predict_cpu  # noqa: E402
 
 TOLERANCE = 0.15
-DEFAULT_CASES = "64K,256K,1M,25M,100M,16x25M"
+DEFAULT_CASES = "1M,25M,100M,16x25M"
+# With one rank per machine the engine runs only allreduces below 1 MiB (larger ones
+# are Gloo's ring): these take the place of the others there.
+ONE_RANK_CASES = "64K,256K"
 # Timed iterations per case: a 1 MiB allreduce is cheap, a burst at 300 Mbit/s is not.
 ITERATIONS = {64 << 10: 9, 256 << 10: 9, 1 << 20: 9, 25 << 20: 3}
 DEFAULT_ITERATIONS = 2
@@ -63,6 +66,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rates", default="1gbit,300mbit", help="link rates (tc), comma-separated")
     p.add_argument("--shapes", default="2x2,4x1,2x3,3x2", help="machines x ranks, comma-separated")
     p.add_argument("--cases", default=DEFAULT_CASES, help="sizes; NxSIZE: N issued at once")
+    p.add_argument(
+        "--one-rank-cases",
+        default=ONE_RANK_CASES,
+        help="sizes for shapes of one rank per machine, where the engine runs only small ones",
+    )
     p.add_argument("--iters", type=int, default=None, help="timed iterations of every case")
     p.add_argument("--recalibrate", action="store_true", help="measure the primitives again")
     p.add_argument("--timeout", type=float, default=500.0, help="seconds per launch")
@@ -81,6 +89,13 @@ def engine_cases(cases: list[str], machines: int, ranks: int, config: Config) ->
     return [c for c in cases if not 0 <= ring_from <= parse_case(c)[1]]
 
 
+def shape_cases(args: argparse.Namespace, machines: int, ranks: int, config: Config) -> list[str]:
+    """What to time on this shape: the cases the engine runs, and with one rank per
+    machine the small ones in place of those Gloo's ring takes."""
+    small = args.one_rank_cases.split(",") if ranks == 1 and args.one_rank_cases else []
+    return engine_cases(small + args.cases.split(","), machines, ranks, config)
+
+
 def iterations(args: argparse.Namespace, size: int) -> int:
     return args.iters or ITERATIONS.get(size, DEFAULT_ITERATIONS)
 
@@ -93,8 +108,7 @@ def worker(args: argparse.Namespace) -> None:
     groups = {"gloo": dist.group.WORLD, "fairring": common.fairring_group()}
     machines = int(os.environ["NNODES"])
     ranks = int(os.environ["LOCAL_WORLD_SIZE"])
-    chosen = engine_cases(args.cases.split(","), machines, ranks, Config.from_env())
-    cases = [parse_case(c) for c in chosen]
+    cases = [parse_case(c) for c in shape_cases(args, machines, ranks, Config.from_env())]
     results: dict[str, Any] = {}
     for index, (count, size) in enumerate(cases):
         tensors = [torch.zeros(size // 4) for _ in range(count)]
@@ -119,7 +133,7 @@ def driver(args: argparse.Namespace) -> int:
     shapes = [common.parse_shape(s) for s in args.shapes.split(",")]
     print(f"== primitives (links {', '.join(rates)})", flush=True)
     primitives = calibration.calibrate(tuple(rates), force=args.recalibrate, log=sys.stdout)
-    forwarded = ["--cases", args.cases]
+    forwarded = ["--cases", args.cases, "--one-rank-cases", args.one_rank_cases]
     if args.iters:
         forwarded += ["--iters", str(args.iters)]
     runs: dict[str, Any] = {}
@@ -139,6 +153,7 @@ def driver(args: argparse.Namespace) -> int:
         "rates": args.rates,
         "shapes": args.shapes,
         "cases": args.cases,
+        "one_rank_cases": args.one_rank_cases,
         "timing": "median over iterations of the slowest rank",
     }
     results = {
@@ -147,7 +162,7 @@ def driver(args: argparse.Namespace) -> int:
         "calibration_file": str(calibration.cache_path()),
         "predictions": predictions(runs, primitives),
         "cuda": cuda_comparison(),
-        "loopback": loopback_comparison(primitives),
+        "loopback": loopback_comparison(primitives, common.stamp({})),
     }
     common.stamp_and_save("model_validation", args.name, config, render, results, args.out)
     return 1 if failed else 0
@@ -202,14 +217,18 @@ def counted(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if r.get("engine", True)]
 
 
-def loopback_comparison(p: calibration.Primitives) -> dict[str, Any]:
+def loopback_comparison(p: calibration.Primitives, machine: dict[str, Any]) -> dict[str, Any]:
     """The model beside bench/allreduce_sizes.py's loopback runs (no link: CPU-bound,
     every rank on this host's cores), which it is not validated against: how far below
-    the measured times it comes, for the engine's runs from 4 MiB up."""
+    the measured times it comes, for the engine's runs from 4 MiB up. Only where those
+    runs were on the machine ``p`` was measured on (``machine``: its stamp)."""
     path = common.RESULTS / "allreduce_sizes.json"
     if not path.exists():
         return {}
     data = json.loads(path.read_text())
+    same = ("host", "cpu", "cores", "kernel")
+    if any(data["stamp"].get(k) != machine.get(k) for k in same):
+        return {"source": str(path.relative_to(common.REPO)), "other_machine": True}
     rows = []
     for shape, run in data["runs"].items():
         machines, ranks = common.parse_shape(shape)
@@ -386,6 +405,12 @@ def render(data: dict[str, Any]) -> tuple[str, Any]:
         )
 
     loop = data.get("loopback") or {}
+    if loop.get("other_machine"):
+        parts.append(
+            "\n## Beside the loopback runs\n\n"
+            f"`{loop['source']}` was measured on another machine than these primitives:"
+            " not compared.\n"
+        )
     if loop.get("rows"):
         low, high = loop["range_from_4mib"]
         parts.append(

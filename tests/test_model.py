@@ -838,4 +838,8 @@ def test_validation_rows_compare_the_model_with_measurements(
     cases = ["64K", "256K", "1M", "16x25M"]
     assert validation.engine_cases(cases, 4, 1, Config()) == ["64K", "256K"]
     assert validation.engine_cases(cases, 3, 2, Config()) == cases
+    args = validation.parse_args([])
+    assert validation.shape_cases(args, 4, 1, Config()) == ["64K", "256K"]
+    assert validation.shape_cases(args, 3, 2, Config()) == ["1M", "25M", "100M", "16x25M"]
+    assert args.shapes.split(",") == ["2x2", "4x1", "2x3", "3x2"]
     assert math.isclose(validation.parse_case("16x25M")[1], 25 * MIB)
