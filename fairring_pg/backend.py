@@ -13,7 +13,6 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from fairring_pg import future_callbacks
@@ -88,7 +87,11 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
         accelerator = _stand_in_accelerator
         opts.accelerator_type = accelerator.device_type
         cuda_delegate = accelerator.make_world(
-            dist.PrefixStore("fairring/accelerator/", store), rank, size, timeout, global_ranks,
+            dist.PrefixStore("fairring/accelerator/", store),
+            rank,
+            size,
+            timeout,
+            global_ranks,
             f"fairring-{accelerator.device_type}-g{group_id}-world",
         )
         makers["nccl"] = accelerator.maker(store, timeout, global_ranks)

@@ -153,9 +153,7 @@ def decide(facts: Sequence[GpuFacts], choice: str = "auto") -> CudaDecision:
     return CudaDecision("nccl", "every rank can have a GPU of its own and NCCL")
 
 
-def decide_for_job(
-    store: Any, topology: Topology, timeout: timedelta, choice: str
-) -> CudaDecision:
+def decide_for_job(store: Any, topology: Topology, timeout: timedelta, choice: str) -> CudaDecision:
     """Publish this rank's facts, read everyone's and decide; warns once per job."""
     facts = exchange_gpu_facts(
         store,

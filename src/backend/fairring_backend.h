@@ -196,6 +196,10 @@ class FairringBackend : public c10d::Backend {
     return delegateForAll(all);
   }
   c10d::Backend& delegateForAll(const std::vector<at::Tensor>& tensors);
+  // What the delegate returned for accelerator tensors: the allreduces issued
+  // later on the same memory wait for it, as they would behind NCCL's one
+  // stream (SubgroupAllreduce::orderAfter).
+  c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> work);
   // Whether a reduce-scatter or all-gather of `sets` runs on fairring's CPU
   // engine: its first defined tensor is not on a GPU (as delegateFor decides).
   template <typename... Sets>

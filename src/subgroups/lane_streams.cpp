@@ -15,6 +15,7 @@ LaneStreams::LaneStreams(c10::Device device, int lanes) : device_(device) {
     streams_.push_back(impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false));
   }
   entered_.assign(lanes, 0);
+  watch_ = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false);
 }
 
 void LaneStreams::beginOp(Events after) {
@@ -81,6 +82,17 @@ std::shared_ptr<c10::Event> LaneStreams::mark(int lane) const {
   }
   auto event = std::make_shared<c10::Event>(device_.type());
   event->record(streams_.at(lane));
+  return event;
+}
+
+std::shared_ptr<c10::Event> LaneStreams::markAfter(const std::function<void()>& waitFor) const {
+  if (!onDevice()) {
+    return nullptr;
+  }
+  c10::StreamGuard onWatch(*watch_);
+  waitFor();
+  auto event = std::make_shared<c10::Event>(device_.type());
+  event->record(*watch_);
   return event;
 }
 

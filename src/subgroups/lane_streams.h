@@ -58,6 +58,10 @@ class LaneStreams {
   std::optional<c10::Stream> join(int last);
   // An event recorded at the current point of lane `lane`'s stream (null on CPU).
   std::shared_ptr<c10::Event> mark(int lane) const;
+  // `waitFor()` run with a stream of the group's own current (it makes that
+  // stream wait for work of another group), then an event there: the point
+  // where that work ends, for later operations to wait on.
+  std::shared_ptr<c10::Event> markAfter(const std::function<void()>& waitFor) const;
 
   // Allocates `bytes` on the device with lane `lane`'s stream current, so
   // that the caching allocator orders the block's eventual release after the
@@ -67,6 +71,7 @@ class LaneStreams {
  private:
   c10::Device device_;
   std::vector<c10::Stream> streams_;
+  std::optional<c10::Stream> watch_; // waits for the delegate's collectives (markAfter)
   std::optional<c10::Event> callerPosition_;
   Events after_;
   std::vector<char> entered_; // per lane: has it waited on callerPosition_ in this op

@@ -198,6 +198,15 @@ void SubgroupAllreduce::orderBefore(const std::vector<at::Tensor>& tensors) {
   }
 }
 
+void SubgroupAllreduce::orderAfter(const std::vector<at::Tensor>& tensors, c10d::Work& work) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!streams_ || !streams_->onDevice() || isCapturing(currentStreamCapture(streams_->device()))) {
+    return;
+  }
+  DoneEvent done = streams_->markAfter([&work] { work.synchronize(); });
+  inFlight_.add(byteRangesOf(tensors), std::move(done));
+}
+
 void SubgroupAllreduce::useDevice(c10::Device device) {
   std::unique_lock<std::mutex> lock(mu_);
   // Another thread may be connecting: connecting waits on the host for the

@@ -100,6 +100,12 @@ class SubgroupAllreduce {
   // them (either would break the capture): the captured collective runs
   // when the graph is replayed, which NCCL orders after nothing either.
   void orderBefore(const std::vector<at::Tensor>& tensors);
+  // ... and once it is issued (`work`, the delegate's), the allreduces issued
+  // later on the same bytes wait for it, as they would behind it on NCCL's one
+  // stream: a stream of the group's own waits for the collective (the work's
+  // synchronize(), which does not block the host) and marks where it ends.
+  // Not under capture, for the reasons above.
+  void orderAfter(const std::vector<at::Tensor>& tensors, c10d::Work& work);
 
   // barrier(): the host waits until the device has finished every allreduce
   // issued on this group (as NCCL's barrier waits for the group's earlier
