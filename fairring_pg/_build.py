@@ -28,6 +28,9 @@ from fairring_pg import _torch_range
 from fairring_pg._build_progress import compile_progress, say
 
 EXTENSION_NAME = "fairring_pg_C"
+# Test-only native code (tests/native/: the stream vehicle, bindings of the core's
+# internals), built only by the test suite, linked against the core.
+TEST_EXTENSION_NAME = "fairring_pg_testing"
 CFLAGS = ["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"]
 _SOURCE_SUFFIXES = {".cpp", ".cc"}
 _HASHED_SUFFIXES = _SOURCE_SUFFIXES | {".h", ".hpp", ".inl", ".cu", ".cuh"}
@@ -61,13 +64,13 @@ def _sources(source_dir: Path) -> list[Path]:
     return sorted(p for p in source_dir.rglob("*") if p.suffix in _SOURCE_SUFFIXES and p.is_file())
 
 
-def build_hash(source_dir: Path, name: str = EXTENSION_NAME) -> str:
+def build_hash(source_dir: Path, name: str = EXTENSION_NAME, extra: str = "") -> str:
     import torch
 
     digest = hashlib.sha256()
     # The source path is part of the key because torch's build.ninja records absolute
     # paths: two installs sharing one directory would rebuild each other's binary.
-    parts = (name, str(source_dir), torch.__version__, sys.version, " ".join(_cflags()))
+    parts = (name, str(source_dir), torch.__version__, sys.version, " ".join(_cflags()), extra)
     for part in (*parts, os.environ.get("CXX", "")):
         digest.update(part.encode())
         digest.update(b"\0")
@@ -80,11 +83,14 @@ def build_hash(source_dir: Path, name: str = EXTENSION_NAME) -> str:
     return digest.hexdigest()[:20]
 
 
-def build_directory(digest: str) -> Path:
+def build_directory(digest: str, name: str = EXTENSION_NAME) -> Path:
     """Where the build with this ``build_hash`` lives."""
     override = os.environ.get("FAIRRING_BUILD_DIR")
     if override:
-        return Path(override).expanduser()
+        # The test module beside the core, not over it: torch writes one build.ninja
+        # per directory.
+        base = Path(override).expanduser()
+        return base / name if name == TEST_EXTENSION_NAME else base
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return cache / "fairring_pg" / digest
 
@@ -100,8 +106,18 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
-def load_extension(source_dir: Path | str | None = None, name: str = EXTENSION_NAME) -> ModuleType:
-    """Build (if needed) and import the C++ extension; cached per process."""
+def load_extension(
+    source_dir: Path | str | None = None,
+    name: str = EXTENSION_NAME,
+    *,
+    link_with: ModuleType | None = None,
+    include_dirs: tuple[Path, ...] = (),
+) -> ModuleType:
+    """Build (if needed) and import the C++ extension; cached per process.
+
+    ``link_with``: an extension already loaded whose shared object this one links
+    against (the test module uses the core's symbols; the dynamic loader finds the very
+    object Python loaded, so both share one copy of the core's state)."""
     src = Path(source_dir) if source_dir is not None else default_source_dir()
     src = src.resolve()
     key = (str(src), name)
@@ -118,8 +134,9 @@ def load_extension(source_dir: Path | str | None = None, name: str = EXTENSION_N
     cpp_extension = _import_cpp_extension()
 
     verbose = build_verbose()
-    digest = build_hash(src, name)
-    build_dir = build_directory(digest)
+    linked = str(Path(link_with.__file__).resolve()) if link_with is not None else ""
+    digest = build_hash(src, name, extra=_digest_of_file(linked) if linked else "")
+    build_dir = build_directory(digest, name)
     with _exclusive(build_dir.with_name(build_dir.name + ".lock")):
         build_dir.mkdir(parents=True, exist_ok=True)
         # Only a process holding our flock ever builds here, so a leftover torch baton
@@ -139,8 +156,9 @@ def load_extension(source_dir: Path | str | None = None, name: str = EXTENSION_N
                 module = cpp_extension.load(
                     name=name,
                     sources=[str(p) for p in sources],
-                    extra_include_paths=[str(src)],
+                    extra_include_paths=[str(src), *(str(d) for d in include_dirs)],
                     extra_cflags=_cflags(),
+                    extra_ldflags=[linked] if linked else None,
                     build_directory=str(build_dir),
                     verbose=verbose,
                     with_cuda=False,
@@ -151,6 +169,27 @@ def load_extension(source_dir: Path | str | None = None, name: str = EXTENSION_N
             stamp.write_text(digest)
     _loaded[key] = module
     return module
+
+
+def load_test_extension(native_dir: Path | str | None = None) -> ModuleType:
+    """The test-only module built from ``native_dir`` (default: tests/native/ of the
+    checkout this package is in), linked against the core (which it loads first).
+    Never part of a user's install."""
+    core = load_extension()
+    native = (
+        Path(native_dir)
+        if native_dir is not None
+        else Path(__file__).resolve().parent.parent / "tests" / "native"
+    )
+    if not _sources(native):
+        raise RuntimeError(f"fairring_pg: no test sources in {native}: tests run from a checkout")
+    return load_extension(
+        native, TEST_EXTENSION_NAME, link_with=core, include_dirs=(default_source_dir(),)
+    )
+
+
+def _digest_of_file(path: str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _import_cpp_extension() -> ModuleType:

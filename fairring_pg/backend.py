@@ -13,12 +13,11 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from fairring_pg import future_callbacks
 from fairring_pg.config import Config
-from fairring_pg.cuda import cuda_delegate_kind, cuda_subgroup_kinds
+from fairring_pg.cuda import CudaDecision, StandInAccelerator, cuda_subgroup_kinds, decide_for_job
 from fairring_pg.network import listen_address
 from fairring_pg.startup import publish_failure, wait_for
 from fairring_pg.subgroups import build_subgroups, gloo_group, gloo_maker, nccl_maker
@@ -29,6 +28,11 @@ _TOKEN_KEY = "fairring/job_token"
 # Private seam for tests that run without the C++ core: called with the same arguments
 # as _C.FairringBackend. None means the real core.
 _core_factory: Callable[..., Any] | None = None
+# Private seam for tests: a device that takes CUDA's place (the stream vehicle of
+# tests/native/), with its own world group and sub-groups. None means CUDA.
+_stand_in_accelerator: StandInAccelerator | None = None
+# What each group decided for CUDA tensors, by group name (``cuda_decision``).
+_cuda_decisions: dict[str, CudaDecision] = {}
 
 
 def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
@@ -53,6 +57,13 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
 
         config.check_consistent_across_ranks(store, rank, size, timeout)
         topology = discover(store, rank, size, config.machine_id, timeout)
+        # From every rank's published GPU facts: the same on every rank, or a ValueError
+        # on every rank (fairring_pg/cuda.py).
+        cuda_decision = (
+            CudaDecision("nccl", "a stand-in accelerator (tests)")
+            if _stand_in_accelerator is not None
+            else decide_for_job(store, topology, timeout, config.cuda_delegate)
+        )
         if not config.test_cpu_subgroups:
             config.check_staging_fits(topology.num_machines, topology.local_size)
         subgroup_slice = config.subgroup_slice_size(topology.num_machines, topology.local_size)
@@ -67,22 +78,31 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
     opts.subgroup_slice_size = subgroup_slice
 
     global_ranks = list(dist_backend_opts.global_ranks_in_group) or list(range(size))
+    group_id = str(dist_backend_opts.group_id)
+    _cuda_decisions[group_id] = cuda_decision
     cpu_delegate = make_gloo_delegate(store, rank, size, timeout, config, dist_backend_opts)
-    # CUDA (fairring_pg/cuda.py): NCCL, or Gloo where ranks share a GPU.
-    cuda_kind = cuda_delegate_kind(topology, config.cuda_delegate)
-    cuda_delegate = (
-        make_nccl_delegate(store, rank, size, timeout, dist_backend_opts)
-        if cuda_kind == "nccl"
-        else cpu_delegate
-        if cuda_kind == "gloo"
-        else None
-    )
-    kinds = cuda_subgroup_kinds(topology, cuda_kind, config.test_local_gloo)
+    cuda_delegate = None
+    makers: dict[str, Any] = {}
+    if _stand_in_accelerator is not None:
+        accelerator = _stand_in_accelerator
+        opts.accelerator_type = accelerator.device_type
+        cuda_delegate = accelerator.make_world(
+            dist.PrefixStore("fairring/accelerator/", store),
+            rank,
+            size,
+            timeout,
+            global_ranks,
+            f"fairring-{accelerator.device_type}-g{group_id}-world",
+        )
+        makers["nccl"] = accelerator.maker(store, timeout, global_ranks)
+    elif cuda_decision.delegate == "nccl":
+        cuda_delegate = make_nccl_delegate(store, rank, size, timeout, dist_backend_opts)
+        makers["nccl"] = nccl_maker(store, timeout, global_ranks)
+    elif cuda_decision.delegate == "gloo":
+        cuda_delegate = cpu_delegate
+    kinds = cuda_subgroup_kinds(topology, cuda_decision.delegate, config.test_local_gloo)
     if kinds is not None and _core_factory is None:
-        makers = {
-            "nccl": nccl_maker(store, timeout, global_ranks),
-            "gloo": gloo_maker(store, timeout, config, global_ranks),
-        }
+        makers["gloo"] = gloo_maker(store, timeout, config, global_ranks)
         opts.cuda_subgroups = build_subgroups(
             ext.Subgroups(),
             topology,
@@ -91,8 +111,11 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
             makers[kinds[0]],
             makers[kinds[1]],
             "cuda",
-            str(dist_backend_opts.group_id),
+            group_id,
         )
+    opts.cuda_unavailable = (
+        "" if cuda_delegate is not None else f"CUDA collectives cannot run: {cuda_decision.reason}"
+    )
     if config.test_cpu_subgroups and _core_factory is None:
         make = gloo_maker(store, timeout, config, global_ranks)
         opts.cpu_subgroups = build_subgroups(
@@ -103,7 +126,7 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
             make,
             make,
             "cpu",
-            str(dist_backend_opts.group_id),
+            group_id,
         )
     core_store = dist.PrefixStore("fairring/core/", store)
     try:
@@ -175,6 +198,8 @@ class _PlainOptions:
     pipeline_chunk: int
     cpu_ring_from: int
     subgroup_slice_size: int
+    cuda_unavailable: str
+    accelerator_type: str
 
 
 def make_gloo_delegate(
@@ -192,12 +217,17 @@ def make_gloo_delegate(
     )
 
 
+def cuda_decision(group: Any = None) -> CudaDecision:
+    """Who runs collectives on CUDA tensors in ``group`` (default: the default group),
+    and why: the same on every rank."""
+    pg = dist.distributed_c10d._get_default_group() if group is None else group
+    return _cuda_decisions[pg.group_name]
+
+
 def make_nccl_delegate(
     store: Any, rank: int, size: int, timeout: timedelta, dist_backend_opts: Any
-) -> Any | None:
-    """The NCCL group for CUDA tensors, or None where CUDA or NCCL is missing."""
-    if not (torch.cuda.is_available() and dist.is_nccl_available()):
-        return None
+) -> Any:
+    """The NCCL group for CUDA tensors (every rank has CUDA and NCCL: cuda.decide)."""
     from torch._C._distributed_c10d import ProcessGroupNCCL
 
     options = ProcessGroupNCCL.Options()

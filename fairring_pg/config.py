@@ -84,6 +84,8 @@ _JOB_WIDE_FIELDS = (
     "direct_below",
     "cpu_allreduce",
     "cuda_allreduce",
+    # Who runs CUDA collectives: NCCL on one rank and Gloo on another hang both.
+    "cuda_delegate",
     "pipeline_chunk",
     "test_cpu_subgroups",
     "test_local_gloo",

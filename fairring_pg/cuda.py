@@ -1,60 +1,178 @@
 """The CUDA side of the creator: which group runs the other collectives on CUDA
 tensors, and whether CUDA allreduces can be composed of NCCL sub-groups.
 
-NCCL refuses two ranks of one communicator on one GPU of one host ("Duplicate GPU
-detected"); it tells hosts apart by a hash that ``NCCL_HOSTID`` replaces, which is how
-several machines are simulated on one GPU (each with its own ``NCCL_HOSTID``). Where a
-host (as NCCL sees it) runs more ranks than this process sees GPUs, the collectives
-fairring delegates go to Gloo, which handles CUDA tensors through host copies, and so
-do CUDA allreduces, and fairring says so once. ``FAIRRING_CUDA_DELEGATE`` overrides the
-guess: ``nccl`` (e.g. ranks each restricted to a different GPU with
-``CUDA_VISIBLE_DEVICES``) or ``gloo``.
+The choice changes what every CUDA collective does (NCCL on one rank and Gloo on
+another hang each other), so it is made from facts every rank publishes through the
+store, the same on every rank by construction, never from what one process sees:
+``torch.cuda.device_count()`` differs with ``CUDA_VISIBLE_DEVICES`` (Slurm's
+``--gpus-per-task=1`` shows each rank one GPU of eight). Each rank publishes the host
+as NCCL sees it (``NCCL_HOSTID``, else the hostname; how several machines are simulated
+on one GPU), whether it has CUDA and NCCL, and the UUIDs of the GPUs it sees; then
+:func:`decide` reads the same list on every rank:
+
+- no rank sees a GPU, or some do not: no CUDA delegate (a CUDA collective raises,
+  saying which ranks have none);
+- every rank has CUDA but only some have NCCL: ``init_process_group`` fails on every
+  rank, naming them (a torch without NCCL beside one with it is a broken install);
+- the ranks of a host see, together, fewer GPUs than they are (they really share one):
+  NCCL refuses two ranks of a communicator on one GPU ("Duplicate GPU detected"), so
+  CUDA collectives, allreduce included, go to Gloo (host copies), said once;
+- otherwise NCCL: each rank can have a GPU of its own, whatever each one sees.
+
+``FAIRRING_CUDA_DELEGATE`` (job-wide) overrides the last two: ``nccl`` or ``gloo``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from fairring_pg.startup import wait_for
 from fairring_pg.topology import Topology
 
 DELEGATE_VARIABLE = "FAIRRING_CUDA_DELEGATE"
+_STORE_KEY = "fairring/gpu_facts/{rank}"
 
 
-def cuda_delegate_kind(topology: Topology, choice: str = "auto") -> str:
-    """``"nccl"``, ``"gloo"`` or ``"none"`` (no CUDA or no NCCL in this process), from
-    the validated ``FAIRRING_CUDA_DELEGATE`` (``Config.cuda_delegate``)."""
-    if not torch.cuda.is_available():
-        return "none"
+@dataclass(frozen=True)
+class GpuFacts:
+    """What one rank tells the others about its GPUs."""
+
+    host: str  # the host as NCCL sees it
+    cuda: bool  # torch.cuda.is_available() in that process
+    nccl: bool  # its torch has NCCL
+    gpus: tuple[str, ...] = ()  # UUIDs of the GPUs it sees
+
+
+@dataclass(frozen=True)
+class CudaDecision:
+    """Who runs collectives on CUDA tensors, and why; identical on every rank."""
+
+    delegate: str  # "nccl", "gloo" or "none"
+    reason: str
+    warning: str | None = None  # said once, by the lowest rank of the host it concerns
+    warning_rank: int = 0
+
+
+def visible_gpu_uuids() -> tuple[str, ...]:
+    """The UUIDs of the GPUs this process sees (CUDA_VISIBLE_DEVICES applied)."""
+    uuids = []
+    for index in range(torch.cuda.device_count()):
+        uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+        uuids.append(str(uuid) if uuid is not None else f"unknown-{index}")
+    return tuple(uuids)
+
+
+def local_gpu_facts(host: str) -> GpuFacts:
+    """This process's facts; tests replace this function to fake other machines."""
+    has_cuda = torch.cuda.is_available()
+    return GpuFacts(
+        host=host,
+        cuda=has_cuda,
+        nccl=dist.is_nccl_available(),
+        gpus=visible_gpu_uuids() if has_cuda else (),
+    )
+
+
+def exchange_gpu_facts(
+    store: Any, rank: int, size: int, timeout: timedelta, mine: GpuFacts
+) -> list[GpuFacts]:
+    """Every rank's facts, by rank, through ``store``."""
+    store.set(_STORE_KEY.format(rank=rank), json.dumps(dataclasses.asdict(mine)))
+    keys = [_STORE_KEY.format(rank=r) for r in range(size)]
+    wait_for(store, keys, timeout, "waiting for every rank's GPU facts")
+    facts = []
+    for key in keys:
+        entry = json.loads(store.get(key))
+        facts.append(GpuFacts(entry["host"], entry["cuda"], entry["nccl"], tuple(entry["gpus"])))
+    return facts
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+
+
+def decide(facts: Sequence[GpuFacts], choice: str = "auto") -> CudaDecision:
+    """The CUDA delegate of a job whose rank ``r`` published ``facts[r]``, from the
+    validated ``FAIRRING_CUDA_DELEGATE`` (``Config.cuda_delegate``). Raises ValueError
+    where the ranks disagree on what must be equal."""
+    without_cuda = [r for r, f in enumerate(facts) if not f.cuda]
+    if len(without_cuda) == len(facts):
+        return CudaDecision("none", "no rank sees a GPU")
+    if without_cuda:
+        return CudaDecision(
+            "none",
+            f"{_ranks(without_cuda)} of {len(facts)} see no GPU, so a collective on CUDA "
+            "tensors cannot run on every rank",
+        )
     if choice == "gloo":
-        return "gloo"
-    if not dist.is_nccl_available():
-        return "gloo" if choice == "auto" else "none"
-    if choice == "nccl":
-        return "nccl"
-    here = topology.nccl_hosts[topology.rank]
-    on_host = topology.nccl_hosts.count(here)
-    gpus = torch.cuda.device_count()
-    if on_host > gpus:
-        if topology.rank == topology.nccl_hosts.index(here):
-            warnings.warn(
-                f"fairring: {on_host} ranks run on host {here} but it shows {gpus} GPU(s); "
-                "NCCL refuses ranks that share a GPU, so collectives on CUDA tensors, "
-                f"allreduce included, go to Gloo (set {DELEGATE_VARIABLE}=nccl if each rank "
-                "has a GPU of its own, or give each simulated machine its own NCCL_HOSTID)",
-                stacklevel=2,
+        return CudaDecision("gloo", f"{DELEGATE_VARIABLE}=gloo")
+    without_nccl = [r for r, f in enumerate(facts) if not f.nccl]
+    if without_nccl and len(without_nccl) < len(facts):
+        with_nccl = [r for r in range(len(facts)) if r not in without_nccl]
+        raise ValueError(
+            f"fairring: {_ranks(without_nccl)} run a torch without NCCL, {_ranks(with_nccl)} "
+            "one with it; every rank of a job must run CUDA collectives through the same "
+            "library: install the same torch on every machine"
+        )
+    if without_nccl:
+        if choice == "nccl":
+            raise ValueError(
+                f"fairring: {DELEGATE_VARIABLE}=nccl but no rank's torch has NCCL "
+                f"(torch {torch.__version__}); unset it or set it to gloo"
             )
-        return "gloo"
-    return "nccl"
+        return CudaDecision("gloo", "no rank's torch has NCCL")
+    if choice == "nccl":
+        return CudaDecision("nccl", f"{DELEGATE_VARIABLE}=nccl")
+    hosts: dict[str, list[int]] = {}
+    for r, f in enumerate(facts):
+        hosts.setdefault(f.host, []).append(r)
+    for host, ranks in hosts.items():
+        seen = {uuid for r in ranks for uuid in facts[r].gpus}
+        if len(seen) < len(ranks):
+            why = (
+                f"{len(ranks)} ranks run on host {host} but see {len(seen)} GPU(s) between "
+                "them; NCCL refuses ranks that share a GPU, so collectives on CUDA tensors, "
+                "allreduce included, go to Gloo"
+            )
+            return CudaDecision(
+                "gloo",
+                why,
+                warning=f"fairring: {why} (set {DELEGATE_VARIABLE}=nccl if each rank has a GPU "
+                "of its own, or give each simulated machine its own NCCL_HOSTID)",
+                warning_rank=ranks[0],
+            )
+    return CudaDecision("nccl", "every rank can have a GPU of its own and NCCL")
+
+
+def decide_for_job(store: Any, topology: Topology, timeout: timedelta, choice: str) -> CudaDecision:
+    """Publish this rank's facts, read everyone's and decide; warns once per job."""
+    facts = exchange_gpu_facts(
+        store,
+        topology.rank,
+        topology.world_size,
+        timeout,
+        local_gpu_facts(topology.nccl_hosts[topology.rank]),
+    )
+    decision = decide(facts, choice)
+    if decision.warning is not None and topology.rank == decision.warning_rank:
+        warnings.warn(decision.warning, stacklevel=2)
+    return decision
 
 
 def cuda_subgroup_kinds(
     topology: Topology, delegate: str, local_gloo: bool
 ) -> tuple[str, str] | None:
     """(local groups, lanes) kinds for composing CUDA allreduces of sub-groups, or None
-    where they go to the delegate instead.
+    where they go to the delegate instead; from the job's topology only.
 
     With NCCL for the delegate every group is NCCL. The test switch ``local_gloo``
     (``FAIRRING_TEST_LOCAL_GLOO``) makes the local groups Gloo, so that several ranks of
@@ -67,3 +185,19 @@ def cuda_subgroup_kinds(
     if delegate == "gloo" and local_gloo and len(rail_hosts) == topology.num_machines:
         return ("gloo", "nccl")
     return None
+
+
+# make(prefix, rank in the group, group size, global ranks, name) -> a c10d Backend
+GroupMaker = Callable[[str, int, int, list[int], str], Any]
+
+
+@dataclass(frozen=True)
+class StandInAccelerator:
+    """A device that stands in for CUDA in tests (the stream vehicle, tests/native/):
+    its tensors take the CUDA side of the backend, and its groups replace NCCL's."""
+
+    device_type: str
+    # (store, rank, size, timeout, global ranks, name) -> the world group
+    make_world: Callable[[Any, int, int, timedelta, list[int], str], Any]
+    # (store, timeout, global ranks) -> a maker of sub-groups
+    maker: Callable[[Any, timedelta, list[int]], GroupMaker]

@@ -51,6 +51,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("direct_below", &BackendOptions::directBelowBytes)
       .def_readwrite("cpu_ring_from", &BackendOptions::cpuRingFrom)
       .def_readwrite("cuda_subgroups", &BackendOptions::cudaSubgroups)
+      .def_readwrite("cuda_unavailable", &BackendOptions::cudaUnavailable)
+      .def_property(
+          "accelerator_type",
+          [](const BackendOptions& o) { return c10::DeviceTypeName(o.acceleratorType, /*lower_case=*/true); },
+          [](BackendOptions& o, const std::string& type) { o.acceleratorType = c10::Device(type).type(); })
       .def_readwrite("cpu_subgroups", &BackendOptions::cpuSubgroups);
 
   py::class_<FairringBackend, c10d::Backend, c10::intrusive_ptr<FairringBackend>>(m, "FairringBackend")
@@ -81,9 +86,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "subgroup_stats",
           [](const FairringBackend& backend, const std::string& device) -> py::object {
-            TORCH_CHECK(device == "cpu" || device == "cuda", "subgroup_stats: device must be 'cpu' or 'cuda', got '",
-                        device, "'");
-            const auto* path = backend.subgroupAllreduce(device == "cuda" ? c10::kCUDA : c10::kCPU);
+            const auto* path = backend.subgroupAllreduce(c10::Device(device).type());
             if (path == nullptr) {
               return py::none();
             }

@@ -33,6 +33,8 @@ FairringBackend::FairringBackend(
     : c10d::Backend(rank, size),
       cpu_(std::move(cpuDelegate)),
       cuda_(std::move(cudaDelegate)),
+      accelerator_(options.acceleratorType),
+      cudaUnavailable_(options.cudaUnavailable),
       cpuRingFrom_(options.cpuRingFrom) {
   TORCH_CHECK(cpu_, "fairring: a CPU delegate backend is required");
   TORCH_CHECK(
@@ -51,7 +53,7 @@ FairringBackend::FairringBackend(
   subgroupOptions.directBelowBytes = options.directBelowBytes;
   subgroupOptions.totalMemory = options.totalMemory;
   if (options.cudaSubgroups) {
-    cudaSubgroups_ = std::make_unique<SubgroupAllreduce>(*options.cudaSubgroups, subgroupOptions, c10::kCUDA);
+    cudaSubgroups_ = std::make_unique<SubgroupAllreduce>(*options.cudaSubgroups, subgroupOptions, accelerator_);
   }
   if (options.cpuSubgroups) {
     cpuSubgroups_ = std::make_unique<SubgroupAllreduce>(*options.cpuSubgroups, subgroupOptions, c10::kCPU);
@@ -75,23 +77,38 @@ FairringBackend::~FairringBackend() {
   }
 }
 
+namespace {
+// The accelerator tensors of the collective being handed to the delegate on
+// this thread, between delegateForAll and track.
+thread_local std::vector<at::Tensor> tDelegated;
+} // namespace
+
 c10d::Backend& FairringBackend::delegateForAll(const std::vector<at::Tensor>& tensors) {
+  tDelegated.clear();
   for (const at::Tensor& tensor : tensors) {
     if (!tensor.defined()) {
       continue;
     }
-    if (!tensor.device().is_cuda()) {
+    if (!onAccelerator(tensor)) {
       return *cpu_;
     }
-    TORCH_CHECK(
-        cuda_, "fairring: CUDA tensors need NCCL, which this build of torch does not provide (or CUDA is not "
-        "available in this process)");
+    TORCH_CHECK(cuda_, "fairring: rank ", getRank(), ": ", cudaUnavailable_);
     if (cudaSubgroups_) {
       cudaSubgroups_->orderBefore(tensors);
+      tDelegated = tensors;
     }
     return *cuda_;
   }
   return *cpu_;
+}
+
+c10::intrusive_ptr<c10d::Work> FairringBackend::track(c10::intrusive_ptr<c10d::Work> work) {
+  std::vector<at::Tensor> tensors;
+  tensors.swap(tDelegated);
+  if (!tensors.empty() && work) {
+    cudaSubgroups_->orderAfter(tensors, *work);
+  }
+  return work;
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce(
@@ -100,11 +117,11 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce(
   TORCH_CHECK(
       tensors.size() == 1, "fairring: allreduce takes exactly one tensor per process, got ", tensors.size());
   at::Tensor& tensor = tensors[0];
-  if (tensor.defined() && tensor.device().is_cuda()) {
+  if (tensor.defined() && onAccelerator(tensor)) {
     if (cudaSubgroups_) {
       return cudaSubgroups_->allreduce(tensor, opts.reduceOp.op_);
     }
-    return delegateFor(tensors).allreduce(tensors, opts);
+    return track(delegateFor(tensors).allreduce(tensors, opts));
   }
   if (cpuSubgroups_) {
     return cpuSubgroups_->allreduce(tensor, opts.reduceOp.op_);
@@ -167,11 +184,11 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceCoalescedOptions& opts) {
   TORCH_CHECK(!tensors.empty(), "fairring: allreduce_coalesced needs at least one tensor");
-  if (tensors[0].defined() && tensors[0].device().is_cuda()) {
+  if (tensors[0].defined() && onAccelerator(tensors[0])) {
     if (cudaSubgroups_) {
       return cudaSubgroups_->allreduceCoalesced(tensors, opts.reduceOp.op_);
     }
-    return delegateFor(tensors).allreduce_coalesced(tensors, opts);
+    return track(delegateFor(tensors).allreduce_coalesced(tensors, opts));
   }
   if (cpuSubgroups_) {
     return cpuSubgroups_->allreduceCoalesced(tensors, opts.reduceOp.op_);
@@ -194,19 +211,19 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce_coalesced(
 c10::intrusive_ptr<c10d::Work> FairringBackend::broadcast(
     std::vector<at::Tensor>& tensors,
     const c10d::BroadcastOptions& opts) {
-  return delegateFor(tensors).broadcast(tensors, opts);
+  return track(delegateFor(tensors).broadcast(tensors, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce_sparse(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceOptions& opts) {
-  return delegateFor(tensors).allreduce_sparse(tensors, opts);
+  return track(delegateFor(tensors).allreduce_sparse(tensors, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::reduce(
     std::vector<at::Tensor>& tensors,
     const c10d::ReduceOptions& opts) {
-  return delegateFor(tensors).reduce(tensors, opts);
+  return track(delegateFor(tensors).reduce(tensors, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::allgather(
@@ -216,7 +233,7 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allgather(
   if (onCpuEngine(inputs, outputs)) {
     return cpuSharded_->allGatherList(outputs, inputs);
   }
-  return delegateFor(inputs, outputs).allgather(outputs, inputs, opts);
+  return track(delegateFor(inputs, outputs).allgather(outputs, inputs, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::_allgather_base(
@@ -226,14 +243,14 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::_allgather_base(
   if (onCpuEngine(input, output)) {
     return cpuSharded_->allGatherBase(output, input);
   }
-  return delegateFor(input, output)._allgather_base(output, input, opts);
+  return track(delegateFor(input, output)._allgather_base(output, input, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return delegateFor(inputs, outputs).allgather_coalesced(outputs, inputs, opts);
+  return track(delegateFor(inputs, outputs).allgather_coalesced(outputs, inputs, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::allgather_into_tensor_coalesced(
@@ -243,14 +260,14 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allgather_into_tensor_coalesced(
   if (onCpuEngine(inputs, outputs)) {
     return cpuSharded_->allGatherCoalesced(outputs, inputs);
   }
-  return delegateFor(inputs, outputs).allgather_into_tensor_coalesced(outputs, inputs, opts);
+  return track(delegateFor(inputs, outputs).allgather_into_tensor_coalesced(outputs, inputs, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::gather(
     std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
-  return delegateFor(inputs, outputs).gather(outputs, inputs, opts);
+  return track(delegateFor(inputs, outputs).gather(outputs, inputs, opts));
 }
 
 #if FAIRRING_C10D_HAS_GATHER_SINGLE
@@ -258,7 +275,7 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::gather_single(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::GatherOptions& opts) {
-  return delegateFor(input, output).gather_single(output, input, opts);
+  return track(delegateFor(input, output).gather_single(output, input, opts));
 }
 #endif
 
@@ -266,7 +283,7 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::scatter(
     std::vector<at::Tensor>& outputs,
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
-  return delegateFor(outputs, inputs).scatter(outputs, inputs, opts);
+  return track(delegateFor(outputs, inputs).scatter(outputs, inputs, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::reduce_scatter(
@@ -276,7 +293,7 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::reduce_scatter(
   if (onCpuEngine(outputs, inputs)) {
     return cpuSharded_->reduceScatterList(outputs, inputs, opts.reduceOp.op_);
   }
-  return delegateFor(outputs, inputs).reduce_scatter(outputs, inputs, opts);
+  return track(delegateFor(outputs, inputs).reduce_scatter(outputs, inputs, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::_reduce_scatter_base(
@@ -286,7 +303,7 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::_reduce_scatter_base(
   if (onCpuEngine(input, output)) {
     return cpuSharded_->reduceScatterBase(output, input, opts.reduceOp.op_);
   }
-  return delegateFor(input, output)._reduce_scatter_base(output, input, opts);
+  return track(delegateFor(input, output)._reduce_scatter_base(output, input, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::reduce_scatter_tensor_coalesced(
@@ -296,7 +313,7 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::reduce_scatter_tensor_coalesced(
   if (onCpuEngine(inputs, outputs)) {
     return cpuSharded_->reduceScatterCoalesced(outputs, inputs, opts.reduceOp.op_);
   }
-  return delegateFor(inputs, outputs).reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  return track(delegateFor(inputs, outputs).reduce_scatter_tensor_coalesced(outputs, inputs, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::alltoall_base(
@@ -305,26 +322,26 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::alltoall_base(
     std::vector<int64_t>& outputSplitSizes,
     std::vector<int64_t>& inputSplitSizes,
     const c10d::AllToAllOptions& opts) {
-  return delegateFor(input, output).alltoall_base(output, input, outputSplitSizes, inputSplitSizes, opts);
+  return track(delegateFor(input, output).alltoall_base(output, input, outputSplitSizes, inputSplitSizes, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::alltoall(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllToAllOptions& opts) {
-  return delegateFor(inputs, outputs).alltoall(outputs, inputs, opts);
+  return track(delegateFor(inputs, outputs).alltoall(outputs, inputs, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
-  return delegateFor(tensors).send(tensors, dstRank, tag);
+  return track(delegateFor(tensors).send(tensors, dstRank, tag));
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
-  return delegateFor(tensors).recv(tensors, srcRank, tag);
+  return track(delegateFor(tensors).recv(tensors, srcRank, tag));
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
-  return delegateFor(tensors).recvAnysource(tensors, tag);
+  return track(delegateFor(tensors).recvAnysource(tensors, tag));
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::barrier(const c10d::BarrierOptions& opts) {
@@ -335,6 +352,7 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::barrier(const c10d::BarrierOptio
   if (cpuAllreduce_) {
     cpuAllreduce_->awaitIssued();
   }
+  awaitSubgroups();
   return cpu_->barrier(opts);
 }
 
@@ -342,7 +360,18 @@ void FairringBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wa
   if (cpuAllreduce_) {
     cpuAllreduce_->awaitIssued();
   }
+  awaitSubgroups();
   cpu_->monitoredBarrier(opts, waitAllRanks);
+}
+
+void FairringBackend::awaitSubgroups() {
+  // The allreduces on the accelerator are done on the device, not only
+  // enqueued, past a barrier, as they would be behind NCCL's.
+  for (auto* subgroups : {cudaSubgroups_.get(), cpuSubgroups_.get()}) {
+    if (subgroups != nullptr) {
+      subgroups->awaitIssued();
+    }
+  }
 }
 
 void FairringBackend::setSequenceNumberForGroup() {

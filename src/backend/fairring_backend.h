@@ -47,6 +47,13 @@ struct BackendOptions {
   // NCCL groups for CUDA tensors; unset without CUDA and NCCL, or where
   // ranks share a GPU (then CUDA allreduces go to the CUDA delegate).
   std::optional<Subgroups> cudaSubgroups;
+  // The device type whose tensors take the CUDA side (the sub-groups above
+  // and the CUDA delegate): CUDA, or in tests the stream vehicle
+  // (tests/native/), a PrivateUse1 device that records every stream order.
+  c10::DeviceType acceleratorType{c10::kCUDA};
+  // Why there is no CUDA delegate, decided alike on every rank
+  // (fairring_pg/cuda.py): what a collective on CUDA tensors raises.
+  std::string cudaUnavailable;
   // Gloo groups that make CPU tensors take the sub-group path instead of the
   // TCP engine: the test switch FAIRRING_TEST_CPU_SUBGROUPS.
   std::optional<Subgroups> cpuSubgroups;
@@ -160,7 +167,7 @@ class FairringBackend : public c10d::Backend {
   // The sub-group allreduce of `device`'s tensors (null where that device's
   // allreduces do not take it), for its counters.
   const SubgroupAllreduce* subgroupAllreduce(c10::DeviceType device) const {
-    return device == c10::kCUDA ? cudaSubgroups_.get() : cpuSubgroups_.get();
+    return device == accelerator_ ? cudaSubgroups_.get() : device == c10::kCPU ? cpuSubgroups_.get() : nullptr;
   }
 
  private:
@@ -171,6 +178,9 @@ class FairringBackend : public c10d::Backend {
       c10d::ReduceOp::RedOpType op,
       std::vector<at::Tensor> outputs,
       std::function<void()> finish);
+
+  // barrier(): waits on the host for every allreduce of the sub-group paths.
+  void awaitSubgroups();
 
   // Stops fairring's own engines (not the delegates): `drain` lets what the
   // device still runs finish first (destroy), else it is aborted.
@@ -186,6 +196,10 @@ class FairringBackend : public c10d::Backend {
     return delegateForAll(all);
   }
   c10d::Backend& delegateForAll(const std::vector<at::Tensor>& tensors);
+  // What the delegate returned for accelerator tensors: the allreduces issued
+  // later on the same memory wait for it, as they would behind NCCL's one
+  // stream (SubgroupAllreduce::orderAfter).
+  c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> work);
   // Whether a reduce-scatter or all-gather of `sets` runs on fairring's CPU
   // engine: its first defined tensor is not on a GPU (as delegateFor decides).
   template <typename... Sets>
@@ -194,10 +208,13 @@ class FairringBackend : public c10d::Backend {
     (collect(all, sets), ...);
     for (const at::Tensor& t : all) {
       if (t.defined()) {
-        return cpuSharded_ && !t.device().is_cuda();
+        return cpuSharded_ && !onAccelerator(t);
       }
     }
     return cpuSharded_ != nullptr;
+  }
+  bool onAccelerator(const at::Tensor& t) const {
+    return t.device().type() == accelerator_;
   }
   static void collect(std::vector<at::Tensor>& all, const at::Tensor& t) {
     all.push_back(t);
@@ -213,6 +230,8 @@ class FairringBackend : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Backend> cpu_;
   c10::intrusive_ptr<c10d::Backend> cuda_;
+  const c10::DeviceType accelerator_; // CUDA, or the stream vehicle in tests
+  const std::string cudaUnavailable_;
   const int64_t cpuRingFrom_;
   std::unique_ptr<AllreduceEngine> engine_; // null when CPU tensors take the sub-group path
   std::unique_ptr<CpuAllreduce> cpuAllreduce_; // uses engine_: declared after it

@@ -15,6 +15,7 @@ LaneStreams::LaneStreams(c10::Device device, int lanes) : device_(device) {
     streams_.push_back(impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false));
   }
   entered_.assign(lanes, 0);
+  watch_ = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false);
 }
 
 void LaneStreams::beginOp(Events after) {
@@ -60,9 +61,9 @@ void LaneStreams::keepAlive(const at::Tensor& t, int lane) const {
   impl.recordDataPtrOnStream(t.storage().data_ptr(), streams_.at(lane));
 }
 
-c10::OptionalStreamGuard LaneStreams::join(int last) {
+std::optional<c10::Stream> LaneStreams::join(int last) {
   if (!onDevice()) {
-    return c10::OptionalStreamGuard();
+    return std::nullopt;
   }
   const c10::Stream& target = streams_.at(last);
   for (size_t k = 0; k < streams_.size(); ++k) {
@@ -72,7 +73,7 @@ c10::OptionalStreamGuard LaneStreams::join(int last) {
       done.block(target);
     }
   }
-  return c10::OptionalStreamGuard(target);
+  return target;
 }
 
 std::shared_ptr<c10::Event> LaneStreams::mark(int lane) const {
@@ -81,6 +82,17 @@ std::shared_ptr<c10::Event> LaneStreams::mark(int lane) const {
   }
   auto event = std::make_shared<c10::Event>(device_.type());
   event->record(streams_.at(lane));
+  return event;
+}
+
+std::shared_ptr<c10::Event> LaneStreams::markAfter(const std::function<void()>& waitFor) const {
+  if (!onDevice()) {
+    return nullptr;
+  }
+  c10::StreamGuard onWatch(*watch_);
+  waitFor();
+  auto event = std::make_shared<c10::Event>(device_.type());
+  event->record(*watch_);
   return event;
 }
 
@@ -98,9 +110,20 @@ void blockCurrentStream(const c10::Event& event, c10::Device device) {
   event.block(impl.getStream(device));
 }
 
-Status waitOnHost(const c10::Event& event, std::chrono::steady_clock::time_point deadline) {
-  const DrainEnd end = drainUntil({[&event] { return event.query(); }}, [] { return false; }, deadline);
-  return end == DrainEnd::kDrained ? Status() : Status::error("the device did not get there in time");
+Status waitOnHost(
+    const c10::Event& event,
+    std::chrono::steady_clock::time_point deadline,
+    const std::function<bool()>& stop) {
+  const DrainEnd end = drainUntil({[&event] { return event.query(); }}, stop, deadline);
+  switch (end) {
+    case DrainEnd::kDrained:
+      return Status();
+    case DrainEnd::kFailed:
+      return Status::error("the wait was stopped (the process group is being aborted)");
+    case DrainEnd::kTimedOut:
+      break;
+  }
+  return Status::error("the device did not get there in time");
 }
 
 } // namespace fairring

@@ -6,6 +6,7 @@
 #include <c10/core/StreamGuard.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -53,10 +54,14 @@ class LaneStreams {
   // lane's stream has passed this point (the caller may free it at once).
   void keepAlive(const at::Tensor& t, int lane) const;
   // Joins the lanes this operation used on the stream of `last` (the lane of
-  // its last unit) and makes that stream current until the guard goes.
-  c10::OptionalStreamGuard join(int last);
+  // its last unit): the stream on which the operation is done (none on CPU).
+  std::optional<c10::Stream> join(int last);
   // An event recorded at the current point of lane `lane`'s stream (null on CPU).
   std::shared_ptr<c10::Event> mark(int lane) const;
+  // `waitFor()` run with a stream of the group's own current (it makes that
+  // stream wait for work of another group), then an event there: the point
+  // where that work ends, for later operations to wait on.
+  std::shared_ptr<c10::Event> markAfter(const std::function<void()>& waitFor) const;
 
   // Allocates `bytes` on the device with lane `lane`'s stream current, so
   // that the caching allocator orders the block's eventual release after the
@@ -66,6 +71,7 @@ class LaneStreams {
  private:
   c10::Device device_;
   std::vector<c10::Stream> streams_;
+  std::optional<c10::Stream> watch_; // waits for the delegate's collectives (markAfter)
   std::optional<c10::Event> callerPosition_;
   Events after_;
   std::vector<char> entered_; // per lane: has it waited on callerPosition_ in this op
@@ -77,6 +83,10 @@ void blockCurrentStream(const c10::Event& event, c10::Device device);
 // Waits on the host until the device has passed `event`, or `deadline` (which
 // is an error). Polls, so that a peer that never comes cannot hold the
 // caller forever, as a plain synchronize would.
-Status waitOnHost(const c10::Event& event, std::chrono::steady_clock::time_point deadline);
+// `stop` ends the wait early (an abort), as an error.
+Status waitOnHost(
+    const c10::Event& event,
+    std::chrono::steady_clock::time_point deadline,
+    const std::function<bool()>& stop = [] { return false; });
 
 } // namespace fairring

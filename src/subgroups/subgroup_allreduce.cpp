@@ -198,28 +198,56 @@ void SubgroupAllreduce::orderBefore(const std::vector<at::Tensor>& tensors) {
   }
 }
 
+void SubgroupAllreduce::orderAfter(const std::vector<at::Tensor>& tensors, c10d::Work& work) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!streams_ || !streams_->onDevice() || isCapturing(currentStreamCapture(streams_->device()))) {
+    return;
+  }
+  DoneEvent done = streams_->markAfter([&work] { work.synchronize(); });
+  inFlight_.add(byteRangesOf(tensors), std::move(done));
+}
+
 void SubgroupAllreduce::useDevice(c10::Device device) {
+  std::unique_lock<std::mutex> lock(mu_);
+  // Another thread may be connecting: connecting waits on the host for the
+  // peers, so it runs without the lock, which abort() and destroy need.
+  connected_.wait(lock, [&] { return !connecting_; });
   if (streams_) {
     TORCH_CHECK(device == streams_->device(), "fairring: an allreduce on ", device,
                 " but this process group's allreduces run on ", streams_->device(), "; use one device per process");
     return;
   }
-  streams_ = std::make_unique<LaneStreams>(device, numLanes_);
+  if (!failure_.empty()) {
+    return; // run() raises it
+  }
+  connecting_ = true;
+  auto streams = std::make_unique<LaneStreams>(device, numLanes_);
+  std::vector<at::Tensor> staging;
+  std::string failure;
+  lock.unlock();
   try {
-    connect();
-  } catch (const std::exception& e) {
-    failure_ = std::string("fairring: rank ") + std::to_string(options_.rank) +
-        " could not set up its allreduce sub-groups: " + e.what();
-    throw c10::DistBackendError(failure_);
-  }
-  if (slicing()) {
-    // Allocated once; each lane reuses its slot slice after slice, in the
-    // order of its stream.
-    const size_t bytes = laneStagingBytes(options_.sliceBytes, options_.localSize, options_.numMachines);
-    for (int k = 0; k < numLanes_; ++k) {
-      staging_.push_back(streams_->allocate(bytes, k));
+    connect(*streams);
+    if (slicing()) {
+      // Allocated once; each lane reuses its slot slice after slice, in the
+      // order of its stream.
+      const size_t bytes = laneStagingBytes(options_.sliceBytes, options_.localSize, options_.numMachines);
+      for (int k = 0; k < numLanes_; ++k) {
+        staging.push_back(streams->allocate(bytes, k));
+      }
     }
+  } catch (const std::exception& e) {
+    failure = std::string("fairring: rank ") + std::to_string(options_.rank) +
+        " could not set up its allreduce sub-groups: " + e.what();
   }
+  lock.lock();
+  connecting_ = false;
+  connected_.notify_all();
+  if (!failure.empty()) {
+    failure_ = failure;
+    return;
+  }
+  streams_ = std::move(streams);
+  staging_ = std::move(staging);
 }
 
 c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::run(
@@ -229,13 +257,14 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::run(
     RedOp op,
     c10d::OpType type,
     const std::function<Prepared()>& prepare) {
+  TORCH_CHECK(!stopped_, "fairring: allreduce on rank ", options_.rank, " after the process group was shut down");
+  const c10::Device device = outputs[0].device();
+  useDevice(device);
   std::lock_guard<std::mutex> lock(mu_);
   if (!failure_.empty()) {
     throw c10::DistBackendError(failure_ + " (this process group failed earlier and cannot be used)");
   }
   TORCH_CHECK(!stopped_, "fairring: allreduce on rank ", options_.rank, " after the process group was shut down");
-  const c10::Device device = outputs[0].device();
-  useDevice(device);
   const std::vector<Unit> units = planUnits(
       numel, c10::elementSize(dtype), options_.sliceBytes, options_.localSize, options_.numMachines,
       options_.directBelowBytes, slicing());
@@ -258,8 +287,12 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::run(
   DoneEvent done;
   parts_.clear();
   try {
-    // Nothing is issued for an empty tensor or a world of one: the result is
-    // the input, ready on the caller's stream.
+    // The stream the operation is done on is current while the future is
+    // marked: c10's Future records its events on the current stream, and
+    // whoever waits on the future (DDP's reducer, then() callbacks) waits for
+    // those. Nothing is issued for an empty tensor or a world of one: the
+    // result is the input, ready on the caller's stream, which stays current.
+    c10::OptionalStreamGuard onDone;
     if (!units.empty()) {
       streams_->beginOp(std::move(after));
       int lane = static_cast<int>(nextUnit_ % numLanes_);
@@ -285,7 +318,9 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::run(
           reduceSlice(piece, lane, op);
         }
       }
-      auto onDone = streams_->join(lane);
+      if (const auto doneStream = streams_->join(lane)) {
+        onDone.reset_stream(*doneStream);
+      }
       if (prepared.finish) {
         prepared.finish();
       }
@@ -300,7 +335,6 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::run(
         inFlight_.add(ranges, done);
       }
     }
-    // Recorded on the done stream: the future's users wait for it, not the host.
     future->markCompleted(c10::IValue(outputs));
   } catch (const std::exception& e) {
     // Some sub-groups may have this operation and others not: the ranks no
@@ -393,10 +427,40 @@ bool SubgroupAllreduce::anySubgroupFailed() const {
         return true;
       }
     } catch (const std::exception&) {
-      return true; // a group that cannot even say is no better
+      // A backend that cannot report errors (torch 2.13's Gloo throws "does
+      // not support getError") is not known to have failed: the drain still
+      // ends at the timeout if its work never finishes.
     }
   }
   return false;
+}
+
+void SubgroupAllreduce::awaitIssued() {
+  std::vector<DoneEvent> pending;
+  std::string failure;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    failure = failure_;
+    pending = inFlight_.all();
+  }
+  if (!failure.empty()) {
+    throw c10::DistBackendError(failure + " (barrier on a process group that failed earlier)");
+  }
+  std::vector<std::function<bool()>> checks;
+  for (const auto& event : pending) {
+    checks.emplace_back([event] { return event->query(); });
+  }
+  const DrainEnd end = drainUntil(
+      checks, [this] { return aborting_.load() || anySubgroupFailed(); },
+      std::chrono::steady_clock::now() + options_.timeout);
+  if (end == DrainEnd::kDrained) {
+    return;
+  }
+  throw c10::DistBackendError(
+      "fairring: barrier on rank " + std::to_string(options_.rank) + ": " +
+      (end == DrainEnd::kFailed
+           ? std::string("a sub-group reported an error (or the group was aborted) while its allreduces were finishing")
+           : "its allreduces did not finish within " + std::to_string(options_.timeout.count()) + " ms"));
 }
 
 void SubgroupAllreduce::shutdown() {
@@ -445,22 +509,21 @@ void SubgroupAllreduce::shutdown() {
 }
 
 void SubgroupAllreduce::abort() {
+  // Takes no lock that an allreduce holds while it issues (on the CPU test
+  // path a Gloo collective blocks there), so an abort is never kept waiting.
   aborting_ = true;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stopped_ = true;
-  }
+  stopped_ = true;
   close(/*graceful=*/false, /*withWorld=*/false, "aborted");
 }
 
 void SubgroupAllreduce::close(bool graceful, bool withWorld, const std::string& outcome) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(closeMu_);
     if (closed_) {
       return;
     }
     closed_ = true;
-    stats_.shutdown = outcome;
+    shutdown_ = outcome;
   }
   // NCCL's graceful shutdown waits for its collectives, and its abort may
   // take a while too: outside the lock, like the wait before it.
@@ -478,16 +541,23 @@ void SubgroupAllreduce::close(bool graceful, bool withWorld, const std::string& 
                  " failed: ", e.what());
     }
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  stats_.abortedGroups = aborted;
+  std::lock_guard<std::mutex> lock(closeMu_);
+  abortedGroups_ = aborted;
 }
 
 SubgroupStats SubgroupAllreduce::stats() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return stats_;
+  SubgroupStats stats;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats = stats_;
+  }
+  std::lock_guard<std::mutex> lock(closeMu_);
+  stats.shutdown = shutdown_;
+  stats.abortedGroups = abortedGroups_;
+  return stats;
 }
 
-void SubgroupAllreduce::connect() {
+void SubgroupAllreduce::connect(LaneStreams& streams) {
   // NCCL creates a communicator, and connects its peers, at its first
   // collective; creating one can synchronise the device. So every group gets
   // a small collective of each kind the allreduce issues on it, in the same
@@ -498,7 +568,7 @@ void SubgroupAllreduce::connect() {
   const int M = options_.numMachines;
   const int l = options_.localRank;
   const int m = options_.machine;
-  const c10::Device device = streams_->device();
+  const c10::Device device = streams.device();
   auto ints = [&](std::vector<int> values) {
     return at::tensor(values, at::TensorOptions().dtype(at::kInt)).to(device);
   };
@@ -515,8 +585,8 @@ void SubgroupAllreduce::connect() {
     std::vector<int> want;
   };
   std::vector<Check> checks;
-  streams_->beginOp();
-  auto onStream = streams_->enter(0);
+  streams.beginOp();
+  auto onStream = streams.enter(0);
   {
     std::vector<at::Tensor> t{ints({options_.rank + 1})};
     groups_.world->allreduce(t, c10d::AllreduceOptions())->wait();
@@ -545,8 +615,9 @@ void SubgroupAllreduce::connect() {
     rail->_allgather_base(gathered, mine, c10d::AllgatherOptions())->wait();
     checks.push_back({name + " (all-gather)", gathered, range(M, [](int j) { return j; })});
   }
-  if (auto reached = streams_->mark(0)) {
-    const Status status = waitOnHost(*reached, std::chrono::steady_clock::now() + options_.timeout);
+  if (auto reached = streams.mark(0)) {
+    const Status status = waitOnHost(
+        *reached, std::chrono::steady_clock::now() + options_.timeout, [this] { return aborting_.load(); });
     TORCH_CHECK(status.ok(), "fairring: connecting the sub-groups of rank ", options_.rank, " on ", device,
                 " did not finish within ", options_.timeout.count(), " ms: ", status.message());
   }

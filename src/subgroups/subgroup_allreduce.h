@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -99,6 +100,18 @@ class SubgroupAllreduce {
   // them (either would break the capture): the captured collective runs
   // when the graph is replayed, which NCCL orders after nothing either.
   void orderBefore(const std::vector<at::Tensor>& tensors);
+  // ... and once it is issued (`work`, the delegate's), the allreduces issued
+  // later on the same bytes wait for it, as they would behind it on NCCL's one
+  // stream: a stream of the group's own waits for the collective (the work's
+  // synchronize(), which does not block the host) and marks where it ends.
+  // Not under capture, for the reasons above.
+  void orderAfter(const std::vector<at::Tensor>& tensors, c10d::Work& work);
+
+  // barrier(): the host waits until the device has finished every allreduce
+  // issued on this group (as NCCL's barrier waits for the group's earlier
+  // collectives), up to the group's timeout, holding no lock; raises the
+  // group's failure, or one a sub-group reports meanwhile, or the timeout.
+  void awaitIssued();
 
   // destroy_process_group(): waits on the host, up to the group's timeout,
   // until the device has finished every allreduce issued (a peer may still
@@ -138,8 +151,11 @@ class SubgroupAllreduce {
   // Issues `work`'s collective's wait on the current (lane) stream and keeps
   // it as a part of the operation in progress.
   void await(const c10::intrusive_ptr<c10d::Work>& work);
+  // Makes the streams and connects every sub-group at the first operation,
+  // without holding mu_ while it waits for the peers; sets failure_ if that
+  // fails.
   void useDevice(c10::Device device);
-  void connect();
+  void connect(LaneStreams& streams);
   bool slicing() const {
     return !groups_.lanes.empty();
   }
@@ -159,16 +175,23 @@ class SubgroupAllreduce {
 
   // One operation's units are issued together, and operations in call order.
   mutable std::mutex mu_;
+  std::condition_variable connected_; // connecting_ went false
+  bool connecting_{false};
   std::string failure_;
-  std::unique_ptr<LaneStreams> streams_; // made at the first operation (its device)
+  std::unique_ptr<LaneStreams> streams_; // made and connected at the first operation (its device)
   std::vector<at::Tensor> staging_; // one slot per lane, bytes
   uint64_t nextUnit_{0};
   InFlightOps<DoneEvent> inFlight_;
   std::vector<c10::intrusive_ptr<c10d::Work>> parts_; // of the operation being issued
   SubgroupStats stats_;
-  bool stopped_{false}; // no more operations
-  bool closed_{false}; // the sub-groups were shut down or aborted
-  std::atomic<bool> aborting_{false}; // read by a shutdown's wait, which holds no lock
+  std::atomic<bool> stopped_{false}; // no more operations
+  std::atomic<bool> aborting_{false}; // read by the waits of connecting and draining, which hold no lock
+  // How the sub-groups were closed; apart from mu_, which an allreduce holds
+  // while it issues, so that abort() never waits for one.
+  mutable std::mutex closeMu_;
+  bool closed_{false};
+  std::string shutdown_{"running"};
+  int abortedGroups_{0};
 };
 
 } // namespace fairring
