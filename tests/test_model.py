@@ -7,6 +7,7 @@ bench/model_validation.py; these tests use fixed primitives.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -539,7 +540,9 @@ def test_staging_too_small_is_an_error() -> None:
 
 # --- GPU: issue 34's targets, in fairring-plan's terms (25 MiB, NCCL 2.28) ----------
 
-MACHINES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+# Powers of two and two between (every M from 1 to 128 is checked in docs/design.md's
+# command; CI's time is short).
+MACHINES = (1, 2, 3, 4, 8, 16, 24, 32, 64, 128)
 # (node, machines, in flight) -> the least speedup over NCCL. Where the model misses the
 # issue's target the floor is what it reaches, and the comment says why (docs/design.md,
 # "The cost model", has the figures).
@@ -671,11 +674,13 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
 
 
 def test_plan_gpu_table(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(
-        capsys,
-        *"--machines 16 --gpus-per-machine 8 --nic 200gbit --nics-per-machine 4".split(),
-        *"--intra 230GB/s --arch ampere --size 25M --in-flight 4".split(),
+    # A node described by its parts is the node type with those parts.
+    args = plan.parse_args(
+        "--gpus-per-machine 8 --nic 200gbit --nics-per-machine 4 --intra 230GB/s".split()
+        + ["--arch", "ampere"]
     )
+    assert dataclasses.replace(args.gpu_node, name=A100.name, sources=A100.sources) == A100
+    code, out, _ = _run(capsys, *"--node a100-4x200g --machines 16 --in-flight 4".split())
     assert code == 0
     for m in (1, 2, 4, 8, 16, 32, 64, 128):
         p = predict_gpu(A100, m, S25, 4)
@@ -699,7 +704,7 @@ def test_plan_shows_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_plan_gpu_json(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _run(capsys, "--node", "v100-4x100g", "--machines", "8", "--size", "16M",
-                        "--nccl", "2.11", "--json")  # fmt: skip
+                        "--nccl", "2.11", "--max-machines", "8", "--json")  # fmt: skip
     result = json.loads(out)
     p = predict_gpu(V100_4X100G, 8, 16 * MIB, tuning=nccl.NCCL_2_11)
     assert p.chosen.algorithm == "tree" and p.nccl_s < p.nccl_ring_s  # NCCL's pick, not its ring
@@ -707,7 +712,7 @@ def test_plan_gpu_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert result["fairring_ms"] == pytest.approx(p.fairring_s * 1e3, rel=1e-12)
     assert result["reference_ms"] == pytest.approx(p.nccl_s * 1e3, rel=1e-12)
     assert result["reference"] == p.reference
-    assert [r["machines"] for r in result["rows"]] == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert [r["machines"] for r in result["rows"]] == [1, 2, 4, 8]
 
 
 def test_plan_cpu_json(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -741,7 +746,8 @@ def test_plan_says_cpu_bound_runs_are_predicted_too_fast(
 def test_plan_reads_fairring_variables(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    argv = ["--node", "a100-4x200g", "--machines", "8", "--in-flight", "4", "--json"]
+    argv = ["--node", "a100-4x200g", "--machines", "8", "--in-flight", "4", "--max-machines", "8"]
+    argv.append("--json")
     monkeypatch.setenv("FAIRRING_LANES", "1")
     _, out, _ = _run(capsys, *argv)
     one_lane = json.loads(out)["fairring_ms"]

@@ -38,6 +38,7 @@ NIC). It is never below ``flow_time``.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -176,36 +177,34 @@ class _Simulation:
 
     def run(self) -> Scheduled:
         n = len(self.stages)
-        pending_issue = sorted(range(n), key=lambda k: self.issued_at[k])
-        next_issue = 0
+        issued = 0  # stages are issued in order: issued_at only grows
         now = 0.0
         finished = 0
         while finished < n:
-            while next_issue < n and self.issued_at[pending_issue[next_issue]] <= now:
-                self._try_start(pending_issue[next_issue], now)
-                next_issue += 1
-            candidates = [self.waking[0][0]] if self.waking else []
-            if next_issue < n:
-                candidates.append(self.issued_at[pending_issue[next_issue]])
+            while issued < n and self.issued_at[issued] <= now:
+                self._try_start(issued, now)
+                issued += 1
+            later = self.waking[0][0] if self.waking else math.inf
+            if issued < n:
+                later = min(later, self.issued_at[issued])
             for flows in self.flows.values():
-                if flows:
-                    candidates.append(now + min(flows.values()) * len(flows))
-            if not candidates:
+                later = min(later, now + min(flows.values()) * len(flows))
+            if later == math.inf:
                 raise RuntimeError("schedule: no stage can start (a queue or order cycle)")
-            later = max(now, min(candidates))
-            for flows in self.flows.values():
-                if flows:
-                    _advance(flows, now, later)
+            later = max(now, later)
+            ended = []
+            for resource, flows in list(self.flows.items()):
+                ended += _advance(flows, now, later)
+                if not flows:
+                    del self.flows[resource]
             now = later
             while self.waking and self.waking[0][0] <= now:
                 _, k = heapq.heappop(self.waking)
                 finished += self._transfer(k, now)
-            for flows in self.flows.values():
-                for k in [k for k, left in flows.items() if left <= _EPSILON]:
-                    del flows[k]
-                    self.left[k] -= 1
-                    if not self.left[k]:
-                        finished += self._finish(k, now)
+            for k in ended:
+                self.left[k] -= 1
+                if not self.left[k]:
+                    finished += self._finish(k, now)
         timeline = tuple(
             (stage.name, self.start[k], self.end[k]) for k, stage in enumerate(self.stages)
         )
@@ -249,12 +248,19 @@ class _Simulation:
 _EPSILON = 1e-12  # seconds: a picosecond
 
 
-def _advance(flows: dict[int, float], now: float, later: float) -> None:
-    """The work left of the transfers sharing one resource, ``later - now`` on: the
-    shortest ones end exactly when their finishing time is ``later`` (not a rounding
-    error above it)."""
+def _advance(flows: dict[int, float], now: float, later: float) -> list[int]:
+    """The work left of the transfers sharing one resource, ``later - now`` on (the
+    shortest end exactly when their finishing time is ``later``, not a rounding error
+    above it); removes and returns the stages whose transfer there is done."""
     least = min(flows.values())
     ends_now = now + least * len(flows) <= later
     share = (later - now) / len(flows)
-    for k, left in flows.items():
-        flows[k] = 0.0 if ends_now and left == least else max(0.0, left - share)
+    ended = []
+    for k, left in list(flows.items()):
+        left = 0.0 if ends_now and left == least else left - share
+        if left <= _EPSILON:
+            del flows[k]
+            ended.append(k)
+        else:
+            flows[k] = left
+    return ended
