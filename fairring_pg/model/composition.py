@@ -8,8 +8,9 @@ the plan, fairring_pg.model.cuda_plan, says how large). Each piece of p bytes, o
                    GPUs, in place: holds the local reduce-scatter communicator, NVLink
   rail exchange    of my chunk (p/L) with the M ranks of my rail, on lane k's
                    communicator; the machine's NICs carry 2(M-1)/M of p per direction:
-                   "alltoall": all-to-all of the M shards, one reduction kernel over the
-                   M received copies (HBM), all-gather of the reduced shards;
+                   "alltoall": all-to-all of the M shards, one kernel that reduces the M
+                   received copies and writes the result M times (HBM), all-to-all of
+                   those: two direct hops;
                    "reduce_scatter": NCCL's reduce-scatter then all-gather on the rail
                    (NCCL runs them as a ring or, with one GPU per node, PAT);
   all-gather       (L > 1) NCCL's all-gather over the machine, in place: the local
@@ -23,7 +24,8 @@ each step runs on a stream of its own and waits only for the step before it, so 
 reduce-scatter of a piece, the rail exchange of the one before and the all-gather of
 the one before that run at once; without it (as built before issue 34, and the Fairring
 seed) a slice's steps run one after another on its lane. The host issues every step
-(``Implementation.host_s``); a lane is one communicator, so its pieces take turns.
+(``Implementation.host_s``) in the order of ``issue_order``; a lane is one communicator,
+so its pieces take turns, and the transfers of all lanes share the machine's NICs.
 """
 
 from __future__ import annotations
