@@ -216,9 +216,12 @@ def _decide(
 ) -> PlanRow:
     theirs = nccl_time(tuning, world_fabric(node), M, size, nccl.ALLREDUCE)
     best: tuple[float, int, str] | None = None
+    # No piece may exceed the largest: fewer pieces than that allows are the same cut.
+    fewest = max(1, -(-size // largest)) if largest else 1
+    counts = sorted({max(count, fewest) for count in _PIECE_COUNTS})
     for exchange in impl.exchanges:
         worse = 0  # more pieces help up to a point, then cost more than they hide
-        for count in _PIECE_COUNTS:
+        for count in counts:
             if count > 1 and size // count < _SMALLEST_PIECE or worse == 2:
                 break
             seconds = composed_seconds(node, M, size, count, exchange, largest, tuning, impl, lanes)
