@@ -466,6 +466,10 @@ def test_the_host_issues_a_wavefront() -> None:
     assert issue_order([piece] * 2, 0, 2, wavefront=False) == [
         (i, j) for i in range(2) for j in range(5)
     ]
+    # A call's tail (one direct unit after its pieces) is issued before them.
+    tail = Piece((Stage("NCCL allreduce"),))
+    with_tail = issue_order([piece, tail], 0, 2, wavefront=True)
+    assert with_tail == [(1, 0), *[(0, j) for j in range(5)]]
 
 
 def test_one_rank_per_machine_is_nccls_allreduce() -> None:
