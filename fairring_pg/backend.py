@@ -16,8 +16,15 @@ from typing import Any
 import torch.distributed as dist
 
 from fairring_pg import future_callbacks
-from fairring_pg.config import Config
-from fairring_pg.cuda import CudaDecision, StandInAccelerator, cuda_subgroup_kinds, decide_for_job
+from fairring_pg.config import Config, lane_staging_bytes
+from fairring_pg.cuda import (
+    CudaDecision,
+    StandInAccelerator,
+    cuda_subgroup_kinds,
+    decide_for_job,
+    plan_for_job,
+)
+from fairring_pg.model.cuda_plan import CudaPlan
 from fairring_pg.network import listen_address
 from fairring_pg.startup import publish_failure, wait_for
 from fairring_pg.subgroups import build_subgroups, gloo_group, gloo_maker, nccl_maker
@@ -31,8 +38,10 @@ _core_factory: Callable[..., Any] | None = None
 # Private seam for tests: a device that takes CUDA's place (the stream vehicle of
 # tests/native/), with its own world group and sub-groups. None means CUDA.
 _stand_in_accelerator: StandInAccelerator | None = None
-# What each group decided for CUDA tensors, by group name (``cuda_decision``).
+# What each group decided for CUDA tensors, by group name (``cuda_decision``), and what
+# each size of its CUDA allreduces runs (``cuda_plan``).
 _cuda_decisions: dict[str, CudaDecision] = {}
+_cuda_plans: dict[str, CudaPlan] = {}
 
 
 def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
@@ -59,14 +68,13 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
         topology = discover(store, rank, size, config.machine_id, timeout)
         # From every rank's published GPU facts: the same on every rank, or a ValueError
         # on every rank (fairring_pg/cuda.py).
-        cuda_decision = (
-            CudaDecision("nccl", "a stand-in accelerator (tests)")
-            if _stand_in_accelerator is not None
-            else decide_for_job(store, topology, timeout, config.cuda_delegate)
-        )
+        cuda_decision, gpu_facts = decide_for_job(store, topology, timeout, config.cuda_delegate)
+        if _stand_in_accelerator is not None:
+            cuda_decision = CudaDecision("nccl", "a stand-in accelerator (tests)")
         if not config.test_cpu_subgroups:
             config.check_staging_fits(topology.num_machines, topology.local_size)
-        subgroup_slice = config.subgroup_slice_size(topology.num_machines, topology.local_size)
+        # What each size of CUDA allreduce runs, the same on every rank (rank 0's).
+        cuda_plan = plan_for_job(store, topology, config, timeout, gpu_facts)
         token = job_token(store, rank, timeout)
     except Exception as exc:
         # The others are waiting on the store for this rank: tell them, so they raise
@@ -75,11 +83,19 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
         raise
     address = listen_address(config, single_host=len(set(topology.hostnames)) == 1)
     _fill_options(opts, config, topology, address, token, timeout)
-    opts.subgroup_slice_size = subgroup_slice
+    composes = cuda_plan.composes
+    opts.set_subgroup_plan(
+        cuda_plan.core_rows(),
+        cuda_plan.largest_piece if composes else 0,
+        lane_staging_bytes(cuda_plan.largest_piece, topology.num_machines, topology.local_size)
+        if composes
+        else 0,
+    )
 
     global_ranks = list(dist_backend_opts.global_ranks_in_group) or list(range(size))
     group_id = str(dist_backend_opts.group_id)
     _cuda_decisions[group_id] = cuda_decision
+    _cuda_plans[group_id] = cuda_plan
     cpu_delegate = make_gloo_delegate(store, rank, size, timeout, config, dist_backend_opts)
     cuda_delegate = None
     makers: dict[str, Any] = {}
@@ -112,6 +128,7 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
             makers[kinds[1]],
             "cuda",
             group_id,
+            composes,
         )
     opts.cuda_unavailable = (
         "" if cuda_delegate is not None else f"CUDA collectives cannot run: {cuda_decision.reason}"
@@ -127,6 +144,7 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
             make,
             "cpu",
             group_id,
+            composes,
         )
     core_store = dist.PrefixStore("fairring/core/", store)
     try:
@@ -178,7 +196,6 @@ def _fill_options(
     opts.listen_address = address
     opts.job_token = token
     opts.timeout = timeout
-    opts.direct_below = config.direct_below
     opts.pipeline_chunk = config.pipeline_chunk
     opts.cpu_ring_from = config.cpu_ring_from(topology.num_machines, topology.local_size)
 
@@ -194,12 +211,13 @@ class _PlainOptions:
     job_token: str
     timeout: timedelta
     timeline_path: str
-    direct_below: int
     pipeline_chunk: int
     cpu_ring_from: int
-    subgroup_slice_size: int
     cuda_unavailable: str
     accelerator_type: str
+
+    def set_subgroup_plan(self, rows: list[Any], largest_piece: int, lane_staging: int) -> None:
+        self.subgroup_plan = (rows, largest_piece, lane_staging)
 
 
 def make_gloo_delegate(
@@ -222,6 +240,13 @@ def cuda_decision(group: Any = None) -> CudaDecision:
     and why: the same on every rank."""
     pg = dist.distributed_c10d._get_default_group() if group is None else group
     return _cuda_decisions[pg.group_name]
+
+
+def cuda_plan(group: Any = None) -> CudaPlan:
+    """What each size of CUDA allreduce runs in ``group`` (default: the default group):
+    fairring_pg.model.cuda_plan's rows, with their reasons; the same on every rank."""
+    pg = dist.distributed_c10d._get_default_group() if group is None else group
+    return _cuda_plans[pg.group_name]
 
 
 def make_nccl_delegate(

@@ -227,15 +227,20 @@ def test_groups_and_their_members(
 
     topo = topology(rank, machines)
     lane_count = len(lanes) if lanes else 2
+    config = Config(lanes=lane_count, cuda_allreduce=path)
+    # Whether the plan composes any call: here as the mode allows (the plan's rows,
+    # from the model, are tests/test_model.py's).
+    composes = config.slices_allreduces(topo.num_machines, topo.local_size)
     groups = build_subgroups(
         SimpleNamespace(lanes=[]),
         topo,
-        Config(lanes=lane_count, cuda_allreduce=path),
+        config,
         "WORLD",
         record("local"),
         record("lane"),
         "cuda",
         "7",
+        composes,
     )
     assert groups.world == "WORLD"
     if local is None and lanes is None:

@@ -539,7 +539,7 @@ def test_lanes_hide_latency_and_share_the_nics() -> None:
 
 def test_staging_too_small_is_an_error() -> None:
     with pytest.raises(ValueError, match="FAIRRING_TOTAL_MEMORY"):
-        predict_gpu(A100, 8, S25, config=Config(total_memory=1024))
+        predict_gpu(A100, 8, S25, config=Config(total_memory=512))
 
 
 # --- GPU: issue 34's targets, in fairring-plan's terms (25 MiB, NCCL 2.28) ----------

@@ -347,14 +347,19 @@ def run_scenarios(rank: int, world: int) -> dict[str, dict[str, Any]]:
     return outcomes
 
 
+# Pieces of at most SLICE_SIZE bytes, the all-to-all exchange with three or more pieces
+# per call below 8 KiB (the views), NCCL's reduce-scatter and all-gather on the rail with
+# two or more from 8 KiB (N float64): both exchanges, several pieces on both lanes.
+PLAN = "0:compose:3:alltoall,8K:compose:2:reduce_scatter"
+
+
 def vehicle_env() -> dict[str, str | None]:
     return fairring_env(
         total_memory=TOTAL_MEMORY,
         slice_size=SLICE_SIZE,
         FAIRRING_SLICE_SCALING="off",
         FAIRRING_LANES=2,
-        FAIRRING_DIRECT_BELOW=0,
-        FAIRRING_CUDA_ALLREDUCE="lanes",
+        FAIRRING_TEST_CUDA_PLAN=PLAN,
     )
 
 
@@ -430,3 +435,5 @@ def test_the_scenarios_took_the_paths_they_test(shape: str) -> None:
         assert stats["sliced_units"] == 0 and stats["direct_units"] > 0, stats
     else:
         assert stats["sliced_units"] > 2 * len(SCENARIOS) and stats["direct_units"] > 0, stats
+        # Both rows of the plan, so both rail exchanges.
+        assert len(stats["rows"]) == 2 and min(stats["rows"]) > 0, stats

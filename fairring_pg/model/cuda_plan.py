@@ -32,7 +32,9 @@ from dataclasses import asdict, dataclass
 from fairring_pg.config import Config
 from fairring_pg.model import nccl
 from fairring_pg.model.composition import (
+    ALLTOALL,
     FAIRRING_PG,
+    REDUCE_SCATTER,
     Implementation,
     Unit,
     call_pieces,
@@ -104,6 +106,10 @@ class CudaPlan:
         """Whether any call is composed (else no lane or local group is needed)."""
         return any(row.path == COMPOSE for row in self.rows)
 
+    def core_rows(self) -> list[tuple[int, str, int, str]]:
+        """The rows as the C++ core takes them (SubgroupOptions::plan)."""
+        return [(row.from_bytes, row.path, row.pieces, row.exchange) for row in self.rows]
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
@@ -125,6 +131,55 @@ class CudaPlan:
             )
             lines.append(f"  {span}: {what} ({row.reason})")
         return "\n".join(lines)
+
+
+TEST_PLAN_VARIABLE = "FAIRRING_TEST_CUDA_PLAN"
+
+
+def forced_rows(text: str) -> tuple[PlanRow, ...]:
+    """The rows of FAIRRING_TEST_CUDA_PLAN (tests): comma-separated
+    ``FROM:nccl`` or ``FROM:compose:PIECES:alltoall|reduce_scatter``, FROM in bytes (K/M
+    suffixes), the first 0, ascending. Raises ValueError naming the variable."""
+    from fairring_pg.config import parse_byte_size
+
+    rows: list[PlanRow] = []
+    for item in text.strip().split(","):
+        fields = item.strip().split(":")
+        where = f"{TEST_PLAN_VARIABLE}={text!r}: {item.strip()!r}"
+        try:
+            raw = fields[0].strip()
+            start = 0 if raw == "0" else parse_byte_size(TEST_PLAN_VARIABLE, raw)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        if fields[1:] == [NCCL]:
+            rows.append(PlanRow(start, NCCL, reason="forced (tests)"))
+        elif (
+            len(fields) == 4
+            and fields[1] == COMPOSE
+            and fields[2].isdigit()
+            and int(fields[2]) >= 1
+            and fields[3] in (ALLTOALL, REDUCE_SCATTER)
+        ):
+            rows.append(PlanRow(start, COMPOSE, int(fields[2]), fields[3], "forced (tests)"))
+        else:
+            raise ValueError(
+                f"{where}: expected FROM:nccl or FROM:compose:PIECES:alltoall|reduce_scatter"
+            )
+    starts = [row.from_bytes for row in rows]
+    if starts[0] != 0 or starts != sorted(set(starts)):
+        raise ValueError(f"{TEST_PLAN_VARIABLE}={text!r}: rows must start at 0 and grow")
+    return tuple(rows)
+
+
+def forced_plan(text: str, machines: int, config: Config, local_size: int) -> CudaPlan:
+    """The plan FAIRRING_TEST_CUDA_PLAN gives, for M = ``machines`` of L = ``local_size``."""
+    rows = forced_rows(text)
+    composes = any(row.path == COMPOSE for row in rows)
+    largest = config.subgroup_slice_size(machines, local_size) if composes else 0
+    if composes and (machines == 1 or local_size * machines == 1):
+        rows = (PlanRow(0, NCCL, reason="one machine: nothing to compose"),)
+        largest = 0
+    return CudaPlan(machines, local_size, TEST_PLAN_VARIABLE, rows, largest)
 
 
 def only_nccl(machines: int, local_size: int, node: str, reason: str) -> CudaPlan:
@@ -165,6 +220,17 @@ def _plan(
         return only_nccl(M, L, name, "FAIRRING_CUDA_ALLREDUCE=direct")
     if M == 1 and impl.single_machine_allreduce:
         return only_nccl(M, L, name, "one machine: NCCL's allreduce over NVLink")
+    if node is None and mode == "lanes":
+        # Composed as asked, without a model to cut by: one piece per largest piece.
+        largest = config.subgroup_slice_size(M, L)
+        why = "FAIRRING_CUDA_ALLREDUCE=lanes, node facts unknown: as many pieces as fit"
+        rows = [PlanRow(config.direct_below, COMPOSE, 1, ALLTOALL, why)]
+        below = PlanRow(0, NCCL, reason=f"below FAIRRING_DIRECT_BELOW={config.direct_below}")
+        if config.direct_below:
+            rows.insert(0, below)
+        else:
+            rows[0] = dataclasses.replace(rows[0], from_bytes=0)
+        return CudaPlan(M, L, name, tuple(rows), largest)
     if node is None:
         return only_nccl(M, L, name, "node facts unknown (FAIRRING_NODE, or detection)")
     if mode == "auto" and L == 1:
@@ -229,7 +295,16 @@ def _decide(
                 best, worse = (seconds, count, exchange), 0
             else:
                 worse += 1
-    assert best is not None
+    if best is None:
+        # Every piece the staging allows is below the smallest worth sending.
+        why = f"pieces of at most {largest} bytes (FAIRRING_TOTAL_MEMORY) are too small to compose"
+        return PlanRow(
+            size,
+            COMPOSE if forced else NCCL,
+            fewest if forced else 0,
+            impl.exchanges[0] if forced else "",
+            why,
+        )
     seconds, count, exchange = best
     speedup = theirs.seconds / seconds
     nccl_name = f"{theirs.algorithm}/{theirs.protocol}"

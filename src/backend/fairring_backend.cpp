@@ -49,8 +49,9 @@ FairringBackend::FairringBackend(
   subgroupOptions.localRank = layout.localRank();
   subgroupOptions.machine = layout.machine();
   subgroupOptions.timeout = options.timeout;
-  subgroupOptions.sliceBytes = options.subgroupSliceBytes;
-  subgroupOptions.directBelowBytes = options.directBelowBytes;
+  subgroupOptions.plan = options.subgroupPlan;
+  subgroupOptions.largestPieceBytes = options.largestPieceBytes;
+  subgroupOptions.laneStagingBytes = options.laneStagingBytes;
   subgroupOptions.totalMemory = options.totalMemory;
   if (options.cudaSubgroups) {
     cudaSubgroups_ = std::make_unique<SubgroupAllreduce>(*options.cudaSubgroups, subgroupOptions, accelerator_);

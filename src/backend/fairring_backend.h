@@ -37,13 +37,15 @@ struct BackendOptions {
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   std::string timelinePath; // this rank's trace file; empty: off
   size_t pipelineChunk{1 << 20}; // each local rank's part of the piece of a slice the five steps move at once
-  // The sub-group allreduce (src/subgroups/): its slice (fitted so that every
-  // lane has a staging slot) and the size under which it is one allreduce.
   // CPU allreduces of this many bytes or more go to the delegate's (Gloo's)
   // ring instead of the engine; -1: none (fairring_pg.config.cpu_ring_from).
   int64_t cpuRingFrom{-1};
-  size_t subgroupSliceBytes{0};
-  size_t directBelowBytes{0};
+  // The sub-group allreduce (src/subgroups/): its plan (what each size runs,
+  // fairring_pg.model.cuda_plan), the largest piece (fitted so that every
+  // lane has its staging) and each lane's staging (fairring_pg.config).
+  std::vector<PlanRow> subgroupPlan;
+  size_t largestPieceBytes{0};
+  size_t laneStagingBytes{0};
   // NCCL groups for CUDA tensors; unset without CUDA and NCCL, or where
   // ranks share a GPU (then CUDA allreduces go to the CUDA delegate).
   std::optional<Subgroups> cudaSubgroups;
