@@ -101,7 +101,7 @@ def cut_pieces(
     numel: int, elem_size: int, pieces: int, largest_piece: int, L: int, M: int
 ) -> list[Unit]:
     """How a composed call is cut, the same on every rank (the C++ applies this rule:
-    notes/cuda_plan_spec.md). The call's whole groups of L·M elements go into
+    src/subgroups/call_plan.h). The call's whole groups of L·M elements go into
     P = min(groups, max(pieces, ceil(groups / G))) pieces, G the groups that fit in
     ``largest_piece`` bytes (0: no limit), as even as can be (the first ``groups mod P`` one group
     longer); the fewer than L·M elements left over are one direct unit."""

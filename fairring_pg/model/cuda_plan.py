@@ -10,8 +10,8 @@ for a call whose reduced buffer has ``b`` bytes (numel x the element size it red
 in: int16 travels as int32), applies the last row with ``from_bytes <= b``: ``nccl``,
 one NCCL allreduce on the world group; ``compose``, at least ``pieces`` pieces (none
 larger than the plan's ``largest_piece``) through the steps of
-fairring_pg.model.composition with that rail ``exchange`` (notes/cuda_plan_spec.md has
-the exact rule). Every rank uses the same table (rank 0
+fairring_pg.model.composition with that rail ``exchange`` (src/subgroups/call_plan.h
+applies the same rule). Every rank uses the same table (rank 0
 publishes it), so every rank takes the same path for the same call.
 
 A row composes only where the model predicts the composition faster than NCCL's own
