@@ -264,3 +264,45 @@ def test_groups_and_their_members(
     # Names tell the groups apart, and from another fairring group's (id 7 here).
     names = [m[4] for m in made]
     assert len(set(names)) == len(names) and all("-g7-" in n for n in names), names
+
+
+# ------------------------------------------------- the CUDA allreduce's plan, job-wide
+
+
+def plan_of_group(rank: int, world: int) -> str:
+    import fairring_pg.backend as backend
+
+    dist.init_process_group("fairring")
+    return backend.cuda_plan().to_json()
+
+
+def test_every_rank_runs_rank_zeros_plan_from_the_node_named() -> None:
+    """FAIRRING_NODE names the machines; rank 0 plans and every rank runs that plan, the
+    one the model gives for those facts at 3 machines x 2 ranks."""
+    from fairring_pg import node_facts
+    from fairring_pg.model.cuda_plan import CudaPlan, plan_allreduce
+
+    machines = ["m0", "m0", "m1", "m1", "m2", "m2"]
+    env = {"FAIRRING_NODE": "h100-2x200g"}
+    got = run_ranks(plan_of_group, 6, machines, env=env, init_group=False, timeout_s=120)
+    assert len(set(got)) == 1, got
+    plan = CudaPlan.from_json(got[0])
+    facts = node_facts.from_env(env)
+    job = node_facts.merge([facts] * 6, [0, 0, 1, 1, 2, 2])
+    want = plan_allreduce(job.gpu_node(2), 3, Config.from_env({}), local_size=2)
+    assert plan == want
+    assert plan.composes, plan.describe()  # this node composes at 3 machines: a real plan
+
+
+def test_a_bad_node_fails_init_on_every_rank() -> None:
+    outcomes = launch(
+        plan_of_group,
+        2,
+        ["m0", "m1"],
+        rank_env={1: {"FAIRRING_NODE": "a-kind-of-toaster"}},
+        init_group=False,
+        timeout_s=120,
+    )
+    for o in outcomes:
+        message = o.error_message or ""
+        assert o.status == "error" and "FAIRRING_NODE='a-kind-of-toaster'" in message, o.describe()
