@@ -123,6 +123,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    from fairring_pg.backend import cuda_plan
     from fairring_pg.config import Config, lane_staging_bytes
     from fairring_pg.subgroups import subgroup_stats
 
@@ -161,10 +162,10 @@ def worker(args: argparse.Namespace) -> None:
         config = Config.from_env({**os.environ, **env})
         machines = int(os.environ["NNODES"])
         local = world // machines
+        plan = cuda_plan(group)
         staging = 0
-        if config.slices_allreduces(machines, local):
-            slice_size = config.subgroup_slice_size(machines, local)
-            staging = config.lanes * lane_staging_bytes(slice_size, machines, local)
+        if plan.composes:
+            staging = config.lanes * lane_staging_bytes(plan.largest_piece, machines, local)
         device_wide = free_before - free_after
         memory[name] = {
             "device_bytes_all_ranks": device_wide,
@@ -424,8 +425,8 @@ def render(shape: str, data: dict[str, Any]) -> str:
         )
     for n, stats in data.get("paths", {}).items():
         lines.append(
-            f"Path, {n}: {stats['operations']} allreduces, {stats['direct_units']} direct "
-            f"units, {stats['sliced_units']} sliced units"
+            f"Path, {n}: {stats['operations']} allreduces ({stats['composed_calls']} composed), "
+            f"{stats['direct_units']} direct units, {stats['sliced_units']} pieces"
         )
     if judged:
         met = sum(v["met"] for v in judged.values())

@@ -5,38 +5,47 @@
 
 For each link rate and M x L shape, the ranks run on namespace hosts with tc-shaped
 links (scripts/netns_cluster.py) and time fairring and Gloo in the same processes
-(bench/common.py): one allreduce of 1, 25 and 100 MiB, and a burst of 16 x 25 MiB issued
-at once. The model predicts each from this machine's primitives (copy and reduction
-bandwidth, loopback message and TCP costs, one TCP stream's share of a shaped link),
-measured by fairring_pg.model.calibration before the runs, never from the runs
-themselves. Run it alone on the host (flock -x /tmp/fairring-cpu.lock): the primitives
-and the runs are both timings.
+(bench/common.py): one allreduce of 64 KiB, 256 KiB, 1, 25 and 100 MiB, and a burst of
+16 x 25 MiB issued at once, each only where fairring's engine runs it: with one rank per
+machine FAIRRING_CPU_ALLREDUCE=auto hands allreduces from 1 MiB to Gloo's ring, and
+timing Gloo's ring against itself tests nothing of the engine. The model predicts each
+from this machine's primitives (copy and reduction bandwidth, loopback message and TCP
+costs, one TCP stream's share of a shaped link), measured by
+fairring_pg.model.calibration before the runs, never from the runs themselves. Run it
+alone on the host (flock -x /tmp/fairring-cpu.lock): the primitives and the runs are both
+timings.
 
-The report also sets the model beside the CUDA runs on one H100 (bench/results/cuda/).
+The report also sets the model beside the CUDA runs on one H100 (bench/results/cuda/)
+and beside the loopback runs of bench/allreduce_sizes.py (no link: CPU-bound), which it
+does not validate.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import report  # noqa: E402
-
 import common  # noqa: E402
 
 sys.path.insert(0, str(common.REPO))
+from fairring_pg.config import Config  # noqa: E402
 from fairring_pg.model import calibration  # noqa: E402
 from fairring_pg.model.cpu import CpuCluster, predict_cpu  # noqa: E402
 
 TOLERANCE = 0.15
 DEFAULT_CASES = "1M,25M,100M,16x25M"
+# With one rank per machine the engine runs only allreduces below 1 MiB (larger ones
+# are Gloo's ring): these take the place of the others there.
+ONE_RANK_CASES = "64K,256K"
 # Timed iterations per case: a 1 MiB allreduce is cheap, a burst at 300 Mbit/s is not.
-ITERATIONS = {1 << 20: 9, 25 << 20: 3}
+ITERATIONS = {64 << 10: 9, 256 << 10: 9, 1 << 20: 9, 25 << 20: 3}
 DEFAULT_ITERATIONS = 2
 CUDA_RESULTS = common.RESULTS / "cuda"
 
@@ -55,8 +64,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--role", choices=["driver", "worker"], default="driver")
     p.add_argument("--rates", default="1gbit,300mbit", help="link rates (tc), comma-separated")
-    p.add_argument("--shapes", default="2x2,4x1,2x3", help="machines x ranks, comma-separated")
+    p.add_argument("--shapes", default="2x2,4x1,2x3,3x2", help="machines x ranks, comma-separated")
     p.add_argument("--cases", default=DEFAULT_CASES, help="sizes; NxSIZE: N issued at once")
+    p.add_argument(
+        "--one-rank-cases",
+        default=ONE_RANK_CASES,
+        help="sizes for shapes of one rank per machine, where the engine runs only small ones",
+    )
     p.add_argument("--iters", type=int, default=None, help="timed iterations of every case")
     p.add_argument("--recalibrate", action="store_true", help="measure the primitives again")
     p.add_argument("--timeout", type=float, default=500.0, help="seconds per launch")
@@ -66,6 +80,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.rate = None  # placement: always the shaped cluster, one rate per launch
     args.netns = True
     return args
+
+
+def engine_cases(cases: list[str], machines: int, ranks: int, config: Config) -> list[str]:
+    """The cases fairring's engine runs on this shape: not those it hands to Gloo's ring
+    (FAIRRING_CPU_ALLREDUCE, the same on every rank)."""
+    ring_from = config.cpu_ring_from(machines, ranks)
+    return [c for c in cases if not 0 <= ring_from <= parse_case(c)[1]]
+
+
+def shape_cases(args: argparse.Namespace, machines: int, ranks: int, config: Config) -> list[str]:
+    """What to time on this shape: the cases the engine runs, and with one rank per
+    machine the small ones in place of those Gloo's ring takes."""
+    small = args.one_rank_cases.split(",") if ranks == 1 and args.one_rank_cases else []
+    return engine_cases(small + args.cases.split(","), machines, ranks, config)
 
 
 def iterations(args: argparse.Namespace, size: int) -> int:
@@ -78,7 +106,9 @@ def worker(args: argparse.Namespace) -> None:
 
     common.init_worker()
     groups = {"gloo": dist.group.WORLD, "fairring": common.fairring_group()}
-    cases = [parse_case(c) for c in args.cases.split(",")]
+    machines = int(os.environ["NNODES"])
+    ranks = int(os.environ["LOCAL_WORLD_SIZE"])
+    cases = [parse_case(c) for c in shape_cases(args, machines, ranks, Config.from_env())]
     results: dict[str, Any] = {}
     for index, (count, size) in enumerate(cases):
         tensors = [torch.zeros(size // 4) for _ in range(count)]
@@ -103,7 +133,7 @@ def driver(args: argparse.Namespace) -> int:
     shapes = [common.parse_shape(s) for s in args.shapes.split(",")]
     print(f"== primitives (links {', '.join(rates)})", flush=True)
     primitives = calibration.calibrate(tuple(rates), force=args.recalibrate, log=sys.stdout)
-    forwarded = ["--cases", args.cases]
+    forwarded = ["--cases", args.cases, "--one-rank-cases", args.one_rank_cases]
     if args.iters:
         forwarded += ["--iters", str(args.iters)]
     runs: dict[str, Any] = {}
@@ -123,6 +153,7 @@ def driver(args: argparse.Namespace) -> int:
         "rates": args.rates,
         "shapes": args.shapes,
         "cases": args.cases,
+        "one_rank_cases": args.one_rank_cases,
         "timing": "median over iterations of the slowest rank",
     }
     results = {
@@ -131,6 +162,7 @@ def driver(args: argparse.Namespace) -> int:
         "calibration_file": str(calibration.cache_path()),
         "predictions": predictions(runs, primitives),
         "cuda": cuda_comparison(),
+        "loopback": loopback_comparison(primitives, common.stamp({})),
     }
     common.stamp_and_save("model_validation", args.name, config, render, results, args.out)
     return 1 if failed else 0
@@ -150,7 +182,13 @@ def predictions(runs: dict[str, Any], p: calibration.Primitives) -> list[dict[st
         for case, times in run["cases"].items():
             count, size = (int(x) for x in case.split("x"))
             model = predict_cpu(cluster, [size] * count, p)
-            row: dict[str, Any] = {"link": rate, "shape": shape, "count": count, "size": size}
+            row: dict[str, Any] = {
+                "link": rate,
+                "shape": shape,
+                "count": count,
+                "size": size,
+                "engine": bool(engine_cases([case_text(count, size)], machines, ranks, Config())),
+            }
             for backend, seconds, bound in (
                 ("fairring", model.fairring_s, model.fairring.bottleneck),
                 ("gloo", model.reference_s, model.gloo.bottleneck),
@@ -166,8 +204,50 @@ def predictions(runs: dict[str, Any], p: calibration.Primitives) -> list[dict[st
     return rows
 
 
+def case_text(count: int, size: int) -> str:
+    return f"{count}x{size}" if count > 1 else str(size)
+
+
 def within(row: dict[str, Any]) -> bool:
     return all(abs(row[b]["error"]) <= TOLERANCE for b in ("fairring", "gloo"))
+
+
+def counted(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows that test fairring's engine (older runs also timed Gloo's ring twice)."""
+    return [r for r in rows if r.get("engine", True)]
+
+
+def loopback_comparison(p: calibration.Primitives, machine: dict[str, Any]) -> dict[str, Any]:
+    """The model beside bench/allreduce_sizes.py's loopback runs (no link: CPU-bound,
+    every rank on this host's cores), which it is not validated against: how far below
+    the measured times it comes, for the engine's runs from 4 MiB up. Only where those
+    runs were on the machine ``p`` was measured on (``machine``: its stamp)."""
+    path = common.RESULTS / "allreduce_sizes.json"
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text())
+    same = ("host", "cpu", "cores", "kernel")
+    if any(data["stamp"].get(k) != machine.get(k) for k in same):
+        return {"source": str(path.relative_to(common.REPO)), "other_machine": True}
+    rows = []
+    for shape, run in data["runs"].items():
+        machines, ranks = common.parse_shape(shape)
+        cluster = CpuCluster(machines, ranks, None)
+        for size_text, times in run["sizes"].items():
+            size = int(size_text)
+            if not engine_cases([str(size)], machines, ranks, Config()):
+                continue
+            measured = common.median(times["fairring"])
+            predicted = predict_cpu(cluster, [size], p).fairring_s
+            rows.append({"shape": shape, "size": size, "error": (predicted - measured) / measured})
+    large = [r["error"] for r in rows if r["size"] >= 4 << 20]
+    return {
+        "source": str(path.relative_to(common.REPO)),
+        "measured": data["stamp"]["date"],
+        "rows": rows,
+        "median_error_from_4mib": statistics.median(large) if large else None,
+        "range_from_4mib": [min(large), max(large)] if large else None,
+    }
 
 
 def cuda_comparison() -> list[dict[str, Any]]:
@@ -177,6 +257,7 @@ def cuda_comparison() -> list[dict[str, Any]]:
     machines is taken as what NCCL's own ring moved at 100 MiB in the same run (its
     busbw), i.e. the reference sets the link and the model predicts fairring from it."""
     from fairring_pg.config import Config
+    from fairring_pg.model.composition import FAIRRING_PG_SLICES
     from fairring_pg.model.gpu import fairring_time
     from fairring_pg.model.nodes import GpuNode
 
@@ -204,7 +285,10 @@ def cuda_comparison() -> list[dict[str, Any]]:
         }
         for name, sizes in cases.items():
             measured = data["in_flight"] if "flight" in name else data["sizes"][name]
-            predicted, _, _ = fairring_time(node, machines, sizes, Config(lanes=2))
+            # What ran there: the five steps in a row per slice, forced at one rank
+            # per machine (FAIRRING_CUDA_ALLREDUCE=lanes).
+            config = Config(lanes=2, cuda_allreduce="lanes")
+            predicted, _ = fairring_time(node, machines, sizes, config, impl=FAIRRING_PG_SLICES)
             rows.append(
                 {
                     "shape": f"{machines}x1",
@@ -223,9 +307,12 @@ def _when(measured: dict[str, str]) -> str:
 
 
 def render(data: dict[str, Any]) -> tuple[str, Any]:
+    import report
+
     p = data["primitives"]
     rows = data["predictions"]
-    misses = [r for r in rows if not within(r)]
+    engine = counted(rows)
+    misses = [r for r in engine if not within(r)]
     parts = [
         "# The cost model against the namespace cluster\n\n",
         report.stamp_lines(data["stamp"]),
@@ -240,12 +327,20 @@ def render(data: dict[str, Any]) -> tuple[str, Any]:
         " Measured: fairring and Gloo in the same processes, median over iterations of the"
         " slowest rank. Error = (predicted - measured) / measured; bound = the resource the"
         " model finds limiting.\n\n",
-        f"**{len(rows) - len(misses)} of {len(rows)} cases within ±{TOLERANCE:.0%} for both"
-        " backends.**\n\n",
+        f"**{len(engine) - len(misses)} of {len(engine)} cases within ±{TOLERANCE:.0%} for both"
+        " backends**"
+        + (
+            f" ({len(rows) - len(engine)} more rows time Gloo's ring on both sides, where"
+            " FAIRRING_CPU_ALLREDUCE=auto hands it the allreduce: not counted)"
+            if len(rows) > len(engine)
+            else ""
+        )
+        + ".\n\n",
     ]
     table_rows = []
     for r in rows:
-        cells = [r["link"], r["shape"], case_name(r["count"], r["size"])]
+        case = case_name(r["count"], r["size"])
+        cells = [r["link"], r["shape"], case if r.get("engine", True) else f"{case} (ring)"]
         for b in ("fairring", "gloo"):
             x = r[b]
             flag = "" if abs(x["error"]) <= TOLERANCE else " **MISS**"
@@ -279,7 +374,9 @@ def render(data: dict[str, Any]) -> tuple[str, Any]:
             "\n## Beside the CUDA runs on one H100 (bench/results/cuda/)\n\n"
             "M simulated machines x 1 GPU rank on one H100 under MPS, NCCL over sockets on"
             " loopback. Nothing there was calibrated: the link is what NCCL's ring moved at"
-            " 100 MiB in the same run, and the model predicts fairring's time from it.\n\n"
+            " 100 MiB in the same run, and the model predicts fairring's time from it, as it"
+            " ran then (whole slices, the five steps in a row on a lane, forced at one rank"
+            " per machine).\n\n"
         )
         parts.append(
             report.table(
@@ -305,6 +402,34 @@ def render(data: dict[str, Any]) -> tuple[str, Any]:
                     for c in cuda
                 ],
             )  # fmt: skip
+        )
+
+    loop = data.get("loopback") or {}
+    if loop.get("other_machine"):
+        parts.append(
+            "\n## Beside the loopback runs\n\n"
+            f"`{loop['source']}` was measured on another machine than these primitives:"
+            " not compared.\n"
+        )
+    if loop.get("rows"):
+        low, high = loop["range_from_4mib"]
+        parts.append(
+            "\n## Beside the loopback runs (no link: CPU-bound; not validated)\n\n"
+            f"`{loop['source']}` (measured {loop['measured']}): every rank on this host's"
+            " cores, no link between machines. The model leaves out the scheduling and"
+            " wake-ups of many threads on few cores beyond the measured message cost, so"
+            " it comes out below the measured times: for the engine's runs from 4 MiB, by"
+            f" {-loop['median_error_from_4mib']:.0%} (median; {-high:.0%} to {-low:.0%});"
+            " below 4 MiB by far more. `fairring-plan --link loopback` says so.\n\n"
+        )
+        parts.append(
+            report.table(
+                ["M x L", "size", "fairring predicted - measured"],
+                [
+                    [r["shape"], common.show_size(r["size"]), f"{r['error']:+.0%}"]
+                    for r in loop["rows"]
+                ],
+            )
         )
 
     def plot(path: Path) -> None:

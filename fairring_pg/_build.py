@@ -83,11 +83,14 @@ def build_hash(source_dir: Path, name: str = EXTENSION_NAME, extra: str = "") ->
     return digest.hexdigest()[:20]
 
 
-def build_directory(digest: str) -> Path:
+def build_directory(digest: str, name: str = EXTENSION_NAME) -> Path:
     """Where the build with this ``build_hash`` lives."""
     override = os.environ.get("FAIRRING_BUILD_DIR")
     if override:
-        return Path(override).expanduser()
+        # The test module beside the core, not over it: torch writes one build.ninja
+        # per directory.
+        base = Path(override).expanduser()
+        return base / name if name == TEST_EXTENSION_NAME else base
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return cache / "fairring_pg" / digest
 
@@ -133,7 +136,7 @@ def load_extension(
     verbose = build_verbose()
     linked = str(Path(link_with.__file__).resolve()) if link_with is not None else ""
     digest = build_hash(src, name, extra=_digest_of_file(linked) if linked else "")
-    build_dir = build_directory(digest)
+    build_dir = build_directory(digest, name)
     with _exclusive(build_dir.with_name(build_dir.name + ".lock")):
         build_dir.mkdir(parents=True, exist_ok=True)
         # Only a process holding our flock ever builds here, so a leftover torch baton
@@ -168,12 +171,16 @@ def load_extension(
     return module
 
 
-def load_test_extension() -> ModuleType:
-    """The test-only module built from tests/native/ of a checkout, linked against the
-    core (which it loads first). Never part of a user's install."""
+def load_test_extension(native_dir: Path | str | None = None) -> ModuleType:
+    """The test-only module built from ``native_dir`` (default: tests/native/ of the
+    checkout this package is in), linked against the core (which it loads first).
+    Never part of a user's install."""
     core = load_extension()
-    checkout = Path(__file__).resolve().parent.parent
-    native = checkout / "tests" / "native"
+    native = (
+        Path(native_dir)
+        if native_dir is not None
+        else Path(__file__).resolve().parent.parent / "tests" / "native"
+    )
     if not _sources(native):
         raise RuntimeError(f"fairring_pg: no test sources in {native}: tests run from a checkout")
     return load_extension(

@@ -17,8 +17,15 @@ from typing import Any
 import torch.distributed as dist
 
 from fairring_pg import future_callbacks
-from fairring_pg.config import Config, staging_slot_bytes
-from fairring_pg.cuda import CudaDecision, StandInAccelerator, cuda_subgroup_kinds, decide_for_job
+from fairring_pg.config import Config, lane_staging_bytes, staging_slot_bytes
+from fairring_pg.cuda import (
+    CudaDecision,
+    StandInAccelerator,
+    cuda_subgroup_kinds,
+    decide_for_job,
+    plan_for_job,
+)
+from fairring_pg.model.cuda_plan import CudaPlan
 from fairring_pg.network import listen_address
 from fairring_pg.startup import publish_failure, wait_for
 from fairring_pg.subgroups import build_subgroups, gloo_group, gloo_maker, nccl_maker
@@ -32,8 +39,10 @@ _core_factory: Callable[..., Any] | None = None
 # Private seam for tests: a device that takes CUDA's place (the stream vehicle of
 # tests/native/), with its own world group and sub-groups. None means CUDA.
 _stand_in_accelerator: StandInAccelerator | None = None
-# What each group decided for CUDA tensors, by group name (``cuda_decision``).
+# What each group decided for CUDA tensors, by group name (``cuda_decision``), and what
+# each size of its CUDA allreduces runs (``cuda_plan``).
 _cuda_decisions: dict[str, CudaDecision] = {}
+_cuda_plans: dict[str, CudaPlan] = {}
 
 
 @dataclass
@@ -43,7 +52,7 @@ class _Agreed:
     config: Config
     topology: Topology
     cuda_decision: CudaDecision
-    subgroup_slice: int
+    cuda_plan: CudaPlan
     token: str
     factory: Callable[..., Any]
     opts: Any
@@ -61,8 +70,9 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
     config, topology, opts = agreed.config, agreed.topology, agreed.opts
     address = listen_address(config, single_host=len(set(topology.hostnames)) == 1)
     _fill_options(opts, config, topology, address, agreed.token, timeout)
-    opts.subgroup_slice_size = agreed.subgroup_slice
+    _set_plan(opts, agreed.cuda_plan, topology)
     _cuda_decisions[str(dist_backend_opts.group_id)] = agreed.cuda_decision
+    _cuda_plans[str(dist_backend_opts.group_id)] = agreed.cuda_plan
     cpu_delegate = make_gloo_delegate(store, rank, size, timeout, config, dist_backend_opts)
     if opts.cpu_ring_from >= 0 and not config.test_cpu_subgroups:
         # The ring's own Gloo group: on the delegate, the program's ring allreduces
@@ -83,6 +93,7 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
             make,
             "cpu",
             str(dist_backend_opts.group_id),
+            agreed.cuda_plan.composes,
         )
     core_store = dist.PrefixStore("fairring/core/", store)
     try:
@@ -117,19 +128,18 @@ def _agree(store: Any, rank: int, size: int, timeout: timedelta) -> _Agreed:
         topology = discover(store, rank, size, config.machine_id, timeout)
         # From every rank's published GPU facts: the same on every rank, or a ValueError
         # on every rank (fairring_pg/cuda.py).
-        cuda_decision = (
-            CudaDecision("nccl", "a stand-in accelerator (tests)")
-            if _stand_in_accelerator is not None
-            else decide_for_job(store, topology, timeout, config.cuda_delegate)
-        )
+        cuda_decision, gpu_facts = decide_for_job(store, topology, timeout, config.cuda_delegate)
+        if _stand_in_accelerator is not None:
+            cuda_decision = CudaDecision("nccl", "a stand-in accelerator (tests)")
         if not config.test_cpu_subgroups:
             config.check_staging_fits(topology.num_machines, topology.local_size)
-        subgroup_slice = config.subgroup_slice_size(topology.num_machines, topology.local_size)
+        # What each size of CUDA allreduce runs, the same on every rank (rank 0's).
+        cuda_plan = plan_for_job(store, topology, config, timeout, gpu_facts)
         token = job_token(store, rank, timeout)
     except Exception as exc:
         publish_failure(store, rank, exc)
         raise
-    return _Agreed(config, topology, cuda_decision, subgroup_slice, token, factory, opts, ext)
+    return _Agreed(config, topology, cuda_decision, cuda_plan, token, factory, opts, ext)
 
 
 def _global_ranks(dist_backend_opts: Any, size: int) -> list[int]:
@@ -181,6 +191,7 @@ def _cuda_side(
             makers[kinds[1]],
             "cuda",
             group_id,
+            agreed.cuda_plan.composes,
         )
     opts.cuda_unavailable = (
         ""
@@ -232,9 +243,21 @@ def _fill_options(
     opts.listen_address = address
     opts.job_token = token
     opts.timeout = timeout
-    opts.direct_below = config.direct_below
     opts.pipeline_chunk = config.pipeline_chunk
     opts.cpu_ring_from = config.cpu_ring_from(topology.num_machines, topology.local_size)
+
+
+def _set_plan(opts: Any, plan: CudaPlan, topology: Topology) -> None:
+    """What each size of the sub-group allreduce runs, its largest piece and each lane's
+    staging (none where nothing composes)."""
+    composes = plan.composes
+    opts.set_subgroup_plan(
+        plan.core_rows(),
+        plan.largest_piece if composes else 0,
+        lane_staging_bytes(plan.largest_piece, topology.num_machines, topology.local_size)
+        if composes
+        else 0,
+    )
 
 
 class _PlainOptions:
@@ -250,13 +273,14 @@ class _PlainOptions:
     job_token: str
     timeout: timedelta
     timeline_path: str
-    direct_below: int
     pipeline_chunk: int
     cpu_ring_from: int
     ring_delegate: Any = None
-    subgroup_slice_size: int
     cuda_unavailable: str
     accelerator_type: str
+
+    def set_subgroup_plan(self, rows: list[Any], largest_piece: int, lane_staging: int) -> None:
+        self.subgroup_plan = (rows, largest_piece, lane_staging)
 
 
 def make_gloo_delegate(
@@ -287,6 +311,13 @@ def cuda_decision(group: Any = None) -> CudaDecision:
     and why: the same on every rank."""
     pg = dist.distributed_c10d._get_default_group() if group is None else group
     return _cuda_decisions[pg.group_name]
+
+
+def cuda_plan(group: Any = None) -> CudaPlan:
+    """What each size of CUDA allreduce runs in ``group`` (default: the default group):
+    fairring_pg.model.cuda_plan's rows, with their reasons; the same on every rank."""
+    pg = dist.distributed_c10d._get_default_group() if group is None else group
+    return _cuda_plans[pg.group_name]
 
 
 def make_nccl_delegate(

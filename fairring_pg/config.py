@@ -185,6 +185,13 @@ def _check_timeline(name: str, raw: str) -> str:
     return path
 
 
+def _check_forced_plan(name: str, raw: str) -> str:
+    from fairring_pg.model.cuda_plan import forced_rows
+
+    forced_rows(raw)  # raises naming the variable
+    return raw.strip()
+
+
 def _setting(
     variable: str, parse: Callable[[str, str], Any], default: Any, *, job_wide: bool
 ) -> Any:
@@ -235,6 +242,11 @@ class Config:
         "FAIRRING_TEST_CPU_SUBGROUPS", _switch, False, job_wide=True
     )
     test_local_gloo: bool = _setting("FAIRRING_TEST_LOCAL_GLOO", _switch, False, job_wide=True)
+    # Test switch: the CUDA allreduce's plan given instead of computed, so that the
+    # tests force pieces and both rail exchanges (fairring_pg.model.cuda_plan.forced).
+    test_cuda_plan: str | None = _setting(
+        "FAIRRING_TEST_CUDA_PLAN", _check_forced_plan, None, job_wide=True
+    )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> Config:
@@ -275,21 +287,22 @@ class Config:
         return CPU_RING_FROM
 
     def slices_allreduces(self, num_machines: int, local_size: int) -> bool:
-        """Whether the sub-group (CUDA) path cuts allreduces into slices that go through
-        the five steps on lanes (then it has lane and local groups), or gives every one to
-        one allreduce on the world group. The same on every rank: the variable is
-        job-wide and the shape is the job's."""
+        """Whether FAIRRING_CUDA_ALLREDUCE lets the sub-group (CUDA) path compose
+        allreduces at all (its plan then says for which sizes:
+        fairring_pg.model.cuda_plan), or gives every one to one allreduce on the world
+        group. The same on every rank: the variable is job-wide and the shape is the
+        job's."""
         if num_machines == 1 or self.cuda_allreduce == "direct":
             return False
         return self.cuda_allreduce == "lanes" or local_size > 1
 
     def subgroup_slice_size(self, num_machines: int, local_size: int) -> int:
-        """The slice of the sub-group (CUDA) path.
+        """The largest piece of the sub-group (CUDA) path.
 
         FAIRRING_SLICE_SIZE, grown against over-sharding as for the CPU path, then cut to
-        the largest size that lets each of the FAIRRING_LANES lanes hold one staging slot
+        the largest size that lets each of the FAIRRING_LANES lanes hold its staging
         within FAIRRING_TOTAL_MEMORY, and rounded down to a multiple of 8*L*M bytes so that
-        a slice of any dtype splits evenly into L chunks of M shards.
+        a piece of any dtype splits evenly into L chunks of M shards.
         """
         unit = 8 * num_machines * local_size
         wanted = self.slice_size
@@ -402,15 +415,15 @@ def _ceil(x: Fraction) -> int:
     return -(-x.numerator // x.denominator)
 
 
-def lane_staging_bytes(slice_size: int, num_machines: int, local_size: int) -> int:
-    """Bytes of staging one lane of the sub-group path holds for slices of ``slice_size``:
-    my chunk after the local reduce-scatter (several local ranks only), the M shards the
-    collect brings and my reduced shard, each region 256-byte aligned (the C++ core's
-    ``laneStagingBytes``, compared in a test)."""
-    chunk = slice_size // local_size
+def lane_staging_bytes(piece_size: int, num_machines: int, local_size: int) -> int:
+    """Bytes of staging one lane of the sub-group (CUDA) path holds for pieces of up to
+    ``piece_size`` bytes: the all-to-all exchange's M copies of my shard (a chunk) and my
+    reduced shard, each region 256-byte aligned; the local steps and the reduce-scatter
+    exchange work in place. The one definition: the core is handed the result."""
+    chunk = piece_size // local_size
     shard = chunk // num_machines
 
     def aligned(n: int) -> int:
         return -(-n // 256) * 256
 
-    return (aligned(chunk) if local_size > 1 else 0) + aligned(chunk) + aligned(shard)
+    return aligned(chunk) + aligned(shard)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fairring_pg import node_facts
+from fairring_pg.config import Config
+from fairring_pg.model.cuda_plan import (
+    TEST_PLAN_VARIABLE,
+    CudaPlan,
+    forced_plan,
+    plan_allreduce,
+)
 from fairring_pg.startup import wait_for
 from fairring_pg.topology import Topology
 
@@ -50,6 +59,7 @@ class GpuFacts:
     cuda: bool  # torch.cuda.is_available() in that process
     nccl: bool  # its torch has NCCL
     gpus: tuple[str, ...] = ()  # UUIDs of the GPUs it sees
+    node: str = ""  # its machine's facts for the plan (fairring_pg.node_facts, JSON)
 
 
 @dataclass(frozen=True)
@@ -72,13 +82,15 @@ def visible_gpu_uuids() -> tuple[str, ...]:
 
 
 def local_gpu_facts(host: str) -> GpuFacts:
-    """This process's facts; tests replace this function to fake other machines."""
+    """This process's facts; tests replace this function to fake other machines.
+    Raises ValueError for a bad FAIRRING_NODE."""
     has_cuda = torch.cuda.is_available()
     return GpuFacts(
         host=host,
         cuda=has_cuda,
         nccl=dist.is_nccl_available(),
         gpus=visible_gpu_uuids() if has_cuda else (),
+        node=node_facts.from_env().to_json(),
     )
 
 
@@ -92,7 +104,8 @@ def exchange_gpu_facts(
     facts = []
     for key in keys:
         entry = json.loads(store.get(key))
-        facts.append(GpuFacts(entry["host"], entry["cuda"], entry["nccl"], tuple(entry["gpus"])))
+        gpus = tuple(entry["gpus"])
+        facts.append(GpuFacts(entry["host"], entry["cuda"], entry["nccl"], gpus, entry["node"]))
     return facts
 
 
@@ -155,7 +168,7 @@ def decide(facts: Sequence[GpuFacts], choice: str = "auto") -> CudaDecision:
 
 def decide_for_job(
     store: Any, topology: Topology, timeout: timedelta, choice: str
-) -> CudaDecision:
+) -> tuple[CudaDecision, list[GpuFacts]]:
     """Publish this rank's facts, read everyone's and decide; warns once per job."""
     facts = exchange_gpu_facts(
         store,
@@ -167,7 +180,42 @@ def decide_for_job(
     decision = decide(facts, choice)
     if decision.warning is not None and topology.rank == decision.warning_rank:
         warnings.warn(decision.warning, stacklevel=2)
-    return decision
+    return decision, facts
+
+
+_PLAN_KEY = "fairring/cuda_plan"
+_log = logging.getLogger("fairring_pg")
+
+
+def plan_for_job(
+    store: Any,
+    topology: Topology,
+    config: Config,
+    timeout: timedelta,
+    facts: Sequence[GpuFacts],
+) -> CudaPlan:
+    """The CUDA allreduce's plan (fairring_pg.model.cuda_plan): what a call of each size
+    runs. Rank 0 makes it from the machines' published facts and publishes it; every
+    rank runs the very table it published, so that every rank takes the same path for
+    the same call (no floating-point result of another machine enters). Said once in
+    the log."""
+    M, L = topology.num_machines, topology.local_size
+    if topology.rank == 0:
+        if config.test_cuda_plan is not None:
+            plan = forced_plan(config.test_cuda_plan, M, config, L)
+            why = f"given by {TEST_PLAN_VARIABLE}"
+        else:
+            machines = [
+                node_facts.NodeFacts.from_json(f.node) if f.node else node_facts.UNKNOWN
+                for f in facts
+            ]
+            job = node_facts.merge(machines, topology.machine_of)
+            plan = plan_allreduce(job.gpu_node(L), M, config, local_size=L)
+            why = job.reason
+        store.set(_PLAN_KEY, plan.to_json())
+        _log.info("%s\n  node facts: %s", plan.describe(), why)
+    wait_for(store, [_PLAN_KEY], timeout, "waiting for rank 0's CUDA allreduce plan")
+    return CudaPlan.from_json(store.get(_PLAN_KEY).decode())
 
 
 def cuda_subgroup_kinds(

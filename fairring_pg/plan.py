@@ -23,6 +23,7 @@ from typing import Any
 from fairring_pg.config import Config
 from fairring_pg.model import calibration, nccl
 from fairring_pg.model.cpu import CpuCluster, predict_cpu
+from fairring_pg.model.cuda_plan import CudaPlan
 from fairring_pg.model.gpu import GpuPrediction, predict_gpu
 from fairring_pg.model.nodes import IB_EFFICIENCY, NODE_TYPES, GpuNode
 from fairring_pg.model.units import parse_rate, parse_size, show_rate, show_size
@@ -31,7 +32,15 @@ MACHINE_STEPS = (1, 2, 4, 8, 16, 32, 64, 128)
 _HBM = {"volta": 0.9e12, "ampere": 2.0e12, "hopper": 3.35e12}
 _CHANNELS = {"volta": 8, "ampere": 16, "hopper": 16}
 _TUNINGS = {"2.28": nccl.NCCL_2_28, "2.11": nccl.NCCL_2_11}
-_GPU_OPTIONS = ("gpus_per_machine", "nic", "nics_per_machine", "intra", "node", "plot")
+_GPU_OPTIONS = (
+    "gpus_per_machine",
+    "nic",
+    "nics_per_machine",
+    "intra",
+    "node",
+    "plot",
+    "show_plan",
+)
 _CPU_OPTIONS = ("ranks_per_machine", "link")
 
 
@@ -79,10 +88,16 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     gpu.add_argument("--nccl", choices=sorted(_TUNINGS), default="2.28", help="NCCL's tuning")
     gpu.add_argument("--max-machines", type=int, default=128, help="the table's last row")
     gpu.add_argument(
+        "--show-plan",
+        action="store_true",
+        help="also print the plan FAIRRING_CUDA_ALLREDUCE=auto would use at --machines: "
+        "per size, NCCL's allreduce or how many pieces with which rail exchange",
+    )
+    gpu.add_argument(
         "--plot",
         metavar="PNG",
         help="write speedup against machines for H100+8x400G, H100+2x200G, A100+4x200G and "
-        "V100+4x100G (at --size and --in-flight) to this file",
+        "V100+4x100G (at --size, one at a time and --in-flight) to this file",
     )
     args = p.parse_args(argv)
     given = {k for k, v in vars(args).items() if v not in (None, False)}
@@ -199,7 +214,9 @@ def machine_range(highlight: int, last: int) -> list[int]:
     return sorted({m for m in MACHINE_STEPS if m <= last} | {highlight})
 
 
-def row(p: GpuPrediction, machines: int, gpus: int) -> dict[str, Any]:
+def row(p: GpuPrediction, machines: int, gpus: int, size: int) -> dict[str, Any]:
+    pieces = [u.numel * 4 for u in p.plan.units(size) if not u.direct]
+    runs = f"{len(pieces)} x {show_size(max(pieces))}, {p.row.exchange}" if pieces else ""
     return {
         "machines": machines,
         "gpus": machines * gpus,
@@ -212,7 +229,10 @@ def row(p: GpuPrediction, machines: int, gpus: int) -> dict[str, Any]:
         "speedup": p.speedup,
         "fairring_bottleneck": p.fairring.bottleneck,
         "direct": p.direct,
-        "slice": p.slice_bytes,
+        "runs": runs or "NCCL's allreduce",
+        "pieces": len(pieces),
+        "exchange": p.row.exchange,
+        "reason": p.row.reason,
     }
 
 
@@ -224,7 +244,7 @@ def run_gpu(args: argparse.Namespace, config: Config) -> dict[str, Any]:
     predictions = {}
     for m in machine_range(highlight, max(args.max_machines, 1)):
         predictions[m] = predict_gpu(node, m, args.size_bytes, args.in_flight, config, tuning)
-        rows.append(row(predictions[m], m, node.gpus))
+        rows.append(row(predictions[m], m, node.gpus, args.size_bytes))
     chosen = predictions[highlight]
     return {
         "device": "cuda",
@@ -246,13 +266,14 @@ def run_gpu(args: argparse.Namespace, config: Config) -> dict[str, Any]:
         "reference": chosen.reference,
         "speedup": chosen.speedup,
         "rows": rows,
+        "plan": json.loads(chosen.plan.to_json()),
         "assumptions": chosen.assumptions + list(node.sources),
     }
 
 
 def verdict(r: dict[str, Any]) -> str:
     if r["direct"]:
-        return "same: one NCCL allreduce"
+        return "same: NCCL's allreduce"
     if r["speedup"] >= 1.02:
         return "fairring faster"
     if r["speedup"] > 0.98:
@@ -270,20 +291,22 @@ def show_gpu(result: dict[str, Any]) -> str:
         f"{', NVLink SHARP' if node['nvls'] else ''}:",
         "",
         "   machines  GPUs  fairring ms  NCCL ring ms  NCCL tree ms  NCCL picks       "
-        "speedup  verdict",
+        "fairring runs                    speedup  verdict",
     ]
     for r in result["rows"]:
         mark = ">" if r["machines"] == result["machines"] else " "
         lines.append(
             f" {mark} {r['machines']:>7}  {r['gpus']:>4}  {r['fairring_ms']:>11.3f}  "
             f"{r['nccl_ring_ms']:>12.3f}  {r['nccl_tree_ms']:>12.3f}  "
-            f"{r['nccl_algorithm']:<15}  {r['speedup']:>6.2f}x  {verdict(r)}"
+            f"{r['nccl_algorithm']:<15}  {r['runs']:<31}  {r['speedup']:>6.2f}x  {verdict(r)}"
         )
     losses = [r for r in result["rows"] if not r["direct"] and r["speedup"] <= 0.98]
     lines.append("")
     lines.append(
         "speedup = NCCL's time (the algorithm it would pick) / fairring's; NCCL runs the "
-        "allreduces in flight one after another."
+        "allreduces in flight one after another. fairring runs what its plan "
+        "(FAIRRING_CUDA_ALLREDUCE=auto) picks for one call of this size: NCCL's allreduce, or "
+        "pieces through the composition with that rail exchange."
     )
     if losses:
         where = ", ".join(str(r["machines"]) for r in losses)
@@ -299,18 +322,24 @@ def show_gpu(result: dict[str, Any]) -> str:
 
 
 _CAUSES = {
-    "lanes": "each slice's five steps take their latency, and only FAIRRING_LANES slices are "
-    "in flight; NCCL's tree has log(M) latency",
-    "proxy": "each slice sends a message to every other machine, 4(M-1) per GPU per slice: "
-    "larger buckets (bucket_cap_mb) make fewer slices",
     "nic": "the machines' NICs: both move about the same bytes",
     "nvlink": "NVLink inside the machine",
-    "critical path": "one slice's five steps, one after the other",
+    "critical path": "one piece's steps, one after the other",
+    "host": "the calling thread issuing every step",
+    "local reduce-scatter": "the machine's reduce-scatter communicator, a latency per piece",
+    "local all-gather": "the machine's all-gather communicator, a latency per piece",
 }
 
 
 def _explain(causes: list[str]) -> str:
-    return "; ".join(_CAUSES.get(c, c) for c in causes)
+    def why(cause: str) -> str:
+        if cause.startswith("lane"):
+            return f"{cause}: the rail exchange's latency per piece, on one communicator"
+        if cause.startswith("proxy"):
+            return f"{cause}: a message to every other machine per piece (NCCL's proxy)"
+        return _CAUSES.get(cause, cause)
+
+    return "; ".join(why(c) for c in causes)
 
 
 def plot(path: str, size: int, in_flight: int, config: Config, tuning: nccl.NcclTuning) -> None:
@@ -324,20 +353,27 @@ def plot(path: str, size: int, in_flight: int, config: Config, tuning: nccl.Nccl
             "fairring-plan: --plot needs matplotlib (pip install matplotlib, or the 'bench' extra)"
         ) from None
     machines = list(MACHINE_STEPS)
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for node in NODE_TYPES.values():
-        speedups = [predict_gpu(node, m, size, in_flight, config, tuning).speedup for m in machines]
-        ax.plot(machines, speedups, marker="o", label=node.name)
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    counts = sorted({1, in_flight})
+    for index, node in enumerate(NODE_TYPES.values()):
+        color = f"C{index}"
+        for count in counts:
+            speedups = [predict_gpu(node, m, size, count, config, tuning).speedup for m in machines]
+            style = "-" if count == 1 else "--"
+            label = f"{node.name}, {count} in flight"
+            ax.plot(machines, speedups, style, marker="o", color=color, label=label)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xticks(machines, [str(m) for m in machines])
     ax.set_xlabel("machines (8 GPUs each)")
     ax.set_ylabel("predicted speedup over NCCL")
     ax.set_title(
-        f"fairring vs NCCL {tuning.version}: allreduce of {show_size(size)}, {in_flight} in flight"
+        f"fairring (FAIRRING_CUDA_ALLREDUCE=auto) vs NCCL {tuning.version}: "
+        f"allreduce of {show_size(size)}",
+        fontsize=10,
     )
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -357,6 +393,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             result = run_gpu(args, config)
             text = show_gpu(result)
+            if args.show_plan:
+                text += CudaPlan.from_json(json.dumps(result["plan"])).describe() + "\n"
             if args.plot:
                 plot(args.plot, args.size_bytes, args.in_flight, config, _TUNINGS[args.nccl])
                 result["plot"] = args.plot

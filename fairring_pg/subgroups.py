@@ -8,10 +8,11 @@ are ``ProcessGroupGloo``s, so CI runs the very same orchestration.
 Every rank builds its groups in the same order from the job's store, each under a
 prefix of its own: two over the ranks of its machine (reduce-scatters and all-gathers,
 so that the two can be in flight at once), then one per lane over its rail (the ranks
-with its local rank on every machine). Where allreduces are not sliced
-(``Config.slices_allreduces``: one machine, one rank per machine under
-``FAIRRING_CUDA_ALLREDUCE=auto``, or ``direct``), none of them is made: every allreduce
-is one on the world group, and the communicators' memory is not spent. A Gloo group
+with its local rank on every machine). Where the plan composes no call
+(fairring_pg.model.cuda_plan: one machine, one rank per machine under
+``FAIRRING_CUDA_ALLREDUCE=auto``, ``direct``, unknown node facts, or no size where
+composing wins), none of them is made: every allreduce is one on the world group, and
+the communicators' memory is not spent. A Gloo group
 connects while it is built, so the order matters; an NCCL group connects at its first
 collective, which every member issues at the same point of the same sequence; the core
 creates and connects every NCCL group before the first CUDA allreduce uses any
@@ -43,13 +44,15 @@ def build_subgroups(
     make_lane: GroupMaker,
     tag: str,
     group_id: str,
+    composes: bool,
 ) -> Any:
-    """Fill the core's ``Subgroups`` (``subgroups``) with ``world`` and the groups that
-    ``make_local`` and ``make_lane`` make; ``tag`` ("cuda" or "cpu") keeps the two
-    sets' store keys apart, and ``group_id`` (the fairring group's) their names apart
-    from other fairring groups' in NCCL's and torch's logs and flight recorder."""
+    """Fill the core's ``Subgroups`` (``subgroups``) with ``world`` and, where the plan
+    ``composes`` any call, the groups that ``make_local`` and ``make_lane`` make; ``tag``
+    ("cuda" or "cpu") keeps the two sets' store keys apart, and ``group_id`` (the
+    fairring group's) their names apart from other fairring groups' in NCCL's and
+    torch's logs and flight recorder."""
     subgroups.world = world
-    if not config.slices_allreduces(topology.num_machines, topology.local_size):
+    if not composes:
         return subgroups
     machine, local_rank = topology.machine, topology.local_rank
     if topology.local_size > 1:
@@ -80,16 +83,34 @@ def build_subgroups(
 def subgroup_stats(group: Any = None, device: str = "cuda") -> dict[str, Any] | None:
     """What the sub-group allreduce of ``group`` (default: the default group) has done on
     ``device`` ("cuda", or "cpu" for the ``FAIRRING_TEST_CPU_SUBGROUPS`` path): how many
-    allreduces, how many pieces went to one allreduce on the world group
-    (``direct_units``) or through the five steps (``sliced_units``), how often one waited
-    for an earlier allreduce on the same bytes (``ordering_waits``), collectives captured
-    into a CUDA graph that could not be ordered (``unordered_in_capture``), and how a
-    destroy ended (``shutdown``, ``aborted_groups``). None where that device's allreduces
-    do not take the path."""
+    allreduces (``operations``), how many were NCCL's own (``nccl_calls``) or composed
+    (``composed_calls``), how many took each row of the plan (``rows``, beside ``plan``:
+    each row's range, choice and reason), how many units went to one allreduce on the
+    world group (``direct_units``: NCCL's calls and the tails of composed ones) or through
+    the composition (``sliced_units``: pieces), how often one waited for an earlier
+    operation on the same bytes (``ordering_waits``), collectives captured into a CUDA
+    graph that could not be ordered (``unordered_in_capture``), and how a destroy ended
+    (``shutdown``, ``aborted_groups``). None where that device's allreduces do not take
+    the path."""
     import torch
 
+    from fairring_pg.backend import cuda_plan
+
     pg = dist.distributed_c10d._get_default_group() if group is None else group
-    return pg._get_backend(torch.device(device)).subgroup_stats(device)
+    stats = pg._get_backend(torch.device(device)).subgroup_stats(device)
+    if stats is not None:
+        plan = cuda_plan(pg)
+        stats["plan"] = [
+            {
+                "from_bytes": r.from_bytes,
+                "path": r.path,
+                "pieces": r.pieces,
+                "exchange": r.exchange,
+                "reason": r.reason,
+            }
+            for r in plan.rows
+        ]
+    return stats
 
 
 def nccl_maker(store: Any, timeout: timedelta, global_ranks: list[int]) -> GroupMaker:

@@ -4,12 +4,21 @@
 # from pip's index (on Linux the CUDA build and its CUDA wheels, about 5 GB; a CUDA
 # build of torch does not import without them), a regular (not editable) install of
 # this checkout, the C++ core compiled against that torch (without a warning), and
-# tests/compat_smoke.py on 2 simulated machines x 2 ranks. scripts/run_tests.sh runs it
-# after the suite.
+# tests/compat_smoke.py on 2 simulated machines x 2 ranks, then the tests of the logic
+# that differs most between torch releases (LOGIC_TESTS: the sub-group path, its stream
+# order on the stream vehicle, the CUDA decisions, the engine's plans), run from this
+# checkout with that torch. scripts/run_tests.sh runs it after the suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 torch_version=${COMPAT_TORCH:-2.11.0}
+LOGIC_TESTS=(
+    tests/test_subgroup_logic.py
+    tests/test_subgroup_lifecycle.py
+    tests/test_stream_order.py
+    tests/test_cuda_groups.py
+    tests/test_plans.py
+)
 work=$(mktemp -d "${TMPDIR:-/tmp}/fairring-compat.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
@@ -28,4 +37,10 @@ echo "== compat check: torch $("$py" -c 'import torch; print(torch.__version__)'
 bash scripts/build_core.sh "$py"
 echo "== compat check: core built ($((SECONDS - start)) s)"
 "$py" tests/compat_smoke.py
+echo "== compat check: smoke test passed ($((SECONDS - start)) s)"
+"$py" -m pip install -q pytest hypothesis
+# The installed package (pytest's script does not put the checkout on the path), so
+# that the core built above is the one loaded; the tests and their native module come
+# from the checkout.
+"$work/venv/bin/pytest" -q -p no:cacheprovider -rs "${LOGIC_TESTS[@]}"
 echo "== compat check: done in $((SECONDS - start)) s"

@@ -17,7 +17,7 @@
 #include "subgroups/drain.h"
 #include "subgroups/in_flight_ops.h"
 #include "subgroups/subgroup_allreduce.h"
-#include "subgroups/unit_plan.h"
+#include "subgroups/call_plan.h"
 
 namespace py = pybind11;
 using fairring::BackendOptions;
@@ -48,8 +48,17 @@ void bindOptions(py::module_& m) {
       .def_readwrite("timeout", &BackendOptions::timeout)
       .def_readwrite("timeline_path", &BackendOptions::timelinePath)
       .def_readwrite("pipeline_chunk", &BackendOptions::pipelineChunk)
-      .def_readwrite("subgroup_slice_size", &BackendOptions::subgroupSliceBytes)
-      .def_readwrite("direct_below", &BackendOptions::directBelowBytes)
+      .def(
+          "set_subgroup_plan",
+          [](BackendOptions& o, const std::vector<std::tuple<size_t, std::string, int, std::string>>& rows,
+             size_t largestPiece, size_t laneStaging) {
+            o.subgroupPlan = fairring::planRows(rows);
+            o.largestPieceBytes = largestPiece;
+            o.laneStagingBytes = laneStaging;
+          },
+          py::arg("rows"), py::arg("largest_piece"), py::arg("lane_staging"),
+          "The sub-group allreduce's plan: rows of (from_bytes, 'nccl' or 'compose', pieces, "
+          "'alltoall' or 'reduce_scatter'), the largest piece and each lane's staging, in bytes.")
       .def_readwrite("cpu_ring_from", &BackendOptions::cpuRingFrom)
       .def_readwrite("ring_delegate", &BackendOptions::ringDelegate)
       .def_readwrite("cuda_subgroups", &BackendOptions::cudaSubgroups)
@@ -98,8 +107,10 @@ void bindBackend(py::module_& m) {
             }
             const fairring::SubgroupStats s = path->stats();
             return py::dict(
-                py::arg("operations") = s.operations, py::arg("direct_units") = s.directUnits,
-                py::arg("sliced_units") = s.slicedUnits, py::arg("ordering_waits") = s.orderingWaits,
+                py::arg("operations") = s.operations, py::arg("nccl_calls") = s.ncclCalls,
+                py::arg("composed_calls") = s.composedCalls, py::arg("rows") = s.rows,
+                py::arg("direct_units") = s.directUnits, py::arg("sliced_units") = s.slicedUnits,
+                py::arg("ordering_waits") = s.orderingWaits,
                 py::arg("unordered_in_capture") = s.unorderedInCapture, py::arg("shutdown") = s.shutdown,
                 py::arg("aborted_groups") = s.abortedGroups);
           },
@@ -134,28 +145,21 @@ void bindProcess(py::module_& m) {
 // The sub-group path's logic for tests that need no GPU (tests/test_subgroup_logic.py,
 // tests/test_plans.py): test-only, bound here until they move to the test module.
 void bindSubgroupLogic(py::module_& m) {
-  m.def(
-      "lane_staging_bytes",
-      [](size_t sliceSize, int numMachines, int localSize) {
-        return fairring::laneStagingBytes(sliceSize, localSize, numMachines);
-      },
-      py::arg("slice_size"), py::arg("num_machines"), py::arg("local_size"),
-      "Bytes of one lane's staging in the sub-group path (must equal fairring_pg.config's formula).");
 
   m.def(
-      "plan_units",
-      [](int64_t numel, size_t elemSize, size_t sliceBytes, int localSize, int numMachines, size_t directBelowBytes,
-         bool slices) {
+      "plan_call",
+      [](int64_t numel, size_t elemSize, const std::vector<std::tuple<size_t, std::string, int, std::string>>& rows,
+         size_t largestPiece, int localSize, int numMachines) {
+        const fairring::CallPlan plan =
+            fairring::planCall(numel, elemSize, fairring::planRows(rows), largestPiece, localSize, numMachines);
         py::list units;
-        for (const auto& u :
-             fairring::planUnits(numel, elemSize, sliceBytes, localSize, numMachines, directBelowBytes, slices)) {
+        for (const auto& u : plan.units) {
           units.append(py::make_tuple(u.begin, u.size, u.direct));
         }
-        return units;
+        return py::make_tuple(plan.row, units);
       },
-      py::arg("numel"), py::arg("elem_size"), py::arg("slice_bytes"), py::arg("local_size"),
-      py::arg("num_machines"), py::arg("direct_below"), py::arg("slices") = true,
-      "planUnits as a list of (begin, size, direct).");
+      py::arg("numel"), py::arg("elem_size"), py::arg("rows"), py::arg("largest_piece"), py::arg("local_size"),
+      py::arg("num_machines"), "planCall: (the row taken, units as (begin, size, direct)).");
 
   // The sub-group path's pure logic, for tests that need no GPU (tests/test_subgroup_logic.py).
   m.def(

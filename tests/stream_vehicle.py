@@ -17,16 +17,19 @@ streams (tests/native/vehicle_backend.h), over Gloo.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import types
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 DEVICE = "vehicle"
+NATIVE = Path(__file__).resolve().parent / "native"
 _vehicle: Any = None
 
 
@@ -37,7 +40,7 @@ def install() -> Any:
         return _vehicle
     from fairring_pg._build import load_test_extension
 
-    module = load_test_extension().vehicle
+    module = load_test_extension(NATIVE).vehicle
     name = module.install()
     assert name == DEVICE, name
     # torch looks for torch.<device> when tensors move there.
@@ -55,9 +58,16 @@ def install() -> Any:
 def ensure_built() -> None:
     """Build the test module in a child process (the parent never loads it), so that
     no job's deadline pays for the compile."""
-    code = "from fairring_pg._build import load_test_extension; load_test_extension()"
+    code = (
+        f"from fairring_pg._build import load_test_extension; load_test_extension({str(NATIVE)!r})"
+    )
     proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=1200, check=False
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
     if proc.returncode != 0:
         raise RuntimeError(f"building the test module failed:\n{proc.stdout}{proc.stderr}")
@@ -108,9 +118,7 @@ def register_for_vehicle(group: Any) -> None:
     """Vehicle tensors of ``group`` go to its fairring backend (registered by torch for
     CPU and CUDA only)."""
     fairring = group._get_backend(torch.device("cpu"))
-    group._register_backend(
-        torch.device(DEVICE), dist.ProcessGroup.BackendType.CUSTOM, fairring
-    )
+    group._register_backend(torch.device(DEVICE), dist.ProcessGroup.BackendType.CUSTOM, fairring)
 
 
 def finish() -> None:

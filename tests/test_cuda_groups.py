@@ -1,12 +1,14 @@
 """Which groups the CUDA path is built from, decided without a GPU.
 
 ``fairring_pg.cuda`` decides who runs CUDA collectives (NCCL, or Gloo where ranks of a
-host share its GPUs, hosts told apart as NCCL does: ``NCCL_HOSTID``, else the hostname)
-and whether allreduces are composed of sub-groups; ``fairring_pg.subgroups`` builds the
-groups: two over the machine's ranks, one per lane over the rail, where allreduces are
-sliced at all (FAIRRING_CUDA_ALLREDUCE; by default not with one rank per machine, nor on
-one machine: then only the world group). Here CUDA's and NCCL's presence is faked and
-the groups are recorded instead of made.
+host really share its GPUs, hosts told apart as NCCL does: ``NCCL_HOSTID``, else the
+hostname) from the facts every rank publishes (CUDA, NCCL, the UUIDs of the GPUs it
+sees), so that the choice is the same on every rank whatever ``CUDA_VISIBLE_DEVICES``
+each one has; and whether allreduces are composed of sub-groups. ``fairring_pg.subgroups``
+builds the groups: two over the machine's ranks, one per lane over the rail, where
+allreduces are sliced at all (FAIRRING_CUDA_ALLREDUCE; by default not with one rank per
+machine, nor on one machine: then only the world group). Here the facts are faked and
+the groups are recorded instead of made; a job checks the decision on every rank.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import torch
 import torch.distributed as dist
+from multiprocess import launch, run_ranks
 
 from fairring_pg import cuda
 from fairring_pg.config import Config
+from fairring_pg.cuda import GpuFacts
 from fairring_pg.subgroups import build_subgroups
 from fairring_pg.topology import build_topology
 
@@ -31,58 +34,165 @@ def topology(rank: int, machines: list[str], nccl_hosts: list[str] | None = None
         return build_topology(rank, machines, ["node"] * len(machines), nccl_hosts)
 
 
-@pytest.fixture
-def gpus(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """Pretend this process sees ``n`` GPUs and NCCL."""
-
-    def set_gpus(n: int) -> None:
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
-        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
-        monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
-
-    return set_gpus
+def gpu(i: int) -> str:
+    return f"GPU-{i:08x}-0000-0000-0000-000000000000"
 
 
-def test_no_cuda_means_no_delegate(gpus: Any) -> None:
-    gpus(0)
-    assert cuda.cuda_delegate_kind(topology(0, ["a", "b"])) == "none"
+def host_of(hosts: int, per_host: int, sees: str) -> list[GpuFacts]:
+    """``hosts`` hosts of ``per_host`` ranks with as many GPUs, each rank seeing
+    ``sees``: "own" (its GPU only, as CUDA_VISIBLE_DEVICES per task gives), "all"
+    (every GPU of its host) or "first" (GPU 0 of its host only: ranks share it)."""
+    facts = []
+    for h in range(hosts):
+        gpus = [gpu(h * per_host + i) for i in range(per_host)]
+        for local in range(per_host):
+            seen = {"own": [gpus[local]], "all": gpus, "first": gpus[:1]}[sees]
+            facts.append(GpuFacts(f"host{h}", True, True, tuple(seen)))
+    return facts
 
 
-def test_simulated_machines_on_one_gpu_use_nccl_with_their_own_hostid(gpus: Any) -> None:
-    gpus(1)
-    ids = ["m0", "m1", "m2"]
-    # One hostname, but each simulated machine its own NCCL_HOSTID: NCCL sees 3 hosts.
-    assert cuda.cuda_delegate_kind(topology(1, ids, ids)) == "nccl"
-    assert cuda.cuda_subgroup_kinds(topology(1, ids, ids), "nccl", False) == ("nccl", "nccl")
+@pytest.mark.parametrize("sees", ["own", "all"])
+def test_a_gpu_per_rank_is_nccl_whatever_each_rank_sees(sees: str) -> None:
+    # 2 hosts of 8 ranks: with CUDA_VISIBLE_DEVICES per task each rank sees 1 GPU,
+    # which a count of this process's GPUs took for 8 ranks sharing one.
+    decision = cuda.decide(host_of(2, 8, sees))
+    assert decision.delegate == "nccl" and decision.warning is None, decision
 
 
-def test_ranks_sharing_a_gpu_go_to_gloo_with_a_warning(gpus: Any) -> None:
-    gpus(1)
-    ids = ["m0", "m1"]
-    with pytest.warns(UserWarning, match="NCCL refuses ranks that share a GPU"):
-        kind = cuda.cuda_delegate_kind(topology(0, ids, ["node", "node"]))
-    assert kind == "gloo"
-    # No NCCL groups can be made then: CUDA allreduces go to the delegate.
-    assert cuda.cuda_subgroup_kinds(topology(0, ids, ["node", "node"]), "gloo", False) is None
-    assert cuda.cuda_subgroup_kinds(topology(0, ids, ["node", "node"]), "gloo", True) is None
+def test_ranks_really_sharing_a_gpu_go_to_gloo_said_once() -> None:
+    decision = cuda.decide(host_of(2, 2, "first"))
+    assert decision.delegate == "gloo", decision
+    assert "2 ranks run on host host0 but see 1 GPU(s)" in decision.reason
+    assert (
+        decision.warning is not None and "NCCL refuses ranks that share a GPU" in decision.warning
+    )
+    assert decision.warning_rank == 0
 
 
-def test_local_gloo_switch_keeps_nccl_rails(gpus: Any) -> None:
-    gpus(1)
+def test_one_sharing_host_sends_the_whole_job_to_gloo() -> None:
+    facts = host_of(1, 2, "own") + [
+        GpuFacts("host1", True, True, (gpu(9),)),
+        GpuFacts("host1", True, True, (gpu(9),)),
+    ]
+    decision = cuda.decide(facts)
+    assert decision.delegate == "gloo" and "host host1" in decision.reason
+    assert decision.warning_rank == 2
+
+
+def test_simulated_machines_on_one_gpu_use_nccl_with_their_own_hostid() -> None:
+    facts = [GpuFacts(f"m{i}", True, True, (gpu(0),)) for i in range(3)]
+    assert cuda.decide(facts).delegate == "nccl"
+    assert cuda.cuda_subgroup_kinds(
+        topology(1, ["m0", "m1", "m2"], ["m0", "m1", "m2"]), "nccl", False
+    ) == (
+        "nccl",
+        "nccl",
+    )
+
+
+def test_local_gloo_switch_keeps_nccl_rails() -> None:
     ids = ["m0", "m0", "m1", "m1"]  # two ranks per simulated machine on one GPU
+    facts = [GpuFacts(ids[r], True, True, (gpu(0),)) for r in range(4)]
+    decision = cuda.decide(facts)
+    assert decision.delegate == "gloo"
     topo = topology(2, ids, ids)
-    with pytest.warns(UserWarning):
-        kind = cuda.cuda_delegate_kind(topo)
-    assert kind == "gloo"
-    assert cuda.cuda_subgroup_kinds(topo, kind, True) == ("gloo", "nccl")
-    assert cuda.cuda_subgroup_kinds(topo, kind, False) is None
+    assert cuda.cuda_subgroup_kinds(topo, decision.delegate, True) == ("gloo", "nccl")
+    assert cuda.cuda_subgroup_kinds(topo, decision.delegate, False) is None
 
 
-def test_explicit_choices(gpus: Any) -> None:
-    gpus(1)
-    topo = topology(0, ["a", "a"])
-    assert cuda.cuda_delegate_kind(topo, "nccl") == "nccl"
-    assert cuda.cuda_delegate_kind(topo, "gloo") == "gloo"
+def test_no_gpu_anywhere_or_on_some_ranks_means_no_delegate() -> None:
+    assert cuda.decide([GpuFacts("a", False, True), GpuFacts("b", False, True)]).delegate == "none"
+    facts = host_of(1, 2, "own") + [GpuFacts("cpu-node", False, False)]
+    decision = cuda.decide(facts)
+    assert decision.delegate == "none" and "rank 2 of 3 see no GPU" in decision.reason
+
+
+def test_nccl_on_some_ranks_only_fails_naming_them() -> None:
+    facts = host_of(2, 2, "own")
+    facts[3] = GpuFacts("host1", True, False, facts[3].gpus)
+    with pytest.raises(
+        ValueError, match=r"rank 3 run a torch without NCCL, ranks 0, 1, 2 one with it"
+    ):
+        cuda.decide(facts)
+
+
+def test_explicit_choices() -> None:
+    sharing = host_of(1, 2, "first")
+    assert cuda.decide(sharing, "nccl").delegate == "nccl"
+    assert cuda.decide(host_of(1, 2, "own"), "gloo").delegate == "gloo"
+    no_nccl = [GpuFacts("a", True, False, (gpu(0),)), GpuFacts("b", True, False, (gpu(1),))]
+    assert cuda.decide(no_nccl).delegate == "gloo"
+    with pytest.raises(
+        ValueError, match="FAIRRING_CUDA_DELEGATE=nccl but no rank's torch has NCCL"
+    ):
+        cuda.decide(no_nccl, "nccl")
+
+
+# ------------------------------------------------- the decision, made by every rank
+
+
+def decide_with_faked_gpus(rank: int, world: int, facts: list[GpuFacts]) -> str:
+    """Create a fairring group with this rank's faked GPU facts and return what it
+    decided; NCCL's groups are stood in for by Gloo's (there is no GPU here)."""
+    import fairring_pg.backend as backend
+
+    cuda.local_gpu_facts = lambda host: facts[rank]
+    backend.make_nccl_delegate = _gloo_world
+    backend.nccl_maker = _gloo_stand_in
+    dist.init_process_group("fairring")
+    decision = backend.cuda_decision()
+    return f"{decision.delegate}: {decision.reason}"
+
+
+def _gloo_world(store: Any, rank: int, size: int, timeout: Any, opts: Any) -> Any:
+    from fairring_pg.config import Config as Cfg
+    from fairring_pg.subgroups import gloo_group
+
+    prefixed = dist.PrefixStore("stand-in-for-nccl/", store)
+    return gloo_group(prefixed, rank, size, timeout, Cfg.from_env(), list(range(size)), "world")
+
+
+def _gloo_stand_in(store: Any, timeout: Any, global_ranks: list[int]) -> Any:
+    from fairring_pg.config import Config as Cfg
+    from fairring_pg.subgroups import gloo_maker
+
+    return gloo_maker(store, timeout, Cfg.from_env(), global_ranks)
+
+
+@pytest.mark.parametrize(
+    ("case", "facts", "want"),
+    [
+        ("one GPU each", host_of(2, 2, "own"), "nccl"),
+        ("two ranks on one GPU", host_of(2, 2, "first"), "gloo"),
+        ("mixed", host_of(1, 2, "all") + host_of(1, 2, "first")[:1] * 2, "gloo"),
+    ],
+)
+def test_every_rank_decides_alike(case: str, facts: list[GpuFacts], want: str) -> None:
+    got = run_ranks(
+        decide_with_faked_gpus,
+        4,
+        ["m0", "m0", "m1", "m1"],
+        init_group=False,
+        timeout_s=120,
+        facts=facts,
+    )
+    assert len(set(got)) == 1 and got[0].startswith(want + ":"), got
+
+
+def test_nccl_on_some_ranks_fails_init_on_every_rank() -> None:
+    facts = host_of(2, 2, "own")
+    facts[1] = GpuFacts("host0", True, False, facts[1].gpus)
+    outcomes = launch(
+        decide_with_faked_gpus,
+        4,
+        ["m0", "m0", "m1", "m1"],
+        init_group=False,
+        timeout_s=120,
+        facts=facts,
+    )
+    for o in outcomes:
+        message = o.error_message or ""
+        assert o.status == "error" and "rank 1 run a torch without NCCL" in message, o.describe()
 
 
 @pytest.mark.parametrize(
@@ -117,15 +227,20 @@ def test_groups_and_their_members(
 
     topo = topology(rank, machines)
     lane_count = len(lanes) if lanes else 2
+    config = Config(lanes=lane_count, cuda_allreduce=path)
+    # Whether the plan composes any call: here as the mode allows (the plan's rows,
+    # from the model, are tests/test_model.py's).
+    composes = config.slices_allreduces(topo.num_machines, topo.local_size)
     groups = build_subgroups(
         SimpleNamespace(lanes=[]),
         topo,
-        Config(lanes=lane_count, cuda_allreduce=path),
+        config,
         "WORLD",
         record("local"),
         record("lane"),
         "cuda",
         "7",
+        composes,
     )
     assert groups.world == "WORLD"
     if local is None and lanes is None:
@@ -149,3 +264,45 @@ def test_groups_and_their_members(
     # Names tell the groups apart, and from another fairring group's (id 7 here).
     names = [m[4] for m in made]
     assert len(set(names)) == len(names) and all("-g7-" in n for n in names), names
+
+
+# ------------------------------------------------- the CUDA allreduce's plan, job-wide
+
+
+def plan_of_group(rank: int, world: int) -> str:
+    import fairring_pg.backend as backend
+
+    dist.init_process_group("fairring")
+    return backend.cuda_plan().to_json()
+
+
+def test_every_rank_runs_rank_zeros_plan_from_the_node_named() -> None:
+    """FAIRRING_NODE names the machines; rank 0 plans and every rank runs that plan, the
+    one the model gives for those facts at 3 machines x 2 ranks."""
+    from fairring_pg import node_facts
+    from fairring_pg.model.cuda_plan import CudaPlan, plan_allreduce
+
+    machines = ["m0", "m0", "m1", "m1", "m2", "m2"]
+    env = {"FAIRRING_NODE": "h100-2x200g"}
+    got = run_ranks(plan_of_group, 6, machines, env=env, init_group=False, timeout_s=120)
+    assert len(set(got)) == 1, got
+    plan = CudaPlan.from_json(got[0])
+    facts = node_facts.from_env(env)
+    job = node_facts.merge([facts] * 6, [0, 0, 1, 1, 2, 2])
+    want = plan_allreduce(job.gpu_node(2), 3, Config.from_env({}), local_size=2)
+    assert plan == want
+    assert plan.composes, plan.describe()  # this node composes at 3 machines: a real plan
+
+
+def test_a_bad_node_fails_init_on_every_rank() -> None:
+    outcomes = launch(
+        plan_of_group,
+        2,
+        ["m0", "m1"],
+        rank_env={1: {"FAIRRING_NODE": "a-kind-of-toaster"}},
+        init_group=False,
+        timeout_s=120,
+    )
+    for o in outcomes:
+        message = o.error_message or ""
+        assert o.status == "error" and "FAIRRING_NODE='a-kind-of-toaster'" in message, o.describe()

@@ -1,9 +1,9 @@
 """The two plans that cut an allreduce, checked directly over many shapes (L local ranks,
-M machines): SlicePlan (src/pipeline/slice_plan.h, the CPU pipeline) and planUnits
-(src/subgroups/unit_plan.h, the sub-group path). Every element must be covered exactly
+M machines): SlicePlan (src/pipeline/slice_plan.h, the CPU pipeline) and planCall
+(src/subgroups/call_plan.h, the sub-group path). Every element must be covered exactly
 once, each piece must go to the local rank (chunk l) and the machine (shard m) its index
 names, and the staging offsets must put each segment's pieces where the segments before
-it end. The bindings (the test module's slice_plan, the core's plan_units) only lay the
+it end. The bindings (the test module's slice_plan, the core's plan_call) only lay the
 plans out."""
 
 from __future__ import annotations
@@ -84,33 +84,45 @@ def test_slice_plan_covers_every_element_once(L: int, M: int) -> None:
         _check_slice_plan(numel, slice_units * unit, chunk, L, M)
 
 
-def _check_units(
-    numel: int, elem: int, slice_bytes: int, L: int, M: int, direct_below: int
-) -> None:
-    units = _core().plan_units(numel, elem, slice_bytes, L, M, direct_below)
-    what = f"numel={numel} elem={elem} slice={slice_bytes} L={L} M={M} direct<{direct_below}"
+# A plan of three rows: NCCL's below 64 bytes, then composed with at least 1 piece by
+# all-to-all, from 4 KiB at least 3 pieces by NCCL's reduce-scatter.
+ROWS = [(0, "nccl", 0, ""), (64, "compose", 1, "alltoall"), (4096, "compose", 3, "reduce_scatter")]
+
+
+def _check_call(numel: int, elem: int, largest: int, L: int, M: int) -> None:
+    """planCall against fairring_pg.model.composition.cut_pieces (the model's rule) and
+    against what every plan must be: the row of the call's bytes, every element in
+    exactly one unit, pieces whole multiples of L*M no larger than the largest piece,
+    only the tail (fewer than L*M elements) direct."""
+    from fairring_pg.model.composition import cut_pieces
+
+    row, units = _core().plan_call(numel, elem, ROWS, largest, L, M)
+    what = f"numel={numel} elem={elem} largest={largest} L={L} M={M}"
+    nbytes = numel * elem
+    assert row == max(i for i, r in enumerate(ROWS) if r[0] <= nbytes), what
     if numel == 0 or L * M == 1:
         assert units == [], what
         return
-    if M == 1 or numel * elem < direct_below or numel < L * M:
+    if M == 1 or ROWS[row][1] == "nccl" or numel < L * M:
         assert units == [(0, numel, True)], what
         return
+    model = cut_pieces(numel, elem, ROWS[row][2], largest, L, M)
+    assert units == [(u.begin, u.numel, u.direct) for u in model], what
     at = 0
     for i, (begin, size, direct) in enumerate(units):
         assert begin == at and size > 0, (what, i)
         at += size
         if direct:
-            # Only the tail, fewer than L*M elements, skips the five steps.
             assert i == len(units) - 1 and size < L * M, (what, i)
         else:
-            assert size % (L * M) == 0 and size * elem <= slice_bytes, (what, i)
+            assert size % (L * M) == 0 and size * elem <= largest, (what, i)
     assert at == numel, f"{what}: units cover {at} of {numel} elements"
-    assert units[-1][2] == (numel % (L * M) != 0), f"{what}: the tail"
+    pieces = [u for u in units if not u[2]]
+    assert len(pieces) >= min(ROWS[row][2], numel // (L * M)), what
+    assert max(p[1] for p in pieces) - min(p[1] for p in pieces) <= L * M, f"{what}: uneven"
 
 
 @pytest.mark.parametrize(("L", "M"), SHAPES, ids=[f"{L}x{M}" for L, M in SHAPES])
-def test_plan_units_cover_every_element_once(L: int, M: int) -> None:
-    for numel, elem, slices, direct_below in itertools.product(
-        SIZES + (20_003,), (1, 2, 4, 8), (1, 4), (0, 64, 4096)
-    ):
-        _check_units(numel, elem, slices * 8 * L * M, L, M, direct_below)
+def test_plan_call_follows_the_model_and_covers_every_element_once(L: int, M: int) -> None:
+    for numel, elem, pieces in itertools.product(SIZES + (20_003,), (1, 2, 4, 8), (1, 4)):
+        _check_call(numel, elem, pieces * 8 * L * M, L, M)

@@ -22,7 +22,8 @@ The planted bugs these tests were watched failing with (each a one-line change i
 src/subgroups/): the future marked outside the done stream's scope (as it was before
 this file existed), a lane that skips the caller's position, the lanes not joined before
 done, keepAlive off, the byte-range check off, a delegated collective not ordered after
-the allreduces in flight, a barrier that does not wait for the device.
+the allreduces in flight (or an allreduce not after a delegated collective in flight), a
+barrier that does not wait for the device.
 """
 
 from __future__ import annotations
@@ -273,6 +274,19 @@ def delegated_after_allreduce(rank: int, world: int, v: Any) -> dict[str, Any]:
     }
 
 
+def allreduce_after_delegated(rank: int, world: int, v: Any) -> dict[str, Any]:
+    """An allreduce of a tensor a delegated collective still writes (a broadcast not
+    waited for) runs after it, as both would on NCCL's one stream."""
+    t = produced(rank, N)
+    before = subgroup_stats(None, DEVICE)["ordering_waits"]
+    dist.broadcast(t, src=0, async_op=True)
+    dist.all_reduce(t, async_op=True).wait()
+    return {
+        "errors": [exact(t * 1, world * value(0, N))],
+        "waits": subgroup_stats(None, DEVICE)["ordering_waits"] - before,
+    }
+
+
 def barrier_waits_for_device(rank: int, world: int, v: Any) -> dict[str, Any]:
     """Past barrier() the allreduces issued before it are done on the device: a stream
     that never waited for them may read their results."""
@@ -306,6 +320,7 @@ SCENARIOS: dict[str, Callable[[int, int, Any], dict[str, Any]]] = {
         overlapping_views,
         disjoint_views,
         delegated_after_allreduce,
+        allreduce_after_delegated,
         barrier_waits_for_device,
         empty_tensor,
     )
@@ -332,14 +347,19 @@ def run_scenarios(rank: int, world: int) -> dict[str, dict[str, Any]]:
     return outcomes
 
 
+# Pieces of at most SLICE_SIZE bytes, the all-to-all exchange with three or more pieces
+# per call below 8 KiB (the views), NCCL's reduce-scatter and all-gather on the rail with
+# two or more from 8 KiB (N float64): both exchanges, several pieces on both lanes.
+PLAN = "0:compose:3:alltoall,8K:compose:2:reduce_scatter"
+
+
 def vehicle_env() -> dict[str, str | None]:
     return fairring_env(
         total_memory=TOTAL_MEMORY,
         slice_size=SLICE_SIZE,
         FAIRRING_SLICE_SCALING="off",
         FAIRRING_LANES=2,
-        FAIRRING_DIRECT_BELOW=0,
-        FAIRRING_CUDA_ALLREDUCE="lanes",
+        FAIRRING_TEST_CUDA_PLAN=PLAN,
     )
 
 
@@ -398,6 +418,8 @@ def test_overlapping_views_wait_disjoint_ones_do_not(shape: str) -> None:
 def test_delegated_collectives_wait_only_on_shared_memory(shape: str) -> None:
     for got in outcome(shape, "delegated_after_allreduce"):
         assert got["unrelated_waits"] == 0 and got["waits"] == 1, got
+    for got in outcome(shape, "allreduce_after_delegated"):
+        assert got["waits"] == 1, got
 
 
 @functools.cache
@@ -413,3 +435,5 @@ def test_the_scenarios_took_the_paths_they_test(shape: str) -> None:
         assert stats["sliced_units"] == 0 and stats["direct_units"] > 0, stats
     else:
         assert stats["sliced_units"] > 2 * len(SCENARIOS) and stats["direct_units"] > 0, stats
+        # Both rows of the plan, so both rail exchanges.
+        assert len(stats["rows"]) == 2 and min(stats["rows"]) > 0, stats

@@ -35,6 +35,7 @@ def env(**extra: str | int) -> dict[str, str | None]:
         FAIRRING_TEST_CPU_SUBGROUPS="on",
         FAIRRING_LANES=2,
         FAIRRING_DIRECT_BELOW=0,
+        FAIRRING_CUDA_ALLREDUCE="lanes",  # composed: auto runs NCCL's allreduce on unknown nodes
         **extra,
     )
 

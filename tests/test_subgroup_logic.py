@@ -239,9 +239,23 @@ def test_drain_times_out(core: Any) -> None:
 
 
 @pytest.mark.parametrize("numel", [5, 4096, 1_000_003])
-def test_without_slices_every_allreduce_is_one_direct_unit(core: Any, numel: int) -> None:
-    # 4 machines x 1 rank, 4 KiB slices, no direct threshold: sliced if allowed.
-    assert core.plan_units(numel, 4, 4096, 1, 4, 0, slices=False) == [(0, numel, True)]
-    sliced = core.plan_units(numel, 4, 4096, 1, 4, 0, slices=True)
-    assert sum(size for _, size, _ in sliced) == numel
-    assert any(not direct for _, _, direct in sliced) == (numel >= 4)
+def test_a_plan_of_nccl_makes_every_allreduce_one_direct_unit(core: Any, numel: int) -> None:
+    # 4 machines x 1 rank, 4 KiB pieces: composed if the plan says so.
+    nccl = [(0, "nccl", 0, "")]
+    assert core.plan_call(numel, 4, nccl, 4096, 1, 4) == (0, [(0, numel, True)])
+    row, units = core.plan_call(numel, 4, [(0, "compose", 1, "alltoall")], 4096, 1, 4)
+    assert row == 0 and sum(size for _, size, _ in units) == numel
+    assert any(not direct for _, _, direct in units) == (numel >= 4)
+
+
+@pytest.mark.parametrize(
+    ("rows", "error"),
+    [
+        ([(0, "ring", 0, "")], "path is 'nccl' or 'compose', not 'ring'"),
+        ([(0, "compose", 0, "alltoall")], "at least one piece, not 0"),
+        ([(0, "compose", 2, "tree")], "'alltoall' or 'reduce_scatter', not 'tree'"),
+    ],
+)
+def test_a_bad_plan_row_is_refused_naming_it(core: Any, rows: Any, error: str) -> None:
+    with pytest.raises(RuntimeError, match=error):
+        core.plan_call(100, 4, rows, 4096, 2, 2)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import time
 from typing import Any
 
@@ -34,11 +35,13 @@ from test_allreduce import (
     DTYPES,
     FLOAT_DTYPES,
     OPS,
+    VIEW_KINDS,
     Case,
     build_cases,
     make_input,
     reduce_exact,
     run_case,
+    wide_cases,
 )
 from values import compare_exact, reduce_op
 
@@ -50,10 +53,16 @@ TOTAL_MEMORY = 64 * 1024
 TIMEOUT_S = 300
 
 
+# Pieces of at most 4 KiB; below 16 KiB the all-to-all exchange with at least three
+# pieces per call, from 16 KiB NCCL's reduce-scatter and all-gather on the rail with at
+# least two: every case of 1001 elements takes the first, every one of 20011 the second.
+FORCED_PLAN = "0:compose:3:alltoall,16K:compose:2:reduce_scatter"
+
+
 def subgroup_env(**extra: str | int | None) -> dict[str, str | None]:
-    """The switch on, small slices (many per tensor), and no direct path unless asked:
-    every tensor of L*M elements or more goes through the five steps, at one rank per
-    machine too."""
+    """The switch on, small pieces (many per tensor), and no direct path unless asked:
+    every tensor of L*M elements or more is composed, at one rank per machine too, with
+    the plan of FAIRRING_CUDA_ALLREDUCE=lanes (one piece per 4 KiB, all-to-all)."""
     env = fairring_env(
         total_memory=TOTAL_MEMORY,
         slice_size=SLICE_SIZE,
@@ -67,18 +76,55 @@ def subgroup_env(**extra: str | int | None) -> dict[str, str | None]:
     return env
 
 
-# --------------------------------------------------------------- exact results, all cases
+def forced_cases() -> list[Case]:
+    """Every op and dtype at an odd size through each rail exchange (1001 and 20011
+    elements, and 7: a piece and a tail where L*M <= 7), views, coalesced, async, AVG's
+    fractions, values that see width and precision, and one tensor of many pieces."""
+    cases = [
+        Case(f"{op}-{dtype}-n{n}", "plain", op, dtype, n)
+        for op, dtype, n in itertools.product(OPS, DTYPES, (7, 1001, 20011))
+        if not (op == "AVG" and dtype not in FLOAT_DTYPES)
+    ]
+    cases += [Case(f"{kind}-SUM-float32", kind, "SUM", "float32", 0) for kind in VIEW_KINDS]
+    cases += wide_cases(("float64", "bfloat16", "int16", "int64"))
+    cases += [
+        Case("async-MAX-int64", "async", "MAX", "int64", 20011),
+        Case("future_then-SUM-float32", "future_then", "SUM", "float32", 1001),
+        Case("coalesced-SUM-float32", "coalesced", "SUM", "float32", 0),
+        Case("coalesced-MAX-int32", "coalesced", "MAX", "int32", 0),
+        Case("avg_fraction-float64", "avg_fraction", "AVG", "float64", 20011),
+        Case("big-SUM-float32-n150000", "plain", "SUM", "float32", 150_000),
+    ]
+    return cases
 
-JOB_SHAPES = ("2x2", "3x1", "1x3", "2x3")
+
+# ----------------------------------------------------- exact results, pieces and exchanges
+
+# M machines of L ranks: 2x2; L != M both ways (2x3, 3x2); 4x2 (eight ranks); one rank
+# per machine (3x1: the rail alone); one machine (1x3: NCCL's allreduce, every call).
+MACHINES = {
+    **SHAPES,
+    "3x2": ["m0", "m0", "m1", "m1", "m2", "m2"],
+    "4x2": ["m0", "m0", "m1", "m1", "m2", "m2", "m3", "m3"],
+}
+JOB_SHAPES = ("2x2", "2x3", "3x2", "4x2", "3x1", "1x3")
+
+
+def _job_cases(shape: str) -> list[Case]:
+    if shape in ("2x2", "3x1", "1x3"):
+        # A tenth of the engine's big cases: still ~10x the staging memory, hundreds of
+        # pieces through every lane, where the full size cost 16 s of Gloo steps.
+        return build_cases(shape, big_numel=(150_000, 60_000))
+    return forced_cases()
+
+
 JOBS = {
     shape: CaseJob(
         f"subgroups {shape}",
         run_case,
-        # A tenth of the engine's big cases: still ~10x the staging memory, hundreds of
-        # slices through every lane, where the full size cost 16 s of Gloo steps.
-        build_cases(shape, big_numel=(150_000, 60_000)),
-        SHAPES[shape],
-        env=subgroup_env(),
+        _job_cases(shape),
+        MACHINES[shape],
+        env=subgroup_env(FAIRRING_TEST_CUDA_PLAN=FORCED_PLAN if shape != "1x3" else None),
         timeout_s=TIMEOUT_S,
     )
     for shape in JOB_SHAPES
@@ -91,6 +137,45 @@ JOBS = {
 )
 def test_subgroup_allreduce(shape: str, case_id: str) -> None:
     JOBS[shape].check(case_id)
+
+
+def views_of_one_buffer(rank: int, world: int) -> list[str | None]:
+    """Allreduces of views of one buffer in flight together: disjoint halves (DDP's
+    buckets), then two that overlap (the second reduces the first's result where they
+    meet), each through the composition."""
+    n = 4000
+
+    def mine() -> torch.Tensor:
+        return torch.arange(2 * n, dtype=torch.float64) * 0.25 + rank * 1000.5
+
+    total = sum(torch.arange(2 * n, dtype=torch.float64) * 0.25 + r * 1000.5 for r in range(world))
+    buf = mine()
+    works = [dist.all_reduce(buf[:n], async_op=True), dist.all_reduce(buf[n:], async_op=True)]
+    for w in works:
+        w.wait()
+    disjoint = compare_exact(buf.clone(), total, "disjoint halves")
+    buf = mine()
+    w1 = dist.all_reduce(buf[:n], async_op=True)
+    w2 = dist.all_reduce(buf[n // 2 : n + n // 2], async_op=True)
+    w1.wait()
+    w2.wait()
+    want = mine()
+    want[: n // 2] = total[: n // 2]
+    want[n // 2 : n] = world * total[n // 2 : n]
+    want[n : n + n // 2] = total[n : n + n // 2]
+    return [disjoint, compare_exact(buf, want, "overlapping views")]
+
+
+@pytest.mark.parametrize("shape", ["2x3", "4x2"])
+def test_views_of_one_buffer(shape: str) -> None:
+    results = run_ranks(
+        views_of_one_buffer,
+        len(MACHINES[shape]),
+        MACHINES[shape],
+        env=subgroup_env(FAIRRING_TEST_CUDA_PLAN=FORCED_PLAN),
+        timeout_s=TIMEOUT_S,
+    )
+    assert results == [[None, None]] * len(MACHINES[shape])
 
 
 # ------------------------------------------------- lanes, the direct path, slice tails
@@ -178,14 +263,16 @@ PATH_SIZES = (0, 2, 1000, 8400, 20_003)
 
 
 def expected_units(mode: str, machines: int, local: int, numel: int, elem: int) -> tuple[int, int]:
-    """(direct units, sliced units) an allreduce should take, from the rule as documented:
-    the five steps only with several machines, and then only where they save bytes (several
-    ranks per machine) or FAIRRING_CUDA_ALLREDUCE=lanes asks for them; small tensors and
-    the tail of fewer than L*M elements are one allreduce on the world group."""
+    """(direct units, pieces) an allreduce should take, from the rule as documented: the
+    composition only with several machines, where FAIRRING_CUDA_ALLREDUCE=lanes asks for
+    it (auto composes only where the model predicts a win, from the node's facts, which
+    this job declares unknown: FAIRRING_NODE=none); small tensors and the tail of fewer
+    than L*M elements are one allreduce on the world group; a composed call is as many
+    pieces as it takes to keep each under the largest (FAIRRING_SLICE_SIZE)."""
     world = machines * local
     if numel == 0 or world == 1:
         return 0, 0
-    slices = machines > 1 and (mode == "lanes" or (mode == "auto" and local > 1))
+    slices = machines > 1 and mode == "lanes"
     if not slices or numel * elem < PATH_DIRECT_BELOW or numel < world:
         return 1, 0
     aligned = numel - numel % world
@@ -243,6 +330,7 @@ def path_env(**extra: str | int | None) -> dict[str, str | None]:
             FAIRRING_SLICE_SIZE=PATH_SLICE,
             FAIRRING_DIRECT_BELOW=PATH_DIRECT_BELOW,
             FAIRRING_CUDA_ALLREDUCE=None,
+            FAIRRING_NODE="none",
         ),
         **{k: None if v is None else str(v) for k, v in extra.items()},
     }
@@ -262,20 +350,15 @@ def check_paths(shape: str, machine_ids: list[str], per_rank: list[list[dict[str
             want = expected_units(r["mode"], machines, local, r["numel"], r["elem"])
             assert r["units"] == want, f"{where}: (direct, sliced) units {r['units']}, want {want}"
     sliced = {r["mode"] for r in per_rank[0] if r["units"][1] > 0}
-    if machines == 1:
-        assert sliced == set(), shape
-    elif local == 1:
-        assert sliced == {"lanes"}, shape
-    else:
-        assert sliced == {"auto", "lanes"}, shape
+    assert sliced == (set() if machines == 1 else {"lanes"}), shape
 
 
 @pytest.mark.parametrize("shape", list(PATH_SHAPES))
 def test_path_per_shape_mode_and_size(shape: str) -> None:
-    """One rank per machine (2x1, 4x1) runs NCCL's own allreduce on the world group for
-    every size unless FAIRRING_CUDA_ALLREDUCE=lanes; several ranks per machine (2x2, 2x3)
-    take the five steps from FAIRRING_DIRECT_BELOW up; one machine (1x3) never does. The
-    same on every rank, and every result exact."""
+    """With the node's facts unknown, `auto` runs NCCL's own allreduce on the world group
+    for every size, as `direct` does; `lanes` composes from FAIRRING_DIRECT_BELOW up on
+    several machines, at one rank per machine (2x1, 4x1) too; one machine (1x3) never
+    does. The same on every rank, and every result exact."""
     ids = PATH_SHAPES[shape]
     per_rank = run_ranks(paths_taken, len(ids), ids, env=path_env(), timeout_s=TIMEOUT_S)
     check_paths(shape, ids, per_rank)
@@ -368,16 +451,6 @@ def test_subgroup_slice_refuses_tiny_staging() -> None:
 )
 def test_which_shapes_slice(path: str, machines: int, local: int, slices: bool) -> None:
     assert Config(cuda_allreduce=path).slices_allreduces(machines, local) is slices
-
-
-def test_lane_staging_bytes_match_the_core() -> None:
-    from fairring_pg._build import load_extension
-
-    core = load_extension()
-    for slice_size, machines, local in [(4096, 2, 2), (25 << 20, 4, 1), (8 * 24, 3, 8)]:
-        assert core.lane_staging_bytes(slice_size, machines, local) == lane_staging_bytes(
-            slice_size, machines, local
-        )
 
 
 def test_config_variables_are_validated() -> None:

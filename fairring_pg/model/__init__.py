@@ -7,18 +7,24 @@ NCCL's ring and tree on GPU), calibrated from this machine's primitives.
     predict_cpu(cluster, [25 << 20], p).speedup        # Gloo's time / fairring's
 
     from fairring_pg.model import NODE_TYPES, predict_gpu
-    predict_gpu(NODE_TYPES["h100-8x400g"], machines=16, size=25 << 20, in_flight=4)
+    predict_gpu(NODE_TYPES["a100-4x200g"], machines=16, size=25 << 20, in_flight=4)
+
+    from fairring_pg.model import plan_allreduce
+    plan_allreduce(NODE_TYPES["a100-4x200g"], 16, Config()).row_for(25 << 20)
 
 The formulas, parameters and validation are in docs/design.md, "The cost model";
-`fairring-plan` (fairring_pg/plan.py) is the command line. ``prefer_fairring`` is what a
-runtime would ask before choosing a path.
+`fairring-plan` (fairring_pg/plan.py) is the command line. ``plan_allreduce`` is what
+``FAIRRING_CUDA_ALLREDUCE=auto`` decides with (a table made once per group);
+``prefer_fairring`` compares one prediction.
 """
 
 from __future__ import annotations
 
 from fairring_pg.model.calibration import Primitives, calibrate
+from fairring_pg.model.composition import FAIRRING_PG, Implementation
 from fairring_pg.model.cpu import CpuCluster, CpuPrediction, predict_cpu
-from fairring_pg.model.gpu import FAIRRING_PG, GpuPrediction, Implementation, predict_gpu
+from fairring_pg.model.cuda_plan import CudaPlan, PlanRow, plan_allreduce
+from fairring_pg.model.gpu import GpuPrediction, predict_gpu
 from fairring_pg.model.nodes import NODE_TYPES, GpuNode
 
 __all__ = [
@@ -26,11 +32,14 @@ __all__ = [
     "NODE_TYPES",
     "CpuCluster",
     "CpuPrediction",
+    "CudaPlan",
     "GpuNode",
     "GpuPrediction",
     "Implementation",
+    "PlanRow",
     "Primitives",
     "calibrate",
+    "plan_allreduce",
     "predict_cpu",
     "predict_gpu",
     "prefer_fairring",

@@ -249,7 +249,11 @@ def assumptions(cluster: CpuCluster, p: Primitives, config: Config) -> list[str]
         f"each machine's link moves {cluster.link_bytes_per_s / 1e6:.1f} MB/s per direction, "
         f"{cluster.link_efficiency:.1%} of it payload (one TCP stream, measured)"
         if cluster.link_bytes_per_s
-        else "no link limit between machines (loopback): CPU-bound"
+        else "no link limit between machines (loopback): CPU-bound, which the model predicts "
+        "about 40% too fast (37-66% below the measured times for the engine's loopback runs "
+        "from 4 MiB: docs/design.md, 'What the model leaves out'): it leaves out the "
+        "scheduling and wake-ups of many threads on few cores, and is validated only with "
+        "a link limit"
     )
     where = "all machines on this host" if cluster.shared_host else "each machine like this host"
     return [

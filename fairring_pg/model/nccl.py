@@ -153,6 +153,10 @@ NCCL_2_28 = NcclTuning(
 )
 
 
+# By version, for callers that cache by it (NcclTuning holds dicts: not hashable).
+TUNINGS = {t.version: t for t in (NCCL_2_11, NCCL_2_28)}
+
+
 @dataclass(frozen=True)
 class Fabric:
     """What NCCL's topology search would find, as bus bandwidths in bytes/s."""

@@ -23,9 +23,12 @@ falls behind at 128 GPUs already (tests/test_model.py checks both ends).
 
 from __future__ import annotations
 
+import dataclasses
+
 from fairring_pg.config import MIB, Config
 from fairring_pg.model import nccl
-from fairring_pg.model.gpu import GpuPrediction, Implementation, predict_gpu
+from fairring_pg.model.composition import MESSAGES, Implementation
+from fairring_pg.model.gpu import GpuPrediction, predict_gpu
 from fairring_pg.model.nodes import V100_4X100G
 
 MESSAGE_S = 20e-6
@@ -36,8 +39,11 @@ IN_FLIGHT_SLICES = 8
 SEED = Implementation(
     name="the Fairring seed (TensorPipe rail exchange, CPU-driven)",
     message_s=MESSAGE_S,
-    nccl_collectives=False,
+    exchanges=(MESSAGES,),
+    overlap=False,
+    planned=False,
     single_machine_allreduce=False,
+    proxy_per_lane=False,
 )
 
 
@@ -60,13 +66,7 @@ def predict(
     lanes: int = IN_FLIGHT_SLICES,
     message_s: float = MESSAGE_S,
 ) -> GpuPrediction:
-    impl = (
-        SEED
-        if message_s == MESSAGE_S
-        else Implementation(
-            SEED.name, message_s, nccl_collectives=False, single_machine_allreduce=False
-        )
-    )
+    impl = SEED if message_s == MESSAGE_S else dataclasses.replace(SEED, message_s=message_s)
     return predict_gpu(
         V100_4X100G,
         machines,

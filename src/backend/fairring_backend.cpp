@@ -50,8 +50,9 @@ FairringBackend::FairringBackend(
   subgroupOptions.localRank = layout.localRank();
   subgroupOptions.machine = layout.machine();
   subgroupOptions.timeout = options.timeout;
-  subgroupOptions.sliceBytes = options.subgroupSliceBytes;
-  subgroupOptions.directBelowBytes = options.directBelowBytes;
+  subgroupOptions.plan = options.subgroupPlan;
+  subgroupOptions.largestPieceBytes = options.largestPieceBytes;
+  subgroupOptions.laneStagingBytes = options.laneStagingBytes;
   subgroupOptions.totalMemory = options.totalMemory;
   if (options.cudaSubgroups) {
     cudaSubgroups_ = std::make_unique<SubgroupAllreduce>(*options.cudaSubgroups, subgroupOptions, accelerator_);
@@ -79,7 +80,14 @@ FairringBackend::~FairringBackend() {
   }
 }
 
+namespace {
+// The accelerator tensors of the collective being handed to the delegate on
+// this thread, between delegateForAll and track.
+thread_local std::vector<at::Tensor> tDelegated;
+} // namespace
+
 c10d::Backend& FairringBackend::delegateForAll(const std::vector<at::Tensor>& tensors) {
+  tDelegated.clear();
   for (const at::Tensor& tensor : tensors) {
     if (!tensor.defined()) {
       continue;
@@ -90,10 +98,20 @@ c10d::Backend& FairringBackend::delegateForAll(const std::vector<at::Tensor>& te
     TORCH_CHECK(cuda_, "fairring: rank ", getRank(), ": ", cudaUnavailable_);
     if (cudaSubgroups_) {
       cudaSubgroups_->orderBefore(tensors);
+      tDelegated = tensors;
     }
     return *cuda_;
   }
   return *cpu_;
+}
+
+c10::intrusive_ptr<c10d::Work> FairringBackend::track(c10::intrusive_ptr<c10d::Work> work) {
+  std::vector<at::Tensor> tensors;
+  tensors.swap(tDelegated);
+  if (!tensors.empty() && work) {
+    cudaSubgroups_->orderAfter(tensors, *work);
+  }
+  return work;
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce(
@@ -106,7 +124,7 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce(
     if (cudaSubgroups_) {
       return cudaSubgroups_->allreduce(tensor, opts.reduceOp.op_);
     }
-    return delegateFor(tensors).allreduce(tensors, opts);
+    return track(delegateFor(tensors).allreduce(tensors, opts));
   }
   if (cpuSubgroups_) {
     return cpuSubgroups_->allreduce(tensor, opts.reduceOp.op_);
@@ -173,7 +191,7 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce_coalesced(
     if (cudaSubgroups_) {
       return cudaSubgroups_->allreduceCoalesced(tensors, opts.reduceOp.op_);
     }
-    return delegateFor(tensors).allreduce_coalesced(tensors, opts);
+    return track(delegateFor(tensors).allreduce_coalesced(tensors, opts));
   }
   if (cpuSubgroups_) {
     return cpuSubgroups_->allreduceCoalesced(tensors, opts.reduceOp.op_);
@@ -196,19 +214,19 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce_coalesced(
 c10::intrusive_ptr<c10d::Work> FairringBackend::broadcast(
     std::vector<at::Tensor>& tensors,
     const c10d::BroadcastOptions& opts) {
-  return delegateFor(tensors).broadcast(tensors, opts);
+  return track(delegateFor(tensors).broadcast(tensors, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce_sparse(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceOptions& opts) {
-  return delegateFor(tensors).allreduce_sparse(tensors, opts);
+  return track(delegateFor(tensors).allreduce_sparse(tensors, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::reduce(
     std::vector<at::Tensor>& tensors,
     const c10d::ReduceOptions& opts) {
-  return delegateFor(tensors).reduce(tensors, opts);
+  return track(delegateFor(tensors).reduce(tensors, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::allgather(
@@ -218,7 +236,7 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allgather(
   if (onCpuEngine(inputs, outputs)) {
     return cpuSharded_->allGatherList(outputs, inputs);
   }
-  return delegateFor(inputs, outputs).allgather(outputs, inputs, opts);
+  return track(delegateFor(inputs, outputs).allgather(outputs, inputs, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::_allgather_base(
@@ -228,14 +246,14 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::_allgather_base(
   if (onCpuEngine(input, output)) {
     return cpuSharded_->allGatherBase(output, input);
   }
-  return delegateFor(input, output)._allgather_base(output, input, opts);
+  return track(delegateFor(input, output)._allgather_base(output, input, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return delegateFor(inputs, outputs).allgather_coalesced(outputs, inputs, opts);
+  return track(delegateFor(inputs, outputs).allgather_coalesced(outputs, inputs, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::allgather_into_tensor_coalesced(
@@ -245,14 +263,14 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allgather_into_tensor_coalesced(
   if (onCpuEngine(inputs, outputs)) {
     return cpuSharded_->allGatherCoalesced(outputs, inputs);
   }
-  return delegateFor(inputs, outputs).allgather_into_tensor_coalesced(outputs, inputs, opts);
+  return track(delegateFor(inputs, outputs).allgather_into_tensor_coalesced(outputs, inputs, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::gather(
     std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
-  return delegateFor(inputs, outputs).gather(outputs, inputs, opts);
+  return track(delegateFor(inputs, outputs).gather(outputs, inputs, opts));
 }
 
 #if FAIRRING_C10D_HAS_GATHER_SINGLE
@@ -260,7 +278,7 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::gather_single(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::GatherOptions& opts) {
-  return delegateFor(input, output).gather_single(output, input, opts);
+  return track(delegateFor(input, output).gather_single(output, input, opts));
 }
 #endif
 
@@ -268,7 +286,7 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::scatter(
     std::vector<at::Tensor>& outputs,
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
-  return delegateFor(outputs, inputs).scatter(outputs, inputs, opts);
+  return track(delegateFor(outputs, inputs).scatter(outputs, inputs, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::reduce_scatter(
@@ -278,7 +296,7 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::reduce_scatter(
   if (onCpuEngine(outputs, inputs)) {
     return cpuSharded_->reduceScatterList(outputs, inputs, opts.reduceOp.op_);
   }
-  return delegateFor(outputs, inputs).reduce_scatter(outputs, inputs, opts);
+  return track(delegateFor(outputs, inputs).reduce_scatter(outputs, inputs, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::_reduce_scatter_base(
@@ -288,7 +306,7 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::_reduce_scatter_base(
   if (onCpuEngine(input, output)) {
     return cpuSharded_->reduceScatterBase(output, input, opts.reduceOp.op_);
   }
-  return delegateFor(input, output)._reduce_scatter_base(output, input, opts);
+  return track(delegateFor(input, output)._reduce_scatter_base(output, input, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::reduce_scatter_tensor_coalesced(
@@ -298,7 +316,7 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::reduce_scatter_tensor_coalesced(
   if (onCpuEngine(inputs, outputs)) {
     return cpuSharded_->reduceScatterCoalesced(outputs, inputs, opts.reduceOp.op_);
   }
-  return delegateFor(inputs, outputs).reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  return track(delegateFor(inputs, outputs).reduce_scatter_tensor_coalesced(outputs, inputs, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::alltoall_base(
@@ -307,26 +325,26 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::alltoall_base(
     std::vector<int64_t>& outputSplitSizes,
     std::vector<int64_t>& inputSplitSizes,
     const c10d::AllToAllOptions& opts) {
-  return delegateFor(input, output).alltoall_base(output, input, outputSplitSizes, inputSplitSizes, opts);
+  return track(delegateFor(input, output).alltoall_base(output, input, outputSplitSizes, inputSplitSizes, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::alltoall(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllToAllOptions& opts) {
-  return delegateFor(inputs, outputs).alltoall(outputs, inputs, opts);
+  return track(delegateFor(inputs, outputs).alltoall(outputs, inputs, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
-  return delegateFor(tensors).send(tensors, dstRank, tag);
+  return track(delegateFor(tensors).send(tensors, dstRank, tag));
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
-  return delegateFor(tensors).recv(tensors, srcRank, tag);
+  return track(delegateFor(tensors).recv(tensors, srcRank, tag));
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
-  return delegateFor(tensors).recvAnysource(tensors, tag);
+  return track(delegateFor(tensors).recvAnysource(tensors, tag));
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::barrier(const c10d::BarrierOptions& opts) {

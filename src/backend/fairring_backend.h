@@ -47,10 +47,12 @@ struct BackendOptions {
   // ring allreduces would interleave with collectives issued from callbacks
   // differently on each rank. Set where cpuRingFrom >= 0.
   c10::intrusive_ptr<c10d::Backend> ringDelegate;
-  // The sub-group allreduce (src/subgroups/): its slice (fitted so that every
-  // lane has a staging slot) and the size under which it is one allreduce.
-  size_t subgroupSliceBytes{0};
-  size_t directBelowBytes{0};
+  // The sub-group allreduce (src/subgroups/): its plan (what each size runs,
+  // fairring_pg.model.cuda_plan), the largest piece (fitted so that every
+  // lane has its staging) and each lane's staging (fairring_pg.config).
+  std::vector<PlanRow> subgroupPlan;
+  size_t largestPieceBytes{0};
+  size_t laneStagingBytes{0};
   // NCCL groups for CUDA tensors; unset without CUDA and NCCL, or where
   // ranks share a GPU (then CUDA allreduces go to the CUDA delegate).
   std::optional<Subgroups> cudaSubgroups;
@@ -205,6 +207,10 @@ class FairringBackend : public c10d::Backend {
     return delegateForAll(all);
   }
   c10d::Backend& delegateForAll(const std::vector<at::Tensor>& tensors);
+  // What the delegate returned for accelerator tensors: the allreduces issued
+  // later on the same memory wait for it, as they would behind NCCL's one
+  // stream (SubgroupAllreduce::orderAfter).
+  c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> work);
   // Whether a reduce-scatter or all-gather of `sets` runs on fairring's CPU
   // engine: its first defined tensor is not on a GPU (as delegateFor decides).
   template <typename... Sets>

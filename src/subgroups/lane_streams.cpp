@@ -6,15 +6,17 @@
 
 namespace fairring {
 
-LaneStreams::LaneStreams(c10::Device device, int lanes) : device_(device) {
+LaneStreams::LaneStreams(c10::Device device, int lanes, bool localSteps) : device_(device), lanes_(lanes) {
   if (device.is_cpu()) {
     return;
   }
   c10::impl::VirtualGuardImpl impl(device.type());
-  for (int k = 0; k < lanes; ++k) {
+  const int count = lanes + (localSteps ? 2 : 0);
+  for (int k = 0; k < count; ++k) {
     streams_.push_back(impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false));
   }
-  entered_.assign(lanes, 0);
+  entered_.assign(count, 0);
+  watch_ = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false);
 }
 
 void LaneStreams::beginOp(Events after) {
@@ -28,13 +30,13 @@ void LaneStreams::beginOp(Events after) {
   std::fill(entered_.begin(), entered_.end(), 0);
 }
 
-c10::OptionalStreamGuard LaneStreams::enter(int lane) {
+c10::OptionalStreamGuard LaneStreams::enter(int index) {
   if (!onDevice()) {
     return c10::OptionalStreamGuard();
   }
-  const c10::Stream& stream = streams_.at(lane);
-  if (!entered_[lane]) {
-    entered_[lane] = 1;
+  const c10::Stream& stream = streams_.at(index);
+  if (!entered_[index]) {
+    entered_[index] = 1;
     callerPosition_->block(stream);
     for (const auto& event : after_) {
       event->block(stream);
@@ -43,21 +45,34 @@ c10::OptionalStreamGuard LaneStreams::enter(int lane) {
   return c10::OptionalStreamGuard(stream);
 }
 
-void LaneStreams::restartFrom(int lane) {
+void LaneStreams::restartFrom(int index) {
   if (!onDevice()) {
     return;
   }
   callerPosition_.emplace(device_.type());
-  callerPosition_->record(streams_.at(lane));
-  after_.clear(); // `lane` has waited for them
+  callerPosition_->record(streams_.at(index));
+  after_.clear(); // `index` has waited for them
 }
 
-void LaneStreams::keepAlive(const at::Tensor& t, int lane) const {
+void LaneStreams::wait(int index, const Event& event) const {
+  if (onDevice() && event) {
+    event->block(streams_.at(index));
+  }
+}
+
+std::optional<c10::Stream> LaneStreams::stream(int index) const {
+  if (!onDevice()) {
+    return std::nullopt;
+  }
+  return streams_.at(index);
+}
+
+void LaneStreams::keepAlive(const at::Tensor& t, int index) const {
   if (!onDevice() || !t.defined() || !t.has_storage()) {
     return;
   }
   c10::impl::VirtualGuardImpl impl(device_.type());
-  impl.recordDataPtrOnStream(t.storage().data_ptr(), streams_.at(lane));
+  impl.recordDataPtrOnStream(t.storage().data_ptr(), streams_.at(index));
 }
 
 std::optional<c10::Stream> LaneStreams::join(int last) {
@@ -75,21 +90,32 @@ std::optional<c10::Stream> LaneStreams::join(int last) {
   return target;
 }
 
-std::shared_ptr<c10::Event> LaneStreams::mark(int lane) const {
+LaneStreams::Event LaneStreams::mark(int index) const {
   if (!onDevice()) {
     return nullptr;
   }
   auto event = std::make_shared<c10::Event>(device_.type());
-  event->record(streams_.at(lane));
+  event->record(streams_.at(index));
   return event;
 }
 
-at::Tensor LaneStreams::allocate(size_t bytes, int lane) const {
+LaneStreams::Event LaneStreams::markAfter(const std::function<void()>& waitFor) const {
+  if (!onDevice()) {
+    return nullptr;
+  }
+  c10::StreamGuard onWatch(*watch_);
+  waitFor();
+  auto event = std::make_shared<c10::Event>(device_.type());
+  event->record(*watch_);
+  return event;
+}
+
+at::Tensor LaneStreams::allocate(size_t bytes, int index) const {
   auto options = at::TensorOptions().dtype(at::kByte).device(device_);
   if (!onDevice()) {
     return at::empty({static_cast<int64_t>(bytes)}, options);
   }
-  c10::StreamGuard guard(streams_.at(lane));
+  c10::StreamGuard guard(streams_.at(index));
   return at::empty({static_cast<int64_t>(bytes)}, options);
 }
 

@@ -19,57 +19,73 @@ namespace fairring {
 // device-generic stream and event interface (so this file needs no CUDA
 // headers and compiles against a CPU build of torch, where it is inert).
 //
-// Each lane has a stream of its own. A sub-group collective issued while a
-// lane's stream is current starts after everything on that stream (NCCL's
+// A stream per step: one per lane (the rail exchange of the pieces that lane
+// carries), and with several local ranks one for the machine's
+// reduce-scatters and one for its all-gathers. A sub-group collective issued
+// while a stream is current starts after everything on that stream (NCCL's
 // stream waits on the current one), and its work.wait() makes that stream
-// wait for it: the steps of a slice are ordered on its lane's stream, and
-// so is the reuse of the lane's staging by the next slice of the lane, with
-// no host synchronisation at all.
+// wait for it, with no host synchronisation: each step of the pieces is in
+// order on its stream, a step of a piece waits for the step before it
+// through an event, and a lane's staging is reused by its next piece in the
+// order of its stream.
 //
-// On a CPU device there are no streams: every method does nothing and the
-// sub-group collectives' wait() blocks instead.
+// Streams are named by index: lanes 0..K-1, then the reduce-scatter stream
+// and the all-gather stream. On a CPU device there are no streams: every
+// method does nothing and the sub-group collectives' wait() blocks instead.
 class LaneStreams {
  public:
-  using Events = std::vector<std::shared_ptr<c10::Event>>;
+  using Event = std::shared_ptr<c10::Event>;
+  using Events = std::vector<Event>;
 
-  LaneStreams(c10::Device device, int lanes);
+  LaneStreams(c10::Device device, int lanes, bool localSteps);
 
   bool onDevice() const { return !streams_.empty(); }
   c10::Device device() const { return device_; }
+  int reduceScatterStream() const { return lanes_; }
+  int allGatherStream() const { return lanes_ + 1; }
 
   // An operation starts: remember where the caller's current stream stands.
-  // Each lane's first unit in this operation waits for that point and for
-  // `after` (earlier operations on the same memory, which other lanes may
+  // Each stream's first use in this operation waits for that point and for
+  // `after` (earlier operations on the same memory, which other streams may
   // still be running).
   void beginOp(Events after = {});
-  // Makes lane `lane`'s stream current until the guard goes; the lane's
-  // first unit in this operation first waits as beginOp said.
-  c10::OptionalStreamGuard enter(int lane);
-  // What lane `lane` has been given so far in this operation (a dense copy of
-  // the caller's view, say) comes first for the lanes not entered yet: their
-  // first unit waits for this point of `lane`'s stream instead of the
-  // caller's (which `lane` has waited for).
-  void restartFrom(int lane);
-  // The caching allocator must not hand `t`'s memory out again before the
-  // lane's stream has passed this point (the caller may free it at once).
-  void keepAlive(const at::Tensor& t, int lane) const;
-  // Joins the lanes this operation used on the stream of `last` (the lane of
-  // its last unit): the stream on which the operation is done (none on CPU).
+  // Makes stream `index` current until the guard goes; its first use in this
+  // operation first waits as beginOp said.
+  c10::OptionalStreamGuard enter(int index);
+  // What stream `index` has been given so far in this operation (a dense copy
+  // of the caller's view, say) comes first for the streams not entered yet:
+  // their first use waits for this point of `index` instead of the caller's
+  // (which `index` has waited for).
+  void restartFrom(int index);
+  // Stream `index` waits for `event` (a step of another stream before it).
+  void wait(int index, const Event& event) const;
+  // The caching allocator must not hand `t`'s memory out again before stream
+  // `index` has passed this point (the caller may free it at once).
+  void keepAlive(const at::Tensor& t, int index) const;
+  // Joins the streams this operation used on stream `last`: the stream on
+  // which the operation is done (none on CPU).
   std::optional<c10::Stream> join(int last);
-  // An event recorded at the current point of lane `lane`'s stream (null on CPU).
-  std::shared_ptr<c10::Event> mark(int lane) const;
+  // Stream `index` itself (none on CPU).
+  std::optional<c10::Stream> stream(int index) const;
+  // An event recorded at the current point of stream `index` (null on CPU).
+  Event mark(int index) const;
+  // `waitFor()` run with a stream of the group's own current (it makes that
+  // stream wait for work of another group), then an event there: the point
+  // where that work ends, for later operations to wait on.
+  Event markAfter(const std::function<void()>& waitFor) const;
 
-  // Allocates `bytes` on the device with lane `lane`'s stream current, so
-  // that the caching allocator orders the block's eventual release after the
-  // lane's work.
-  at::Tensor allocate(size_t bytes, int lane) const;
+  // Allocates `bytes` on the device with stream `index` current, so that the
+  // caching allocator orders the block's eventual release after its work.
+  at::Tensor allocate(size_t bytes, int index) const;
 
  private:
   c10::Device device_;
-  std::vector<c10::Stream> streams_;
+  int lanes_;
+  std::vector<c10::Stream> streams_; // lanes, then reduce-scatter and all-gather
+  std::optional<c10::Stream> watch_; // waits for the delegate's collectives (markAfter)
   std::optional<c10::Event> callerPosition_;
   Events after_;
-  std::vector<char> entered_; // per lane: has it waited on callerPosition_ in this op
+  std::vector<char> entered_; // per stream: has it waited on callerPosition_ in this op
 };
 
 // Makes the caller's current stream on the device of `event` wait for it.

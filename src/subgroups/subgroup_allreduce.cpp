@@ -5,69 +5,14 @@
 #include "ops/reduce_kind.h"
 #include "ops/tensor_fusion.h"
 #include "subgroups/capture_probe.h"
+#include "subgroups/reduction.h"
 #include "subgroups/subgroup_work.h"
-#include "subgroups/unit_plan.h"
 
 namespace fairring {
 
-namespace {
-
-using RedOp = c10d::ReduceOp::RedOpType;
-
-// NCCL (and Gloo) cannot reduce 16-bit integers: they travel as int32, whose
-// low 16 bits wrap exactly as int16 arithmetic would.
-at::ScalarType reductionDtype(at::ScalarType dtype) {
-  return dtype == at::kShort ? at::kInt : dtype;
-}
-
-// Booleans travel as bytes (0 or 1), "any" being MAX and "all" MIN.
-at::Tensor asReducible(const at::Tensor& t) {
-  return t.scalar_type() == at::kBool ? t.view(at::kByte) : t;
-}
-
-// The op a sub-group reduces with: AVG sums (the division is ours, once).
-c10d::ReduceOp groupOp(RedOp op, at::ScalarType dtype) {
-  if (dtype == at::kBool) {
-    return c10d::ReduceOp((op == RedOp::SUM || op == RedOp::MAX) ? RedOp::MAX : RedOp::MIN);
-  }
-  return c10d::ReduceOp(op == RedOp::AVG ? RedOp::SUM : op);
-}
-
-// out = the reduction of the rows of `rows` ([M, n] -> [n]).
-void reduceRows(const at::Tensor& rows, at::Tensor& out, RedOp op, at::ScalarType original) {
-  if (original == at::kBool) {
-    op = (op == RedOp::SUM || op == RedOp::MAX) ? RedOp::MAX : RedOp::MIN;
-  }
-  switch (op) {
-    case RedOp::SUM:
-    case RedOp::AVG:
-      at::sum_out(out, rows, {0}, false, out.scalar_type());
-      return;
-    case RedOp::MAX:
-      at::amax_out(out, rows, {0});
-      return;
-    case RedOp::MIN:
-      at::amin_out(out, rows, {0});
-      return;
-    case RedOp::PRODUCT:
-      at::prod_out(out, rows, 0, false, out.scalar_type());
-      return;
-    default:
-      TORCH_INTERNAL_ASSERT(false, "fairring: unchecked reduce op ", opName(op));
-  }
-}
-
-// `elems` elements of `dtype` in the byte tensor `staging`, from byte `offset`.
-at::Tensor region(const at::Tensor& staging, size_t offset, int64_t elems, at::ScalarType dtype) {
-  const int64_t size = elems * static_cast<int64_t>(c10::elementSize(dtype));
-  return staging.narrow(0, static_cast<int64_t>(offset), size).view(dtype);
-}
-
-} // namespace
-
 SubgroupAllreduce::SubgroupAllreduce(Subgroups groups, SubgroupOptions options, c10::DeviceType deviceType)
     : groups_(std::move(groups)),
-      options_(options),
+      options_(std::move(options)),
       deviceType_(deviceType),
       numLanes_(std::max<int>(1, static_cast<int>(groups_.lanes.size()))) {
   const int L = options_.localSize;
@@ -75,14 +20,28 @@ SubgroupAllreduce::SubgroupAllreduce(Subgroups groups, SubgroupOptions options, 
   TORCH_CHECK(L >= 1 && M >= 1 && L * M == options_.worldSize, "fairring: ", M, " machines x ", L,
               " ranks do not make a world of ", options_.worldSize);
   TORCH_CHECK(groups_.world, "fairring: the sub-group allreduce needs a world group");
-  TORCH_CHECK(!slicing() || M > 1, "fairring: lanes over the rail need several machines");
-  TORCH_CHECK(!slicing() || L == 1 || (groups_.localReduce && groups_.localGather),
-              "fairring: slices with several local ranks need the local reduce and gather groups");
-  TORCH_CHECK(options_.sliceBytes > 0 && options_.sliceBytes % (8 * static_cast<size_t>(L * M)) == 0,
-              "fairring: the slice (", options_.sliceBytes, " bytes) must be a multiple of 8*L*M = ", 8 * L * M);
-  const size_t staging = numLanes_ * laneStagingBytes(options_.sliceBytes, L, M);
-  TORCH_CHECK(!slicing() || staging <= options_.totalMemory, "fairring: ", numLanes_, " lanes need ", staging,
-              " bytes of staging for slices of ", options_.sliceBytes, " but FAIRRING_TOTAL_MEMORY is ",
+  bool composing = false;
+  for (size_t i = 0; i < options_.plan.size(); ++i) {
+    TORCH_CHECK((i == 0) == (options_.plan[i].fromBytes == 0) &&
+                    (i == 0 || options_.plan[i].fromBytes > options_.plan[i - 1].fromBytes),
+                "fairring: the plan's rows must start at 0 bytes and grow");
+    composing = composing || options_.plan[i].path == PlanPath::kCompose;
+  }
+  TORCH_CHECK(composing == composes(), "fairring: the plan ", composing ? "composes" : "composes no call",
+              " but the rail groups were ", composes() ? "made" : "not made");
+  if (!composes()) {
+    return;
+  }
+  TORCH_CHECK(M > 1, "fairring: lanes over the rail need several machines");
+  TORCH_CHECK(L == 1 || (groups_.localReduce && groups_.localGather),
+              "fairring: pieces with several local ranks need the local reduce and gather groups");
+  const size_t unit = 8 * static_cast<size_t>(L * M);
+  TORCH_CHECK(options_.largestPieceBytes > 0 && options_.largestPieceBytes % unit == 0,
+              "fairring: the largest piece (", options_.largestPieceBytes, " bytes) must be a multiple of 8*L*M = ",
+              unit);
+  const size_t staging = numLanes_ * options_.laneStagingBytes;
+  TORCH_CHECK(staging <= options_.totalMemory, "fairring: ", numLanes_, " lanes need ", staging,
+              " bytes of staging for pieces of ", options_.largestPieceBytes, " but FAIRRING_TOTAL_MEMORY is ",
               options_.totalMemory);
 }
 
@@ -110,13 +69,6 @@ void SubgroupAllreduce::refuseCapture(c10::Device device) const {
         "fairring: allreduce on rank " + std::to_string(options_.rank) + " was issued " + where +
         "; fairring's CUDA allreduce runs on streams of its own and cannot be captured: issue it outside the graph");
   }
-}
-
-void SubgroupAllreduce::await(const c10::intrusive_ptr<c10d::Work>& work) {
-  // On a device this only makes the current (lane) stream wait; on CPU it
-  // blocks until Gloo is done.
-  work->wait();
-  parts_.push_back(work);
 }
 
 c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::allreduce(at::Tensor& tensor, RedOp op) {
@@ -198,6 +150,15 @@ void SubgroupAllreduce::orderBefore(const std::vector<at::Tensor>& tensors) {
   }
 }
 
+void SubgroupAllreduce::orderAfter(const std::vector<at::Tensor>& tensors, c10d::Work& work) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!streams_ || !streams_->onDevice() || isCapturing(currentStreamCapture(streams_->device()))) {
+    return;
+  }
+  DoneEvent done = streams_->markAfter([&work] { work.synchronize(); });
+  inFlight_.add(byteRangesOf(tensors), std::move(done));
+}
+
 void SubgroupAllreduce::useDevice(c10::Device device) {
   std::unique_lock<std::mutex> lock(mu_);
   // Another thread may be connecting: connecting waits on the host for the
@@ -212,18 +173,17 @@ void SubgroupAllreduce::useDevice(c10::Device device) {
     return; // run() raises it
   }
   connecting_ = true;
-  auto streams = std::make_unique<LaneStreams>(device, numLanes_);
+  auto streams = std::make_unique<LaneStreams>(device, numLanes_, composes() && options_.localSize > 1);
   std::vector<at::Tensor> staging;
   std::string failure;
   lock.unlock();
   try {
     connect(*streams);
-    if (slicing()) {
-      // Allocated once; each lane reuses its slot slice after slice, in the
+    if (composes()) {
+      // Allocated once; each lane reuses its slot piece after piece, in the
       // order of its stream.
-      const size_t bytes = laneStagingBytes(options_.sliceBytes, options_.localSize, options_.numMachines);
       for (int k = 0; k < numLanes_; ++k) {
-        staging.push_back(streams->allocate(bytes, k));
+        staging.push_back(streams->allocate(options_.laneStagingBytes, k));
       }
     }
   } catch (const std::exception& e) {
@@ -256,19 +216,18 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::run(
     throw c10::DistBackendError(failure_ + " (this process group failed earlier and cannot be used)");
   }
   TORCH_CHECK(!stopped_, "fairring: allreduce on rank ", options_.rank, " after the process group was shut down");
-  const std::vector<Unit> units = planUnits(
-      numel, c10::elementSize(dtype), options_.sliceBytes, options_.localSize, options_.numMachines,
-      options_.directBelowBytes, slicing());
+  const CallPlan plan = planCall(
+      numel, c10::elementSize(dtype), options_.plan, options_.largestPieceBytes, options_.localSize,
+      options_.numMachines);
   const std::vector<ByteRange> ranges = byteRangesOf(outputs);
   // Asked before anything is issued, so that an error of the device's here
   // fails this call only, not the group.
   std::vector<DoneEvent> after;
-  if (streams_->onDevice() && !units.empty()) {
+  if (streams_->onDevice() && !plan.units.empty()) {
     inFlight_.forget([](const DoneEvent& done) { return done->query(); });
     after = inFlight_.overlapping(ranges);
   }
-  ++stats_.operations;
-  stats_.orderingWaits += after.size();
+  countCall(plan, after.size());
 
   std::vector<c10::Device> devices;
   if (streams_->onDevice()) {
@@ -284,44 +243,35 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::run(
     // those. Nothing is issued for an empty tensor or a world of one: the
     // result is the input, ready on the caller's stream, which stays current.
     c10::OptionalStreamGuard onDone;
-    if (!units.empty()) {
+    if (!plan.units.empty()) {
       streams_->beginOp(std::move(after));
-      int lane = static_cast<int>(nextUnit_ % numLanes_);
+      const int first = firstStream(plan);
       Prepared prepared;
       {
-        // The copy of a view, or of an int16 tensor, reads the caller's bytes:
-        // it waits, on the first lane, for what they wait for.
-        auto onLane = streams_->enter(lane);
+        // The copy of a view, of an int16 tensor or of coalesced tensors
+        // reads the caller's bytes: it waits, on the first step's stream, for
+        // what they wait for, and every other stream of the call after it.
+        auto onFirst = streams_->enter(first);
         prepared = prepare();
       }
-      if (prepared.finish && units.size() > 1 && numLanes_ > 1) {
-        streams_->restartFrom(lane);
+      if (prepared.finish) {
+        streams_->restartFrom(first);
       }
-      const at::Tensor& work = prepared.work;
-      for (const Unit& unit : units) {
-        lane = static_cast<int>(nextUnit_++ % numLanes_);
-        auto onLane = streams_->enter(lane);
-        streams_->keepAlive(work, lane);
-        const at::Tensor piece = work.narrow(0, unit.begin, unit.size);
-        if (unit.direct) {
-          reduceDirect(piece, op);
-        } else {
-          reduceSlice(piece, lane, op);
-        }
-      }
-      if (const auto doneStream = streams_->join(lane)) {
+      const bool composed = !plan.units.front().direct;
+      const int last = composed ? issueComposed(prepared.work, plan, op) : issueDirect(prepared.work, op);
+      if (const auto doneStream = streams_->stream(last)) {
         onDone.reset_stream(*doneStream);
       }
       if (prepared.finish) {
         prepared.finish();
       }
       for (const at::Tensor& out : outputs) {
-        streams_->keepAlive(out, lane);
+        streams_->keepAlive(out, last);
       }
       for (const at::Tensor& buffer : prepared.buffers) {
-        streams_->keepAlive(buffer, lane);
+        streams_->keepAlive(buffer, last);
       }
-      done = streams_->mark(lane);
+      done = streams_->mark(last);
       if (done) {
         inFlight_.add(ranges, done);
       }
@@ -340,62 +290,29 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::run(
       options_.timeout);
 }
 
-void SubgroupAllreduce::reduceDirect(const at::Tensor& piece, RedOp op) {
-  std::vector<at::Tensor> tensors{asReducible(piece)};
-  c10d::AllreduceOptions opts;
-  opts.reduceOp = groupOp(op, piece.scalar_type());
-  await(groups_.world->allreduce(tensors, opts));
-  finishReduction(piece, op, options_.worldSize);
-  ++stats_.directUnits;
+void SubgroupAllreduce::countCall(const CallPlan& plan, size_t orderingWaits) {
+  ++stats_.operations;
+  stats_.orderingWaits += orderingWaits;
+  if (stats_.rows.size() < std::max<size_t>(1, options_.plan.size())) {
+    stats_.rows.resize(std::max<size_t>(1, options_.plan.size()), 0);
+  }
+  ++stats_.rows[plan.row];
+  if (plan.units.empty()) {
+    return;
+  }
+  if (plan.units.front().direct) {
+    ++stats_.ncclCalls;
+  } else {
+    ++stats_.composedCalls;
+  }
 }
 
-void SubgroupAllreduce::reduceSlice(const at::Tensor& slice, int lane, RedOp op) {
-  const int L = options_.localSize;
-  const int M = options_.numMachines;
-  const at::ScalarType original = slice.scalar_type();
-  at::Tensor data = asReducible(slice);
-  const at::ScalarType dtype = data.scalar_type();
-  const int64_t chunkElems = data.numel() / L;
-  const int64_t shardElems = chunkElems / M;
-  const size_t chunkBytes = options_.sliceBytes / L;
-  const auto aligned = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
-  const at::Tensor& slot = staging_.at(lane);
-  const auto& rail = groups_.lanes.at(lane);
-
-  // 1. My chunk, reduced over this machine (the whole slice is my chunk when
-  //    I am alone on my machine).
-  at::Tensor mine = data;
-  size_t offset = 0;
-  if (L > 1) {
-    mine = region(slot, 0, chunkElems, dtype);
-    offset = aligned(chunkBytes);
-    c10d::ReduceScatterOptions opts;
-    opts.reduceOp = groupOp(op, original);
-    await(groups_.localReduce->_reduce_scatter_base(mine, data, opts));
+int SubgroupAllreduce::firstStream(const CallPlan& plan) const {
+  const bool composed = !plan.units.front().direct;
+  if (composed && options_.localSize > 1) {
+    return streams_->reduceScatterStream();
   }
-
-  // 2. Collect: shard j of my chunk goes to machine j of my rail, and I get
-  //    every machine's copy of my shard.
-  at::Tensor shards = region(slot, offset, chunkElems, dtype);
-  std::vector<int64_t> even;
-  await(rail->alltoall_base(shards, mine, even, even, c10d::AllToAllOptions()));
-
-  // 3. Reduce the M copies: this rank alone computes these elements, so every
-  //    rank ends with the same bits.
-  at::Tensor reduced = region(slot, offset + aligned(chunkBytes), shardElems, dtype);
-  reduceRows(shards.view({M, shardElems}), reduced, op, original);
-  if (op == RedOp::AVG) {
-    finishReduction(reduced, op, options_.worldSize);
-  }
-
-  // 4. Diffuse: every machine's reduced shard, back into my chunk.
-  await(rail->_allgather_base(mine, reduced, c10d::AllgatherOptions()));
-
-  // 5. Every local rank's chunk, into the caller's tensor.
-  if (L > 1) {
-    await(groups_.localGather->_allgather_base(data, mine, c10d::AllgatherOptions()));
-  }
-  ++stats_.slicedUnits;
+  return static_cast<int>(nextUnit_ % numLanes_);
 }
 
 std::vector<c10::intrusive_ptr<c10d::Backend>> SubgroupAllreduce::subgroups(bool withWorld) const {
@@ -546,79 +463,6 @@ SubgroupStats SubgroupAllreduce::stats() const {
   stats.shutdown = shutdown_;
   stats.abortedGroups = abortedGroups_;
   return stats;
-}
-
-void SubgroupAllreduce::connect(LaneStreams& streams) {
-  // NCCL creates a communicator, and connects its peers, at its first
-  // collective; creating one can synchronise the device. So every group gets
-  // a small collective of each kind the allreduce issues on it, in the same
-  // order on every rank (world, local, lanes), and the host waits for all of
-  // them before the first unit: nothing of ours is in flight yet. The values
-  // say whether each group holds the ranks it was built from.
-  const int L = options_.localSize;
-  const int M = options_.numMachines;
-  const int l = options_.localRank;
-  const int m = options_.machine;
-  const c10::Device device = streams.device();
-  auto ints = [&](std::vector<int> values) {
-    return at::tensor(values, at::TensorOptions().dtype(at::kInt)).to(device);
-  };
-  auto range = [](int n, const std::function<int(int)>& f) {
-    std::vector<int> v;
-    for (int i = 0; i < n; ++i) {
-      v.push_back(f(i));
-    }
-    return v;
-  };
-  struct Check {
-    std::string group;
-    at::Tensor got;
-    std::vector<int> want;
-  };
-  std::vector<Check> checks;
-  streams.beginOp();
-  auto onStream = streams.enter(0);
-  {
-    std::vector<at::Tensor> t{ints({options_.rank + 1})};
-    groups_.world->allreduce(t, c10d::AllreduceOptions())->wait();
-    checks.push_back({"the world group", t[0], {options_.worldSize * (options_.worldSize + 1) / 2}});
-  }
-  if (groups_.localReduce) {
-    at::Tensor in = ints(range(L, [&](int j) { return 1000 * (l + 1) + j; }));
-    at::Tensor out = ints({0});
-    groups_.localReduce->_reduce_scatter_base(out, in, c10d::ReduceScatterOptions())->wait();
-    checks.push_back({"the machine's reduce-scatter group", out, {1000 * L * (L + 1) / 2 + L * l}});
-    at::Tensor gathered = ints(range(L, [](int) { return -1; }));
-    at::Tensor mine = ints({l});
-    groups_.localGather->_allgather_base(gathered, mine, c10d::AllgatherOptions())->wait();
-    checks.push_back({"the machine's all-gather group", gathered, range(L, [](int j) { return j; })});
-  }
-  for (size_t k = 0; k < groups_.lanes.size(); ++k) {
-    const auto& rail = groups_.lanes[k];
-    const std::string name = "lane " + std::to_string(k) + " of the rail";
-    at::Tensor in = ints(range(M, [&](int j) { return M * m + j; }));
-    at::Tensor out = ints(range(M, [](int) { return -1; }));
-    std::vector<int64_t> even;
-    rail->alltoall_base(out, in, even, even, c10d::AllToAllOptions())->wait();
-    checks.push_back({name + " (all-to-all)", out, range(M, [&](int j) { return M * j + m; })});
-    at::Tensor gathered = ints(range(M, [](int) { return -1; }));
-    at::Tensor mine = ints({m});
-    rail->_allgather_base(gathered, mine, c10d::AllgatherOptions())->wait();
-    checks.push_back({name + " (all-gather)", gathered, range(M, [](int j) { return j; })});
-  }
-  if (auto reached = streams.mark(0)) {
-    const Status status = waitOnHost(
-        *reached, std::chrono::steady_clock::now() + options_.timeout, [this] { return aborting_.load(); });
-    TORCH_CHECK(status.ok(), "fairring: connecting the sub-groups of rank ", options_.rank, " on ", device,
-                " did not finish within ", options_.timeout.count(), " ms: ", status.message());
-  }
-  for (const Check& check : checks) {
-    const at::Tensor got = check.got.cpu();
-    const std::vector<int> values(got.data_ptr<int>(), got.data_ptr<int>() + got.numel());
-    TORCH_CHECK(values == check.want, "fairring: ", check.group, " of rank ", options_.rank, " (machine ", m,
-                ", local rank ", l, ") gave ", c10::ArrayRef<int>(values), " where its members would give ",
-                c10::ArrayRef<int>(check.want), ": the group does not hold the ranks it was built from");
-  }
 }
 
 } // namespace fairring

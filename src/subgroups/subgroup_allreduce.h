@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "subgroups/call_plan.h"
 #include "subgroups/drain.h"
 #include "subgroups/in_flight_ops.h"
 #include "subgroups/lane_streams.h"
@@ -25,18 +26,18 @@ namespace fairring {
 // store (fairring_pg/subgroups.py): ProcessGroupNCCL for CUDA tensors, and
 // ProcessGroupGloo for the CPU test path that runs this same code in CI.
 struct Subgroups {
-  // Every rank of the job: one machine, small tensors and slice tails.
+  // Every rank of the job: NCCL's own allreduce, and the tails of pieces.
   c10::intrusive_ptr<c10d::Backend> world;
-  // This machine's ranks (several local ranks only). Two groups, so that a
-  // reduce-scatter and an all-gather of different slices can be in flight
-  // at once: one communicator runs its operations one after the other.
+  // This machine's ranks (several local ranks only). Two groups, so that the
+  // reduce-scatter of one piece and the all-gather of another run at once:
+  // one communicator runs its operations one after the other.
   c10::intrusive_ptr<c10d::Backend> localReduce;
   c10::intrusive_ptr<c10d::Backend> localGather;
   // This rank's rail (same local rank on every machine), one per lane:
-  // K communicators put K slices on the wire at once. Empty where no
-  // allreduce is sliced (one machine, or where FAIRRING_CUDA_ALLREDUCE gives
-  // every allreduce to NCCL's own on the world group: fairring_pg.config),
-  // and then neither are the local groups made.
+  // K communicators put K pieces on the wire at once. Empty where the plan
+  // composes no call (one machine, one rank per machine under auto, unknown
+  // node facts, FAIRRING_CUDA_ALLREDUCE=direct, or no size where composing
+  // wins), and then neither are the local groups made.
   std::vector<c10::intrusive_ptr<c10d::Backend>> lanes;
 };
 
@@ -48,8 +49,11 @@ struct SubgroupOptions {
   int localRank{0};
   int machine{0};
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
-  size_t sliceBytes{0}; // a multiple of 8*L*M that lets every lane hold a slot
-  size_t directBelowBytes{0};
+  // The plan (fairring_pg.model.cuda_plan, made once per group, the same on
+  // every rank): what a call of each size runs. Empty: NCCL's allreduce.
+  std::vector<PlanRow> plan;
+  size_t largestPieceBytes{0}; // a multiple of 8*L*M: no piece is larger
+  size_t laneStagingBytes{0}; // each lane's staging for pieces of that size (fairring_pg.config)
   size_t totalMemory{0};
 };
 
@@ -58,11 +62,14 @@ struct SubgroupOptions {
 // it ended.
 struct SubgroupStats {
   uint64_t operations{0}; // allreduces and coalesced allreduces issued
-  uint64_t directUnits{0}; // pieces reduced by one allreduce on the world group
-  uint64_t slicedUnits{0}; // pieces that went through the five steps on a lane
-  // Earlier allreduces, still in flight on bytes a later operation touches,
-  // that it was made to wait for (an allreduce's lanes, or the caller's
-  // stream before a collective handed to the delegate).
+  uint64_t ncclCalls{0}; // operations that were one NCCL allreduce on the world group
+  uint64_t composedCalls{0}; // operations cut into pieces
+  uint64_t directUnits{0}; // pieces reduced by one allreduce on the world group (a call, or a tail)
+  uint64_t slicedUnits{0}; // pieces that went through the composition
+  std::vector<uint64_t> rows; // operations per row of the plan
+  // Earlier operations, still in flight on bytes a later one touches, that it
+  // was made to wait for (an allreduce's streams, or the caller's stream
+  // before a collective handed to the delegate).
   uint64_t orderingWaits{0};
   // Collectives handed to the delegate under CUDA graph capture on bytes of
   // an allreduce that may still be in flight: not ordered after it (events
@@ -72,14 +79,15 @@ struct SubgroupStats {
   int abortedGroups{0};
 };
 
-// The reduction-server allreduce as a composition of sub-group collectives.
-// Per slice, issued from the calling thread in call order (so in the same
-// order on every rank) on the stream of its lane:
-//   1. reduce-scatter on the local group: my chunk, reduced over the machine;
-//   2. collect: all-to-all of my chunk's M shards on the lane's rail group;
-//   3. reduce the M copies of my shard (AVG divides here, once);
-//   4. diffuse: all-gather of the reduced shards on the lane's rail group;
-//   5. all-gather of the chunks on the local group, into the caller's tensor.
+// The reduction-server allreduce as a composition of sub-group collectives,
+// issued from the calling thread in call order (so in the same order on every
+// rank). A call is cut into pieces (call_plan.h); each piece goes through
+//   1. reduce-scatter on the local group, in place: my chunk, reduced over the machine;
+//   2. the rail exchange on a lane's rail group: my shard reduced over the
+//      machines, and every machine's reduced shard back into my chunk;
+//   3. all-gather of the chunks on the local group, in place;
+// each step on a stream of its own, waiting for the step before it, so that
+// the steps of consecutive pieces run at once (composed_call.cpp).
 // See docs/design.md for why this cannot deadlock and what the streams do.
 class SubgroupAllreduce {
  public:
@@ -100,6 +108,12 @@ class SubgroupAllreduce {
   // them (either would break the capture): the captured collective runs
   // when the graph is replayed, which NCCL orders after nothing either.
   void orderBefore(const std::vector<at::Tensor>& tensors);
+  // ... and once it is issued (`work`, the delegate's), the allreduces issued
+  // later on the same bytes wait for it, as they would behind it on NCCL's one
+  // stream: a stream of the group's own waits for the collective (the work's
+  // synchronize(), which does not block the host) and marks where it ends.
+  // Not under capture, for the reasons above.
+  void orderAfter(const std::vector<at::Tensor>& tensors, c10d::Work& work);
 
   // barrier(): the host waits until the device has finished every allreduce
   // issued on this group (as NCCL's barrier waits for the group's earlier
@@ -123,7 +137,7 @@ class SubgroupAllreduce {
   SubgroupStats stats() const;
 
  private:
-  using DoneEvent = std::shared_ptr<c10::Event>;
+  using DoneEvent = LaneStreams::Event;
 
   // What an operation reduces, made on the lane of its first unit once that
   // lane waits for everything the caller's tensors wait for.
@@ -133,6 +147,8 @@ class SubgroupAllreduce {
     std::vector<at::Tensor> buffers; // made for the operation and read by `finish`
   };
 
+  using Event = LaneStreams::Event;
+
   c10::intrusive_ptr<c10d::Work> run(
       std::vector<at::Tensor> outputs,
       int64_t numel,
@@ -140,7 +156,16 @@ class SubgroupAllreduce {
       RedOp op,
       c10d::OpType type,
       const std::function<Prepared()>& prepare);
-  void reduceSlice(const at::Tensor& slice, int lane, RedOp op);
+  // The stream an operation's first step runs on (where prepare() copies).
+  int firstStream(const CallPlan& plan) const;
+  void countCall(const CallPlan& plan, size_t orderingWaits);
+  // The call's units issued on their streams (composed_call.cpp); returns
+  // the stream the operation is done on.
+  int issueDirect(const at::Tensor& work, RedOp op);
+  int issueComposed(const at::Tensor& work, const CallPlan& plan, RedOp op);
+  Event reduceScatterStep(const at::Tensor& work, const Unit& piece, RedOp op);
+  Event railStep(const at::Tensor& work, const Unit& piece, int lane, const Event& after, RailExchange how, RedOp op);
+  void allGatherStep(const at::Tensor& work, const Unit& piece, const Event& after);
   void reduceDirect(const at::Tensor& piece, RedOp op);
   // Issues `work`'s collective's wait on the current (lane) stream and keeps
   // it as a part of the operation in progress.
@@ -150,7 +175,7 @@ class SubgroupAllreduce {
   // fails.
   void useDevice(c10::Device device);
   void connect(LaneStreams& streams);
-  bool slicing() const {
+  bool composes() const {
     return !groups_.lanes.empty();
   }
   // `withWorld`: the world group too (the backend's delegate, which the
@@ -173,7 +198,7 @@ class SubgroupAllreduce {
   bool connecting_{false};
   std::string failure_;
   std::unique_ptr<LaneStreams> streams_; // made and connected at the first operation (its device)
-  std::vector<at::Tensor> staging_; // one slot per lane, bytes
+  std::vector<at::Tensor> staging_; // one slot per lane, bytes (the all-to-all exchange's)
   uint64_t nextUnit_{0};
   InFlightOps<DoneEvent> inFlight_;
   std::vector<c10::intrusive_ptr<c10d::Work>> parts_; // of the operation being issued

@@ -1,0 +1,103 @@
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace fairring {
+
+// What an allreduce of a given size does, from the plan Python made once per
+// group from the cost model (fairring_pg.model.cuda_plan): NCCL's own
+// allreduce on the world group, or the composition, cut into at least
+// `pieces` pieces, with that rail exchange.
+enum class PlanPath : uint8_t { kNccl, kCompose };
+enum class RailExchange : uint8_t {
+  kAllToAll, // two all-to-all hops around one reduction kernel (staging: a chunk and a shard)
+  kReduceScatter, // NCCL's reduce-scatter and all-gather on the rail, in place (no staging)
+};
+
+struct PlanRow {
+  size_t fromBytes{0}; // rows sorted ascending, the first from 0
+  PlanPath path{PlanPath::kNccl};
+  int pieces{1}; // kCompose: at least this many
+  RailExchange exchange{RailExchange::kAllToAll}; // kCompose only
+};
+
+// One range of the flattened tensor: a piece of the composition (a whole
+// number of L*M-element groups, so that it splits into L chunks of M shards
+// and is reduce-scattered and gathered in place) or one NCCL allreduce on the
+// world group ("direct").
+struct Unit {
+  int64_t begin{0};
+  int64_t size{0};
+  bool direct{false};
+};
+
+struct CallPlan {
+  size_t row{0}; // which row of the plan the call took
+  std::vector<Unit> units; // pieces in order, then the direct tail; or one direct unit
+  RailExchange exchange{RailExchange::kAllToAll};
+};
+
+// How an allreduce of `numel` elements of `elemSize` bytes (the dtype it is
+// reduced in) is cut. It reads only the call's size and what every rank was
+// given alike, so every rank issues the same collectives:
+//   the row: the last whose fromBytes <= numel * elemSize;
+//   nothing for an empty tensor or a world of one;
+//   one direct unit where the row is NCCL's, on one machine, or for fewer than
+//   L*M elements;
+//   else the call's whole L*M-element groups in P = min(groups, max(pieces,
+//   ceil(groups / groups that fit in largestPieceBytes))) pieces, as even as
+//   can be (the first groups % P one group longer), and the fewer than L*M
+//   elements left over as one direct unit.
+// fairring_pg.model.composition.cut_pieces is the same rule (a test compares).
+inline CallPlan planCall(
+    int64_t numel,
+    size_t elemSize,
+    const std::vector<PlanRow>& rows,
+    size_t largestPieceBytes,
+    int localSize,
+    int numMachines) {
+  CallPlan plan;
+  const size_t bytes = static_cast<size_t>(numel) * elemSize;
+  for (size_t i = 1; i < rows.size() && rows[i].fromBytes <= bytes; ++i) {
+    plan.row = i;
+  }
+  if (numel == 0 || localSize * numMachines == 1) {
+    return plan;
+  }
+  const int64_t unit = static_cast<int64_t>(localSize) * numMachines;
+  const PlanRow* row = rows.empty() ? nullptr : &rows[plan.row];
+  if (row == nullptr || row->path == PlanPath::kNccl || numMachines == 1 || numel < unit) {
+    plan.units.push_back(Unit{0, numel, true});
+    return plan;
+  }
+  plan.exchange = row->exchange;
+  const int64_t groups = numel / unit;
+  const int64_t tail = numel % unit;
+  const int64_t fit = largestPieceBytes > 0
+      ? std::max<int64_t>(1, static_cast<int64_t>(largestPieceBytes / (elemSize * static_cast<size_t>(unit))))
+      : groups;
+  const int64_t count = std::min(groups, std::max<int64_t>(row->pieces, (groups + fit - 1) / fit));
+  const int64_t base = groups / count;
+  const int64_t longer = groups % count;
+  int64_t begin = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t size = (base + (i < longer ? 1 : 0)) * unit;
+    plan.units.push_back(Unit{begin, size, false});
+    begin += size;
+  }
+  if (tail > 0) {
+    plan.units.push_back(Unit{groups * unit, tail, true});
+  }
+  return plan;
+}
+
+// The plan's rows from Python's (from_bytes, "nccl" | "compose", pieces,
+// "alltoall" | "reduce_scatter"); anything else is refused, naming it.
+std::vector<PlanRow> planRows(const std::vector<std::tuple<size_t, std::string, int, std::string>>& rows);
+
+} // namespace fairring

@@ -1,0 +1,164 @@
+// The data path of one CUDA allreduce, top to bottom: the units of its plan
+// (call_plan.h) issued on their streams. Every step is a sub-group collective
+// (or a kernel) issued from the calling thread, in the same order on every
+// rank; each stream waits only for the step before on another stream, so the
+// steps of consecutive pieces run at once. docs/design.md, "The pieces,
+// overlapped", says why this order cannot deadlock and keeps every rank's
+// result bit-identical.
+#include "subgroups/subgroup_allreduce.h"
+
+#include "ops/reduce_kind.h"
+#include "subgroups/reduction.h"
+
+namespace fairring {
+
+void SubgroupAllreduce::await(const c10::intrusive_ptr<c10d::Work>& work) {
+  // On a device this only makes the current stream wait; on CPU it blocks
+  // until Gloo is done.
+  work->wait();
+  parts_.push_back(work);
+}
+
+void SubgroupAllreduce::reduceDirect(const at::Tensor& piece, RedOp op) {
+  std::vector<at::Tensor> tensors{asReducible(piece)};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = groupOp(op, piece.scalar_type());
+  await(groups_.world->allreduce(tensors, opts));
+  finishReduction(piece, op, options_.worldSize);
+  ++stats_.directUnits;
+}
+
+int SubgroupAllreduce::issueDirect(const at::Tensor& work, RedOp op) {
+  const int lane = static_cast<int>(nextUnit_++ % numLanes_);
+  auto onLane = streams_->enter(lane);
+  streams_->keepAlive(work, lane);
+  reduceDirect(work, op);
+  return lane;
+}
+
+int SubgroupAllreduce::issueComposed(const at::Tensor& work, const CallPlan& plan, RedOp op) {
+  const bool local = options_.localSize > 1;
+  std::vector<Unit> pieces;
+  const Unit* tail = nullptr;
+  std::vector<int> laneOf;
+  for (const Unit& unit : plan.units) {
+    if (unit.direct) {
+      tail = &unit;
+    } else {
+      pieces.push_back(unit);
+      laneOf.push_back(static_cast<int>(nextUnit_++ % numLanes_));
+    }
+  }
+  const int ag = streams_->allGatherStream();
+  if (tail != nullptr && local) {
+    // First, on the all-gather stream, whose own work starts only after the
+    // first pieces' rail exchanges: the tail's latency hides under theirs.
+    auto onGather = streams_->enter(ag);
+    streams_->keepAlive(work, ag);
+    reduceDirect(work.narrow(0, tail->begin, tail->size), op);
+  }
+  // The wavefront: at tick t the reduce-scatter of piece t, the rail exchange
+  // of piece t-1 and the all-gather of piece t-2, each on its own stream.
+  const int count = static_cast<int>(pieces.size());
+  std::vector<Event> scattered(count);
+  std::vector<Event> exchanged(count);
+  for (int t = 0; t < count + 2; ++t) {
+    if (local && t < count) {
+      scattered[t] = reduceScatterStep(work, pieces[t], op);
+    }
+    if (t >= 1 && t - 1 < count) {
+      exchanged[t - 1] = railStep(work, pieces[t - 1], laneOf[t - 1], scattered[t - 1], plan.exchange, op);
+    }
+    if (local && t >= 2) {
+      allGatherStep(work, pieces[t - 2], exchanged[t - 2]);
+    }
+  }
+  if (local) {
+    // The all-gather stream ran every all-gather after its rail exchange,
+    // each after its reduce-scatter, and the tail: it is done last.
+    return ag;
+  }
+  int last = laneOf.back();
+  if (tail != nullptr) {
+    last = issueDirect(work.narrow(0, tail->begin, tail->size), op);
+  }
+  streams_->join(last);
+  return last;
+}
+
+SubgroupAllreduce::Event SubgroupAllreduce::reduceScatterStep(const at::Tensor& work, const Unit& unit, RedOp op) {
+  const int rs = streams_->reduceScatterStream();
+  auto onStream = streams_->enter(rs);
+  streams_->keepAlive(work, rs);
+  at::Tensor piece = asReducible(work.narrow(0, unit.begin, unit.size));
+  const int64_t chunk = unit.size / options_.localSize;
+  at::Tensor mine = piece.narrow(0, options_.localRank * chunk, chunk);
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = groupOp(op, work.scalar_type());
+  // In place: my chunk of the piece, reduced over this machine.
+  await(groups_.localReduce->_reduce_scatter_base(mine, piece, opts));
+  return streams_->mark(rs);
+}
+
+SubgroupAllreduce::Event SubgroupAllreduce::railStep(
+    const at::Tensor& work,
+    const Unit& unit,
+    int lane,
+    const Event& after,
+    RailExchange how,
+    RedOp op) {
+  const int M = options_.numMachines;
+  auto onLane = streams_->enter(lane);
+  streams_->wait(lane, after);
+  streams_->keepAlive(work, lane);
+  const at::ScalarType original = work.scalar_type();
+  at::Tensor piece = asReducible(work.narrow(0, unit.begin, unit.size));
+  const int64_t chunkElems = unit.size / options_.localSize;
+  const int64_t shardElems = chunkElems / M;
+  at::Tensor mine = piece.narrow(0, options_.localRank * chunkElems, chunkElems);
+  const auto& rail = groups_.lanes.at(lane);
+  std::vector<int64_t> even;
+  if (how == RailExchange::kAllToAll) {
+    // Every machine's copy of my shard here; their reduction, computed by me
+    // alone (so every rank ends with the same bits), M times; and back: each
+    // machine's reduced shard into its place in my chunk.
+    const at::Tensor& slot = staging_.at(lane);
+    const at::ScalarType dtype = piece.scalar_type();
+    at::Tensor copies = region(slot, 0, chunkElems, dtype);
+    at::Tensor reduced = region(slot, aligned256(options_.largestPieceBytes / options_.localSize), shardElems, dtype);
+    await(rail->alltoall_base(copies, mine, even, even, c10d::AllToAllOptions()));
+    reduceRows(copies.view({M, shardElems}), reduced, op, original);
+    if (op == RedOp::AVG) {
+      finishReduction(reduced, op, options_.worldSize);
+    }
+    copies.view({M, shardElems}).copy_(reduced.expand({M, shardElems}));
+    await(rail->alltoall_base(mine, copies, even, even, c10d::AllToAllOptions()));
+  } else {
+    // NCCL's own reduce-scatter and all-gather on the rail, in place: my shard
+    // reduced over the machines lives only here, then every machine's comes.
+    at::Tensor shard = mine.narrow(0, options_.machine * shardElems, shardElems);
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = groupOp(op, original);
+    await(rail->_reduce_scatter_base(shard, mine, opts));
+    if (op == RedOp::AVG) {
+      finishReduction(shard, op, options_.worldSize); // by the world, not the rail
+    }
+    await(rail->_allgather_base(mine, shard, c10d::AllgatherOptions()));
+  }
+  ++stats_.slicedUnits;
+  return streams_->mark(lane);
+}
+
+void SubgroupAllreduce::allGatherStep(const at::Tensor& work, const Unit& unit, const Event& after) {
+  const int ag = streams_->allGatherStream();
+  auto onStream = streams_->enter(ag);
+  streams_->wait(ag, after);
+  streams_->keepAlive(work, ag);
+  at::Tensor piece = asReducible(work.narrow(0, unit.begin, unit.size));
+  const int64_t chunk = unit.size / options_.localSize;
+  at::Tensor mine = piece.narrow(0, options_.localRank * chunk, chunk);
+  // In place: every local rank's chunk into the piece.
+  await(groups_.localGather->_allgather_base(piece, mine, c10d::AllgatherOptions()));
+}
+
+} // namespace fairring

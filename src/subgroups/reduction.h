@@ -1,0 +1,31 @@
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <cstddef>
+
+// How the sub-group path reduces what NCCL (and Gloo) cannot, and what it
+// reduces itself: the dtype a tensor travels in, the op a sub-group runs, and
+// the reduction kernel of the rail exchange.
+namespace fairring {
+
+using RedOp = c10d::ReduceOp::RedOpType;
+
+// NCCL (and Gloo) cannot reduce 16-bit integers: they travel as int32, whose
+// low 16 bits wrap exactly as int16 arithmetic would.
+at::ScalarType reductionDtype(at::ScalarType dtype);
+// Booleans travel as bytes (0 or 1), "any" being MAX and "all" MIN.
+at::Tensor asReducible(const at::Tensor& t);
+// The op a sub-group reduces with: AVG sums (the division is ours, once).
+c10d::ReduceOp groupOp(RedOp op, at::ScalarType original);
+// out = the reduction of the rows of `rows` ([M, n] -> [n]).
+void reduceRows(const at::Tensor& rows, at::Tensor& out, RedOp op, at::ScalarType original);
+// `elems` elements of `dtype` in the byte tensor `staging`, from byte `offset`.
+at::Tensor region(const at::Tensor& staging, size_t offset, int64_t elems, at::ScalarType dtype);
+// `bytes` rounded up to 256, where each staging region starts.
+inline size_t aligned256(size_t bytes) {
+  return (bytes + 255) / 256 * 256;
+}
+
+} // namespace fairring
