@@ -3,7 +3,7 @@ M machines): SlicePlan (src/pipeline/slice_plan.h, the CPU pipeline) and planCal
 (src/subgroups/call_plan.h, the sub-group path). Every element must be covered exactly
 once, each piece must go to the local rank (chunk l) and the machine (shard m) its index
 names, and the staging offsets must put each segment's pieces where the segments before
-it end. The bindings (the test module's slice_plan, the core's plan_call) only lay the
+it end. The bindings (the test module's slice_plan, its plan_call) only lay the
 plans out."""
 
 from __future__ import annotations
@@ -17,13 +17,6 @@ import pytest
 
 SHAPES = [(L, M) for L in (1, 2, 3, 4, 8) for M in (1, 2, 3, 5)]
 SIZES = (0, 1, 2, 5, 7, 12, 59, 60, 61, 997, 1024, 4099)
-
-
-@cache
-def _core() -> ModuleType:
-    from fairring_pg._build import load_extension
-
-    return load_extension()
 
 
 def _balanced(begin: int, end: int, n: int) -> list[tuple[int, int]]:
@@ -96,7 +89,7 @@ def _check_call(numel: int, elem: int, largest: int, L: int, M: int) -> None:
     only the tail (fewer than L*M elements) direct."""
     from fairring_pg.model.composition import cut_pieces
 
-    row, units = _core().plan_call(numel, elem, ROWS, largest, L, M)
+    row, units = _testing().plan_call(numel, elem, ROWS, largest, L, M)
     what = f"numel={numel} elem={elem} largest={largest} L={L} M={M}"
     nbytes = numel * elem
     assert row == max(i for i, r in enumerate(ROWS) if r[0] <= nbytes), what

@@ -25,9 +25,11 @@ import torch
 
 @pytest.fixture(scope="module")
 def core() -> Any:
-    from fairring_pg._build import load_extension
+    """The test-only module (tests/native/subgroup_bindings.cpp): the core's logic laid
+    out, linked against the core."""
+    from fairring_pg._build import load_test_extension
 
-    return load_extension()
+    return load_test_extension()
 
 
 def extent(t: torch.Tensor) -> tuple[int, int]:

@@ -229,10 +229,8 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::run(
   }
   countCall(plan, after.size());
 
-  std::vector<c10::Device> devices;
-  if (streams_->onDevice()) {
-    devices.push_back(device);
-  }
+  const std::vector<c10::Device> devices =
+      streams_->onDevice() ? std::vector<c10::Device>{device} : std::vector<c10::Device>{};
   auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()), devices);
   DoneEvent done;
   parts_.clear();
@@ -265,11 +263,10 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::run(
       if (prepared.finish) {
         prepared.finish();
       }
-      for (const at::Tensor& out : outputs) {
-        streams_->keepAlive(out, last);
-      }
-      for (const at::Tensor& buffer : prepared.buffers) {
-        streams_->keepAlive(buffer, last);
+      for (const std::vector<at::Tensor>* tensors : {&outputs, &prepared.buffers}) {
+        for (const at::Tensor& t : *tensors) {
+          streams_->keepAlive(t, last);
+        }
       }
       done = streams_->mark(last);
       if (done) {

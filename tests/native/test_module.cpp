@@ -8,4 +8,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fairring_pg's test-only native module";
   bindStreamVehicle(m);
   bindEngine(m);
+  bindSubgroupLogic(m);
+  bindCaptureAndDrain(m);
 }

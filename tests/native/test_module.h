@@ -7,3 +7,6 @@
 void bindStreamVehicle(pybind11::module_& m);
 // The CPU engine's internals and its fault points (engine_bindings.cpp).
 void bindEngine(pybind11::module_& m);
+// The sub-group path's pure logic (subgroup_bindings.cpp).
+void bindSubgroupLogic(pybind11::module_& m);
+void bindCaptureAndDrain(pybind11::module_& m);
