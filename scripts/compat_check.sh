@@ -39,6 +39,10 @@ echo "== compat check: core built ($((SECONDS - start)) s)"
 "$py" tests/compat_smoke.py
 echo "== compat check: smoke test passed ($((SECONDS - start)) s)"
 "$py" -m pip install -q pytest hypothesis
+# The test-only module from the checkout's sources, against this torch, without a
+# warning, before any test's deadline.
+bash scripts/build_core.sh "$py" --with-tests
+echo "== compat check: test module built ($((SECONDS - start)) s)"
 # The installed package (pytest's script does not put the checkout on the path), so
 # that the core built above is the one loaded; the tests and their native module come
 # from the checkout.

@@ -15,9 +15,9 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 python -m pip install -q -e ".[test]"
 python -c "import torch; print(f'== torch {torch.__version__}')"
 
-# Compile the C++ core once, up front, so that no test's deadline pays for it; a
-# compiler warning fails the run.
-bash scripts/build_core.sh python
+# Compile the C++ core and the test-only module once, up front, so that no test's
+# deadline pays for them; a compiler warning fails the run.
+bash scripts/build_core.sh python --with-tests
 
 # -rs: the summary lists every skipped test with its reason (without a GPU the CUDA
 # tests skip; a green run must still say what it did not run).

@@ -8,9 +8,9 @@ from typing import Any
 
 
 def _controls() -> Any:
-    from fairring_pg._build import load_test_extension
+    import native_module
 
-    return load_test_extension().faults
+    return native_module.load().faults
 
 
 def arm(

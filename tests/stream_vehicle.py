@@ -22,14 +22,13 @@ import subprocess
 import sys
 import types
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from native_module import NATIVE
 
 DEVICE = "vehicle"
-NATIVE = Path(__file__).resolve().parent / "native"
 _vehicle: Any = None
 
 

@@ -403,9 +403,9 @@ def test_capture_probe_reads_the_driver() -> None:
     there)."""
     import warnings
 
-    from fairring_pg._build import load_test_extension
+    import native_module
 
-    probe = load_test_extension().CaptureProbe("libcuda.so.1")
+    probe = native_module.load().CaptureProbe("libcuda.so.1")
     torch.cuda.set_device(0)
     states: dict[str, str] = {}
     with warnings.catch_warnings(record=True) as caught:

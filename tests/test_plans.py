@@ -27,9 +27,9 @@ def _balanced(begin: int, end: int, n: int) -> list[tuple[int, int]]:
 
 @cache
 def _testing() -> ModuleType:
-    from fairring_pg._build import load_test_extension
+    import native_module
 
-    return load_test_extension()
+    return native_module.load()
 
 
 def _check_slice_plan(numel: int, slice_elems: int, chunk_elems: int, L: int, M: int) -> None:

@@ -27,9 +27,9 @@ import torch
 def core() -> Any:
     """The test-only module (tests/native/subgroup_bindings.cpp): the core's logic laid
     out, linked against the core."""
-    from fairring_pg._build import load_test_extension
+    import native_module
 
-    return load_test_extension()
+    return native_module.load()
 
 
 def extent(t: torch.Tensor) -> tuple[int, int]:
