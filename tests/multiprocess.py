@@ -33,6 +33,8 @@ import dataclasses
 import functools
 import os
 import pickle
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -59,7 +61,7 @@ SHAPES: dict[str, list[str]] = {
 # (useful to validate expectations: Gloo fails the cases only fairring supports).
 DEFAULT_BACKEND: str = os.environ.get("FAIRRING_TEST_BACKEND", "fairring")
 
-_LOG_TAIL_LINES = 40
+_LOG_TAIL_LINES = 80
 _POLL_S = 0.02
 # Compiling the C++ core from scratch takes minutes on 2 cores; it happens once, before
 # the first fairring job, and does not count against any job's deadline.
@@ -554,18 +556,22 @@ def _supervise(
             abort_grace_s = None  # start the grace period only once
         if now >= deadline:
             for r in running:
-                kill_rank(procs[r], dump_stacks=True)
+                kill_rank(procs[r], dump_stacks=True, log=job_dir / f"rank{r}.log")
                 killed.add(r)
                 times.exited[r] = time.monotonic()
             return killed
         time.sleep(_POLL_S)
 
 
-def kill_rank(proc: subprocess.Popen[bytes], dump_stacks: bool) -> None:
+def kill_rank(proc: subprocess.Popen[bytes], dump_stacks: bool, log: Path | None = None) -> None:
     """SIGKILL the rank's whole session (it may have spawned helpers of its own);
-    first, if asked, SIGUSR1 so that faulthandler writes its stacks into the log."""
+    first, if asked, its native stacks (gdb, where installed) and then SIGUSR1, so that
+    faulthandler writes its Python stacks into the log: a hang in C++ shows where."""
     try:
         if dump_stacks:
+            if log is not None:
+                with open(log, "a") as out:
+                    out.write(_native_stacks(proc.pid))
             os.kill(proc.pid, signal.SIGUSR1)
             try:
                 proc.wait(timeout=1.0)
@@ -575,6 +581,56 @@ def kill_rank(proc: subprocess.Popen[bytes], dump_stacks: bool) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
+
+
+def _native_stacks(pid: int) -> str:
+    """One line per thread of ``pid``: its innermost frames, from gdb without loading
+    the libraries' symbols (seconds, not minutes, with torch loaded); fairring's own
+    frames named by addr2line, the others as library+offset."""
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return "(no gdb: native stacks not shown)\n"
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        dump = subprocess.run(
+            [gdb, "-p", str(pid), "-batch", "-nx", "-iex", "set auto-solib-add off"]
+            + ["-ex", "thread apply all bt 10"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"(native stacks not shown: {exc})\n"
+    threads: list[list[str]] = []
+    for line in dump.splitlines():
+        if line.startswith("Thread "):
+            threads.append([])
+        elif threads and (frame := re.match(r"#\d+\s+(?:(0x[0-9a-f]+) in )?(\S+)", line)):
+            address, name = frame.groups()
+            threads[-1].append(
+                name if name != "??" or address is None else _where(int(address, 16), maps)
+            )
+    lines = [f"native thread {i}: " + " < ".join(frames) for i, frames in enumerate(threads)]
+    return "native stacks (innermost first), from gdb:\n" + "\n".join(lines) + "\n"
+
+
+def _where(address: int, maps: list[str]) -> str:
+    for mapping in maps:
+        fields = mapping.split()
+        low, high = (int(x, 16) for x in fields[0].split("-"))
+        if low <= address < high and len(fields) >= 6:
+            path, offset = fields[5], address - low + int(fields[2], 16)
+            if "fairring_pg" in path and shutil.which("addr2line"):
+                out = subprocess.run(
+                    ["addr2line", "-f", "-C", "-e", path, hex(offset)],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                ).stdout.split("\n")[0]
+                return out[:80] or f"{Path(path).name}+{offset:#x}"
+            return f"{Path(path).name}+{offset:#x}"
+    return hex(address)
 
 
 def _read_result(job_dir: Path, rank: int) -> tuple[str | None, Any]:
