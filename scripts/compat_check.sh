@@ -7,7 +7,12 @@
 # tests/compat_smoke.py on 2 simulated machines x 2 ranks, then the tests of the logic
 # that differs most between torch releases (LOGIC_TESTS: the sub-group path, its stream
 # order on the stream vehicle, the CUDA decisions, the engine's plans), run from this
-# checkout with that torch. scripts/run_tests.sh runs it after the suite.
+# checkout with that torch.
+#
+# `compat_check.sh --prepare DIR` only makes the venv in DIR and installs into it
+# (network and disk, hardly any CPU); `COMPAT_WORK=DIR compat_check.sh` then checks with
+# it, and removes DIR at the end. scripts/run_tests.sh prepares beside the suite and
+# checks after it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,26 +24,38 @@ LOGIC_TESTS=(
     tests/test_cuda_groups.py
     tests/test_plans.py
 )
-work=$(mktemp -d "${TMPDIR:-/tmp}/fairring-compat.XXXXXX")
-trap 'rm -rf "$work"' EXIT
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 # Only what this venv holds: not a checkout on the path, not another build's cache.
 unset PYTHONPATH
-export FAIRRING_BUILD_DIR=$work/build
+
+prepare() {
+    local work=$1
+    python3 -m venv "$work/venv"
+    # torch first and alone: `pip install .` then keeps it, as it satisfies torch>=2.11.
+    "$work/venv/bin/python" -m pip install -q "torch==$torch_version"
+    "$work/venv/bin/python" -m pip install -q . pytest hypothesis
+    touch "$work/prepared"
+}
 
 start=$SECONDS
-python3 -m venv "$work/venv"
+if [[ "${1:-}" == --prepare ]]; then
+    prepare "$2"
+    echo "== compat check: torch $torch_version installed in a fresh venv in $((SECONDS - start)) s"
+    exit 0
+fi
+work=${COMPAT_WORK:-$(mktemp -d "${TMPDIR:-/tmp}/fairring-compat.XXXXXX")}
+trap 'rm -rf "$work"' EXIT
+if [[ ! -e "$work/prepared" ]]; then
+    prepare "$work"
+fi
+export FAIRRING_BUILD_DIR=$work/build
 py=$work/venv/bin/python
-# torch first and alone: `pip install .` then keeps it, as it satisfies torch>=2.11.
-"$py" -m pip install -q "torch==$torch_version"
-"$py" -m pip install -q .
 echo "== compat check: torch $("$py" -c 'import torch; print(torch.__version__)')" \
-    "installed in a fresh venv in $((SECONDS - start)) s"
+    "in a venv of its own ($((SECONDS - start)) s)"
 bash scripts/build_core.sh "$py"
 echo "== compat check: core built ($((SECONDS - start)) s)"
 "$py" tests/compat_smoke.py
 echo "== compat check: smoke test passed ($((SECONDS - start)) s)"
-"$py" -m pip install -q pytest hypothesis
 # The test-only module from the checkout's sources, against this torch, without a
 # warning, before any test's deadline.
 bash scripts/build_core.sh "$py" --with-tests

@@ -46,6 +46,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
+import rank_zygote
+
+# A rank's process: started fresh, or forked from the zygote (tests/rank_zygote.py).
+RankProcess = subprocess.Popen[bytes] | rank_zygote.ForkedRank
+
 # Simulated cluster shapes: machine id of each rank.
 SHAPES: dict[str, list[str]] = {
     "2x2": ["m0", "m0", "m1", "m1"],
@@ -282,7 +287,7 @@ def launch(
             "sys_path": list(sys.path),
         }
         (job_dir / "spec.pkl").write_bytes(pickle.dumps(spec))
-        procs: list[subprocess.Popen[bytes]] = []
+        procs: list[RankProcess] = []
         try:
             for rank in range(world_size):
                 agent = {} if init_group or bare else torchrun_agent_environment(rank, machine_ids)
@@ -306,11 +311,13 @@ def launch(
         return outcomes
 
 
-def spawn_rank(
-    launcher: str, job_dir: Path, rank: int, env: Mapping[str, str]
-) -> subprocess.Popen[bytes]:
+def spawn_rank(launcher: str, job_dir: Path, rank: int, env: Mapping[str, str]) -> RankProcess:
     """Start ``python launcher JOB_DIR RANK`` (the launcher's child side) in a session of
-    its own (so that killing it kills what it started), logging to rankN.log."""
+    its own (so that killing it kills what it started), logging to rankN.log; forked
+    from the zygote where the environment allows (tests/rank_zygote.py)."""
+    forked = rank_zygote.fork_rank(launcher, job_dir, rank, env)
+    if forked is not None:
+        return forked
     with open(job_dir / f"rank{rank}.log", "wb") as log:
         return subprocess.Popen(
             [sys.executable, launcher, str(job_dir), str(rank)],
@@ -520,7 +527,7 @@ class _Times:
     returned: dict[int, float] = dataclasses.field(default_factory=dict)
     exited: dict[int, float] = dataclasses.field(default_factory=dict)
 
-    def note(self, procs: list[subprocess.Popen[bytes]], job_dir: Path, now: float) -> None:
+    def note(self, procs: list[RankProcess], job_dir: Path, now: float) -> None:
         for rank, proc in enumerate(procs):
             has_result = (job_dir / f"rank{rank}.result").exists()
             if rank not in self.returned and has_result:
@@ -530,7 +537,7 @@ class _Times:
 
 
 def _supervise(
-    procs: list[subprocess.Popen[bytes]],
+    procs: list[RankProcess],
     job_dir: Path,
     timeout_s: float,
     abort_grace_s: float | None,
@@ -563,7 +570,7 @@ def _supervise(
         time.sleep(_POLL_S)
 
 
-def kill_rank(proc: subprocess.Popen[bytes], dump_stacks: bool, log: Path | None = None) -> None:
+def kill_rank(proc: RankProcess, dump_stacks: bool, log: Path | None = None) -> None:
     """SIGKILL the rank's whole session (it may have spawned helpers of its own);
     first, if asked, its native stacks (gdb, where installed) and then SIGUSR1, so that
     faulthandler writes its Python stacks into the log: a hang in C++ shows where."""
@@ -656,7 +663,7 @@ def _log_tail(job_dir: Path, rank: int) -> str:
     return "\n".join(lines[-_LOG_TAIL_LINES:])
 
 
-def _collect(rank: int, proc: subprocess.Popen[bytes], job_dir: Path, killed: bool) -> RankOutcome:
+def _collect(rank: int, proc: RankProcess, job_dir: Path, killed: bool) -> RankOutcome:
     kind, payload = _read_result(job_dir, rank)
     out = RankOutcome(
         rank=rank,
@@ -783,4 +790,8 @@ def _child_main(job_dir: Path, rank: int) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--zygote"]:
+        import rank_zygote
+
+        sys.exit(_child_main(*rank_zygote.serve()))
     sys.exit(_child_main(Path(sys.argv[1]), int(sys.argv[2])))

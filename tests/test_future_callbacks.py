@@ -218,8 +218,10 @@ def registry_under_contention(rank: int, world: int, rounds: int) -> float:
 
 
 def test_the_registry_frees_python_values_outside_its_lock() -> None:
-    # About 25 s on an idle 2-core host; before the fix every try of this deadlocked.
-    rounds = 1000
+    # The registry prunes every few dozen adoptions: 400 rounds prune it about a dozen
+    # times (about 10 s on an idle 2-core host); before the fix every try of 1000
+    # rounds deadlocked.
+    rounds = 400
     results = run_ranks(
         registry_under_contention, len(MACHINES), MACHINES, timeout_s=150, rounds=rounds
     )

@@ -53,10 +53,10 @@ TOTAL_MEMORY = 64 * 1024
 TIMEOUT_S = 300
 
 
-# Pieces of at most 4 KiB; below 16 KiB the all-to-all exchange with at least three
-# pieces per call, from 16 KiB NCCL's reduce-scatter and all-gather on the rail with at
-# least two: every case of 1001 elements takes the first, every one of 20011 the second.
-FORCED_PLAN = "0:compose:3:alltoall,16K:compose:2:reduce_scatter"
+# Pieces of at most 4 KiB; below 4 KiB the all-to-all exchange with at least three
+# pieces per call, from 4 KiB NCCL's reduce-scatter and all-gather on the rail with at
+# least two: every case of 257 elements takes the first, every one of 4099 the second.
+FORCED_PLAN = "0:compose:3:alltoall,4K:compose:2:reduce_scatter"
 
 
 def subgroup_env(**extra: str | int | None) -> dict[str, str | None]:
@@ -77,23 +77,23 @@ def subgroup_env(**extra: str | int | None) -> dict[str, str | None]:
 
 
 def forced_cases() -> list[Case]:
-    """Every op and dtype at an odd size through each rail exchange (1001 and 20011
+    """Every op and dtype at an odd size through each rail exchange (257 and 4099
     elements, and 7: a piece and a tail where L*M <= 7), views, coalesced, async, AVG's
     fractions, values that see width and precision, and one tensor of many pieces."""
     cases = [
         Case(f"{op}-{dtype}-n{n}", "plain", op, dtype, n)
-        for op, dtype, n in itertools.product(OPS, DTYPES, (7, 1001, 20011))
+        for op, dtype, n in itertools.product(OPS, DTYPES, (7, 257, 4099))
         if not (op == "AVG" and dtype not in FLOAT_DTYPES)
     ]
     cases += [Case(f"{kind}-SUM-float32", kind, "SUM", "float32", 0) for kind in VIEW_KINDS]
     cases += wide_cases(("float64", "bfloat16", "int16", "int64"))
     cases += [
-        Case("async-MAX-int64", "async", "MAX", "int64", 20011),
-        Case("future_then-SUM-float32", "future_then", "SUM", "float32", 1001),
+        Case("async-MAX-int64", "async", "MAX", "int64", 4099),
+        Case("future_then-SUM-float32", "future_then", "SUM", "float32", 257),
         Case("coalesced-SUM-float32", "coalesced", "SUM", "float32", 0),
         Case("coalesced-MAX-int32", "coalesced", "MAX", "int32", 0),
-        Case("avg_fraction-float64", "avg_fraction", "AVG", "float64", 20011),
-        Case("big-SUM-float32-n150000", "plain", "SUM", "float32", 150_000),
+        Case("avg_fraction-float64", "avg_fraction", "AVG", "float64", 4099),
+        Case("big-SUM-float32-n40000", "plain", "SUM", "float32", 40_000),
     ]
     return cases
 
@@ -112,9 +112,9 @@ JOB_SHAPES = ("2x2", "2x3", "3x2", "4x2", "3x1", "1x3")
 
 def _job_cases(shape: str) -> list[Case]:
     if shape in ("2x2", "3x1", "1x3"):
-        # A tenth of the engine's big cases: still ~10x the staging memory, hundreds of
-        # pieces through every lane, where the full size cost 16 s of Gloo steps.
-        return build_cases(shape, big_numel=(150_000, 60_000))
+        # A fortieth of the engine's big cases: still more than the staging memory,
+        # dozens of pieces through every lane, where the full size cost 16 s of Gloo steps.
+        return build_cases(shape, big_numel=(40_000, 16_000))
     return forced_cases()
 
 
@@ -166,7 +166,7 @@ def views_of_one_buffer(rank: int, world: int) -> list[str | None]:
     return [disjoint, compare_exact(buf, want, "overlapping views")]
 
 
-@pytest.mark.parametrize("shape", ["2x3", "4x2"])
+@pytest.mark.parametrize("shape", ["2x3"])
 def test_views_of_one_buffer(shape: str) -> None:
     results = run_ranks(
         views_of_one_buffer,
