@@ -50,18 +50,20 @@ if [[ ! -e "$work/prepared" ]]; then
 fi
 export FAIRRING_BUILD_DIR=$work/build
 py=$work/venv/bin/python
+repo=$PWD
+# Everything from here runs outside the checkout, so that `import fairring_pg` finds the
+# installed package (and the sources it ships) every time, never the checkout's: the
+# two would each build a core of their own.
+cd "$work"
 echo "== compat check: torch $("$py" -c 'import torch; print(torch.__version__)')" \
     "in a venv of its own ($((SECONDS - start)) s)"
-bash scripts/build_core.sh "$py"
+bash "$repo/scripts/build_core.sh" "$py"
 echo "== compat check: core built ($((SECONDS - start)) s)"
-"$py" tests/compat_smoke.py
+"$py" "$repo/tests/compat_smoke.py"
 echo "== compat check: smoke test passed ($((SECONDS - start)) s)"
-# The test-only module from the checkout's sources, against this torch, without a
-# warning, before any test's deadline.
-bash scripts/build_core.sh "$py" --with-tests
+# The test-only module from the checkout's tests/native, against this torch and the
+# installed core, without a warning, before any test's deadline.
+bash "$repo/scripts/build_core.sh" "$py" --with-tests
 echo "== compat check: test module built ($((SECONDS - start)) s)"
-# The installed package (pytest's script does not put the checkout on the path), so
-# that the core built above is the one loaded; the tests and their native module come
-# from the checkout.
-"$work/venv/bin/pytest" -q -p no:cacheprovider -rs "${LOGIC_TESTS[@]}"
+"$work/venv/bin/pytest" -q -p no:cacheprovider -rs "${LOGIC_TESTS[@]/#/$repo/}"
 echo "== compat check: done in $((SECONDS - start)) s"

@@ -1,4 +1,5 @@
 #include "backend/fairring_backend.h"
+#include "backend/without_gil.h"
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -73,11 +74,22 @@ FairringBackend::FairringBackend(
 }
 
 FairringBackend::~FairringBackend() {
+  WithoutGil released;
   try {
     shutdownCore(/*drain=*/true);
   } catch (const std::exception& e) {
     TORCH_WARN("fairring: shutting down rank ", getRank(), " failed: ", e.what());
   }
+  // Destroyed here, without the GIL, not after this body: the groups join
+  // their threads (without_gil.h says why that must not wait under the GIL).
+  cudaSubgroups_.reset();
+  cpuSubgroups_.reset();
+  cpuSharded_.reset();
+  cpuAllreduce_.reset();
+  engine_.reset();
+  ring_.reset();
+  cuda_.reset();
+  cpu_.reset();
 }
 
 namespace {
@@ -409,6 +421,7 @@ void FairringBackend::shutdownCore(bool drain) {
 }
 
 void FairringBackend::shutdown() {
+  WithoutGil released;
   shutdownCore(/*drain=*/true);
   releaseRing();
   cpu_->shutdown();
@@ -418,6 +431,7 @@ void FairringBackend::shutdown() {
 }
 
 void FairringBackend::abort() {
+  WithoutGil released;
   shutdownCore(/*drain=*/false);
   releaseRing();
   cpu_->abort();
