@@ -5,9 +5,11 @@
 # build of torch does not import without them), a regular (not editable) install of
 # this checkout, the C++ core compiled against that torch (without a warning), and
 # tests/compat_smoke.py on 2 simulated machines x 2 ranks, then the tests of the logic
-# that differs most between torch releases (LOGIC_TESTS: the sub-group path, its stream
-# order on the stream vehicle, the CUDA decisions, the engine's plans), run from this
-# checkout with that torch.
+# that differs most between torch releases (LOGIC_TESTS: the sub-group path's life cycle
+# with torch's Work and getError, the CUDA decisions, the engine's exact results at 2x2),
+# run from this checkout with that torch. The tests that need the test-only native module
+# (the stream vehicle, the plans, the fault points) run on the newest torch only: its
+# build would add a minute here (they passed on 2.11.0 on 2026-11-26, bench/results/HISTORY.md).
 #
 # `compat_check.sh --prepare DIR` only makes the venv in DIR and installs into it
 # (network and disk, hardly any CPU); `COMPAT_WORK=DIR compat_check.sh` then checks with
@@ -18,11 +20,9 @@ cd "$(dirname "$0")/.."
 
 torch_version=${COMPAT_TORCH:-2.11.0}
 LOGIC_TESTS=(
-    tests/test_subgroup_logic.py
     tests/test_subgroup_lifecycle.py
-    tests/test_stream_order.py
     tests/test_cuda_groups.py
-    tests/test_plans.py
+    "tests/test_allreduce.py::test_allreduce"
 )
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 # Only what this venv holds: not a checkout on the path, not another build's cache.
@@ -61,9 +61,5 @@ bash "$repo/scripts/build_core.sh" "$py"
 echo "== compat check: core built ($((SECONDS - start)) s)"
 "$py" "$repo/tests/compat_smoke.py"
 echo "== compat check: smoke test passed ($((SECONDS - start)) s)"
-# The test-only module from the checkout's tests/native, against this torch and the
-# installed core, without a warning, before any test's deadline.
-bash "$repo/scripts/build_core.sh" "$py" --with-tests
-echo "== compat check: test module built ($((SECONDS - start)) s)"
-"$work/venv/bin/pytest" -q -p no:cacheprovider -rs "${LOGIC_TESTS[@]/#/$repo/}"
+"$work/venv/bin/pytest" -q -p no:cacheprovider -rs "${LOGIC_TESTS[@]/#/$repo/}" -k "not 2x3 and not 3x1 and not 1x3 and not interleaved"
 echo "== compat check: done in $((SECONDS - start)) s"

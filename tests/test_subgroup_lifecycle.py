@@ -103,11 +103,18 @@ def work_semantics(rank: int, world: int) -> dict[str, Any]:
     work.synchronize()
     work.block_current_stream()
     future = work.get_future()
+    try:
+        exception = work.exception()
+    except TypeError:
+        # torch 2.11 cannot hand Work.exception() to Python for any backend (its
+        # std::exception_ptr has no binding): nothing to compare there.
+        assert torch.__version__ < "2.12", torch.__version__
+        exception = None
     return {
         "waited": waited,
         "completed": work.is_completed(),
         "success": work.is_success(),
-        "exception": work.exception(),
+        "exception": exception,
         "future_done": future.done(),
         "exact": torch.equal(t, expected_sum(world, n)),
         "future_value_is_result": future.value()[0] is t or torch.equal(future.value()[0], t),
