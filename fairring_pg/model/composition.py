@@ -202,29 +202,22 @@ def _piece_stages(
     # As built before issue 34 a slice's steps all run on its lane's stream.
     own = () if impl.overlap else (lane_queue,)
     stages: list[Stage] = []
-    if L > 1:
-        rs = nccl_time(tuning, local_fabric(node), 1, nbytes, nccl.REDUCE_SCATTER)
-        stages.append(
-            Stage(
-                "reduce-scatter",
-                {"nvlink": rs.seconds - rs.latency_s},
-                rs.latency_s,
-                hold=("local reduce-scatter", *own),
-                issue=impl.host_s,
-            )
+
+    def local(name: str, coll: str) -> Stage:
+        t = nccl_time(tuning, local_fabric(node), 1, nbytes, coll)
+        return Stage(
+            name,
+            {"nvlink": t.seconds - t.latency_s},
+            t.latency_s,
+            hold=(f"local {name}", *own),
+            issue=impl.host_s,
         )
+
+    if L > 1:
+        stages.append(local("reduce-scatter", nccl.REDUCE_SCATTER))
     stages += rail_stages(node, M, nbytes // L, exchange, lane_queue, tuning, impl)
     if L > 1:
-        ag = nccl_time(tuning, local_fabric(node), 1, nbytes, nccl.ALL_GATHER)
-        stages.append(
-            Stage(
-                "all-gather",
-                {"nvlink": ag.seconds - ag.latency_s},
-                ag.latency_s,
-                hold=("local all-gather", *own),
-                issue=impl.host_s,
-            )
-        )
+        stages.append(local("all-gather", nccl.ALL_GATHER))
     return Piece(tuple(stages))
 
 
