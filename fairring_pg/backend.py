@@ -53,6 +53,7 @@ class _Agreed:
     topology: Topology
     cuda_decision: CudaDecision
     cuda_plan: CudaPlan
+    sub_group_ctas: int  # 0: not capped
     token: str
     factory: Callable[..., Any]
     opts: Any
@@ -134,12 +135,12 @@ def _agree(store: Any, rank: int, size: int, timeout: timedelta) -> _Agreed:
         if not config.test_cpu_subgroups:
             config.check_staging_fits(topology.num_machines, topology.local_size)
         # What each size of CUDA allreduce runs, the same on every rank (rank 0's).
-        cuda_plan = plan_for_job(store, topology, config, timeout, gpu_facts)
+        cuda_plan, ctas = plan_for_job(store, topology, config, timeout, gpu_facts)
         token = job_token(store, rank, timeout)
     except Exception as exc:
         publish_failure(store, rank, exc)
         raise
-    return _Agreed(config, topology, cuda_decision, cuda_plan, token, factory, opts, ext)
+    return _Agreed(config, topology, cuda_decision, cuda_plan, ctas, token, factory, opts, ext)
 
 
 def _global_ranks(dist_backend_opts: Any, size: int) -> list[int]:
@@ -176,7 +177,7 @@ def _cuda_side(
         makers["nccl"] = accelerator.maker(store, timeout, global_ranks)
     elif agreed.cuda_decision.delegate == "nccl":
         cuda_delegate = make_nccl_delegate(store, rank, size, timeout, dist_backend_opts)
-        makers["nccl"] = nccl_maker(store, timeout, global_ranks)
+        makers["nccl"] = nccl_maker(store, timeout, global_ranks, agreed.sub_group_ctas)
     elif agreed.cuda_decision.delegate == "gloo":
         cuda_delegate = cpu_delegate
     kinds = cuda_subgroup_kinds(topology, agreed.cuda_decision.delegate, config.test_local_gloo)

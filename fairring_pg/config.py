@@ -301,10 +301,11 @@ class Config:
 
         FAIRRING_SLICE_SIZE, grown against over-sharding as for the CPU path, then cut to
         the largest size that lets each of the FAIRRING_LANES lanes hold its staging
-        within FAIRRING_TOTAL_MEMORY, and rounded down to a multiple of 8*L*M bytes so that
-        a piece of any dtype splits evenly into L chunks of M shards.
+        within FAIRRING_TOTAL_MEMORY, and rounded down to a multiple of 16*L*M bytes so that
+        a piece of any dtype splits evenly into L chunks of M shards, each starting 16 bytes
+        apart (src/subgroups/call_plan.h).
         """
-        unit = 8 * num_machines * local_size
+        unit = 16 * num_machines * local_size
         wanted = self.slice_size
         if self.slice_scaling:
             wanted = max(wanted, MIN_SHARD_BYTES * num_machines * local_size)

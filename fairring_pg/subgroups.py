@@ -113,15 +113,21 @@ def subgroup_stats(group: Any = None, device: str = "cuda") -> dict[str, Any] | 
     return stats
 
 
-def nccl_maker(store: Any, timeout: timedelta, global_ranks: list[int]) -> GroupMaker:
+def nccl_maker(
+    store: Any, timeout: timedelta, global_ranks: list[int], max_ctas: int = 0
+) -> GroupMaker:
     """Makes ProcessGroupNCCLs from ``store``; ``global_ranks`` maps the fairring
-    group's ranks to the job's (for NCCL's and torch's logs)."""
+    group's ranks to the job's (for NCCL's and torch's logs); ``max_ctas`` (0: NCCL's
+    own) caps each communicator's CTAs so that all of one composed call fit on the GPU
+    at once (fairring_pg.cuda.co_resident_ctas)."""
     from torch._C._distributed_c10d import ProcessGroupNCCL
 
     def make(prefix: str, rank: int, size: int, members: list[int], name: str) -> Any:
         options = ProcessGroupNCCL.Options()
         options._timeout = timeout
         options.is_high_priority_stream = False
+        if max_ctas > 0:
+            options.config.max_ctas = max_ctas
         options.global_ranks_in_group = [global_ranks[r] for r in members]
         options.group_name = name
         return ProcessGroupNCCL(dist.PrefixStore(prefix, store), rank, size, options)

@@ -108,12 +108,13 @@ void bindBackend(py::module_& m) {
                 py::arg("composed_calls") = s.composedCalls, py::arg("rows") = s.rows,
                 py::arg("direct_units") = s.directUnits, py::arg("sliced_units") = s.slicedUnits,
                 py::arg("ordering_waits") = s.orderingWaits,
-                py::arg("unordered_in_capture") = s.unorderedInCapture, py::arg("shutdown") = s.shutdown,
-                py::arg("aborted_groups") = s.abortedGroups);
+                py::arg("unordered_in_capture") = s.unorderedInCapture, py::arg("events_created") = s.eventsCreated,
+                py::arg("shutdown") = s.shutdown, py::arg("aborted_groups") = s.abortedGroups);
           },
           py::arg("device"),
           "What the sub-group allreduce of `device` ('cpu': the test path, 'cuda') has done, or None "
-          "where it is not used: operations, direct and sliced units, ordering waits, how destroy ended.");
+          "where that device's plan composes nothing: operations, those given to the delegate's own "
+          "allreduce, direct and sliced units, ordering waits, events made, how destroy ended.");
 }
 
 // What the process as a whole needs: the exit hook, and the marks

@@ -7,8 +7,9 @@ stream, with the events, waits, host synchronisations and allocator notices arou
 them: two accesses to the same bytes that nothing orders, or a block freed while a
 stream the allocator was not told about may use it, are races (``races()``), which a
 GPU could turn into wrong results. ``stand_in()`` is what fairring's creator makes the
-CUDA side of: a world group and sub-groups that behave as ProcessGroupNCCL does with
-streams (tests/native/vehicle_backend.h), over Gloo.
+CUDA side of: a world group and sub-groups that behave as today's ProcessGroupNCCL does
+with streams and memory (tests/native/vehicle_backend.h: no record_stream, tensors held
+on the Work's shelf until wait() or synchronize(), or late by the watchdog), over Gloo.
 
 ``init_fairring()`` creates the default group with it (ranks launched with
 ``init_group=False``) and registers fairring's backend for vehicle tensors, so that
@@ -111,6 +112,17 @@ def init_fairring(**kwargs: Any) -> Any:
         backend._stand_in_accelerator = None
     register_for_vehicle(dist.distributed_c10d._get_default_group())
     return vehicle
+
+
+def init_stand_in() -> Any:
+    """A Gloo default group whose vehicle tensors go to the stand-in for ProcessGroupNCCL
+    alone (no fairring): the stand-in, for tests of the vehicle itself."""
+    vehicle = install()
+    dist.init_process_group("gloo")
+    group = dist.distributed_c10d._get_default_group()
+    stand_in = vehicle.StreamedBackend(group._get_backend(torch.device("cpu")), "stand-in")
+    group._register_backend(torch.device(DEVICE), dist.ProcessGroup.BackendType.CUSTOM, stand_in)
+    return stand_in
 
 
 def register_for_vehicle(group: Any) -> None:

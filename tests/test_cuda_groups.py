@@ -152,7 +152,7 @@ def _gloo_world(store: Any, rank: int, size: int, timeout: Any, opts: Any) -> An
     return gloo_group(prefixed, rank, size, timeout, Cfg.from_env(), list(range(size)), "world")
 
 
-def _gloo_stand_in(store: Any, timeout: Any, global_ranks: list[int]) -> Any:
+def _gloo_stand_in(store: Any, timeout: Any, global_ranks: list[int], max_ctas: int = 0) -> Any:
     from fairring_pg.config import Config as Cfg
     from fairring_pg.subgroups import gloo_maker
 

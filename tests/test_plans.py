@@ -73,7 +73,7 @@ def _check_slice_plan(numel: int, slice_elems: int, chunk_elems: int, L: int, M:
 def test_slice_plan_covers_every_element_once(L: int, M: int) -> None:
     unit = L * M
     for numel, slice_units, chunk in itertools.product(SIZES, (1, 3, 16), (1, 4, 7, 64)):
-        # Slices are whole multiples of 8*L*M bytes (fairring_pg.config): here of L*M.
+        # Slices are whole multiples of 16*L*M bytes (fairring_pg.config): here of L*M.
         _check_slice_plan(numel, slice_units * unit, chunk, L, M)
 
 
@@ -82,21 +82,28 @@ def test_slice_plan_covers_every_element_once(L: int, M: int) -> None:
 ROWS = [(0, "nccl", 0, ""), (64, "compose", 1, "alltoall"), (4096, "compose", 3, "reduce_scatter")]
 
 
+# NCCL's kernels take their fast path on 16-byte aligned buffers: every piece, chunk and
+# shard of a composed call starts a multiple of this many bytes into the tensor.
+ALIGN = 16
+
+
 def _check_call(numel: int, elem: int, largest: int, L: int, M: int) -> None:
     """planCall against fairring_pg.model.composition.cut_pieces (the model's rule) and
     against what every plan must be: the row of the call's bytes, every element in
-    exactly one unit, pieces whole multiples of L*M no larger than the largest piece,
-    only the tail (fewer than L*M elements) direct."""
+    exactly one unit, pieces whole groups no larger than the largest piece whose
+    chunks and shards all start ALIGN bytes apart, only the tail (fewer elements than a
+    group) direct."""
     from fairring_pg.model.composition import cut_pieces
 
     row, units = _testing().plan_call(numel, elem, ROWS, largest, L, M)
     what = f"numel={numel} elem={elem} largest={largest} L={L} M={M}"
+    group = max(1, ALIGN // elem) * L * M
     nbytes = numel * elem
     assert row == max(i for i, r in enumerate(ROWS) if r[0] <= nbytes), what
     if numel == 0 or L * M == 1:
         assert units == [], what
         return
-    if M == 1 or ROWS[row][1] == "nccl" or numel < L * M:
+    if M == 1 or ROWS[row][1] == "nccl" or numel < group:
         assert units == [(0, numel, True)], what
         return
     model = cut_pieces(numel, elem, ROWS[row][2], largest, L, M)
@@ -106,16 +113,19 @@ def _check_call(numel: int, elem: int, largest: int, L: int, M: int) -> None:
         assert begin == at and size > 0, (what, i)
         at += size
         if direct:
-            assert i == len(units) - 1 and size < L * M, (what, i)
-        else:
-            assert size % (L * M) == 0 and size * elem <= largest, (what, i)
+            assert i == len(units) - 1 and size < group, (what, i)
+            continue
+        assert size % group == 0 and size * elem <= largest, (what, i)
+        shard = size // (L * M)
+        starts = [begin + c * size // L + m * shard for c in range(L) for m in range(M)]
+        assert all(x * elem % ALIGN == 0 for x in starts), (what, i, "unaligned")
     assert at == numel, f"{what}: units cover {at} of {numel} elements"
     pieces = [u for u in units if not u[2]]
-    assert len(pieces) >= min(ROWS[row][2], numel // (L * M)), what
-    assert max(p[1] for p in pieces) - min(p[1] for p in pieces) <= L * M, f"{what}: uneven"
+    assert len(pieces) >= min(ROWS[row][2], numel // group), what
+    assert max(p[1] for p in pieces) - min(p[1] for p in pieces) <= group, f"{what}: uneven"
 
 
 @pytest.mark.parametrize(("L", "M"), SHAPES, ids=[f"{L}x{M}" for L, M in SHAPES])
 def test_plan_call_follows_the_model_and_covers_every_element_once(L: int, M: int) -> None:
     for numel, elem, pieces in itertools.product(SIZES + (20_003,), (1, 2, 4, 8), (1, 4)):
-        _check_call(numel, elem, pieces * 8 * L * M, L, M)
+        _check_call(numel, elem, pieces * ALIGN * L * M, L, M)

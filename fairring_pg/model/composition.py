@@ -97,15 +97,26 @@ class Unit:
     direct: bool  # one NCCL allreduce on the world group
 
 
+# Every piece, chunk and shard starts a multiple of this many bytes into the tensor:
+# NCCL's kernels take their fast path on 16-byte aligned buffers (src/subgroups/call_plan.h).
+PIECE_ALIGNMENT = 16
+
+
+def group_elements(elem_size: int, L: int, M: int) -> int:
+    """The elements of one group: L·M times those that make PIECE_ALIGNMENT bytes (at
+    least one), so that whole groups split into L chunks of M shards, each aligned."""
+    return max(1, PIECE_ALIGNMENT // max(1, elem_size)) * L * M
+
+
 def cut_pieces(
     numel: int, elem_size: int, pieces: int, largest_piece: int, L: int, M: int
 ) -> list[Unit]:
     """How a composed call is cut, the same on every rank (the C++ applies this rule:
-    src/subgroups/call_plan.h). The call's whole groups of L·M elements go into
+    src/subgroups/call_plan.h). The call's whole groups (group_elements) go into
     P = min(groups, max(pieces, ceil(groups / G))) pieces, G the groups that fit in
     ``largest_piece`` bytes (0: no limit), as even as can be (the first ``groups mod P`` one group
-    longer); the fewer than L·M elements left over are one direct unit."""
-    unit = L * M
+    longer); the fewer than a group's elements left over are one direct unit."""
+    unit = group_elements(elem_size, L, M)
     groups, tail = divmod(numel, unit)
     units: list[Unit] = []
     if groups:

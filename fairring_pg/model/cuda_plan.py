@@ -34,11 +34,13 @@ from fairring_pg.model import nccl
 from fairring_pg.model.composition import (
     ALLTOALL,
     FAIRRING_PG,
+    PIECE_ALIGNMENT,
     REDUCE_SCATTER,
     Implementation,
     Unit,
     call_pieces,
     cut_pieces,
+    group_elements,
     nccl_time,
     world_fabric,
 )
@@ -56,7 +58,7 @@ _GRID = tuple(
         {m << 20 for k in range(7) for m in (1 << k, 3 << k >> 1)} | {m << 27 for m in (1, 2, 4, 8)}
     )
 )
-# Pieces per call the planner tries (each piece a multiple of 8·L·M bytes).
+# Pieces per call the planner tries (each piece a multiple of 16·L·M bytes).
 _PIECE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 _SMALLEST_PIECE = 256 << 10
 
@@ -83,7 +85,7 @@ class CudaPlan:
     local_size: int
     node: str  # what the plan was made for ("unknown": no facts)
     rows: tuple[PlanRow, ...]  # sorted by from_bytes, the first from 0
-    largest_piece: int = 0  # bytes, a multiple of 8·L·M: no piece is larger
+    largest_piece: int = 0  # bytes, a multiple of 16·L·M: no piece is larger
 
     def row_for(self, nbytes: int) -> PlanRow:
         """The row a call of ``nbytes`` (of its reduced buffer) takes."""
@@ -95,7 +97,7 @@ class CudaPlan:
         unit (NCCL's allreduce)."""
         row = self.row_for(nbytes)
         numel = nbytes // elem_size
-        if row.path != COMPOSE or numel < self.local_size * self.machines:
+        if row.path != COMPOSE or numel < group_elements(elem_size, self.local_size, self.machines):
             return [Unit(0, numel, True)] if numel else []
         return cut_pieces(
             numel, elem_size, row.pieces, self.largest_piece, self.local_size, self.machines
@@ -257,7 +259,7 @@ def _plan(
     rows: list[PlanRow] = [below] if config.direct_below else []
     grid = [s for s in _GRID if s >= config.direct_below]
     if not grid or grid[0] > config.direct_below:
-        grid.insert(0, max(config.direct_below, 8 * L * M))
+        grid.insert(0, max(config.direct_below, PIECE_ALIGNMENT * L * M))
     for i, size in enumerate(grid):
         upper = grid[i + 1] - 1 if i + 1 < len(grid) else size
         row = _decide(node, M, size, upper, largest, forced, tuning, impl, config.lanes)

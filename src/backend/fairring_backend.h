@@ -12,8 +12,7 @@
 #include <optional>
 
 #include "backend/cpu_allreduce.h"
-#include "backend/cpu_sharded.h"
-#include "pipeline/allreduce_engine.h"
+#include "backend/device_path.h"
 #include "subgroups/subgroup_allreduce.h"
 
 // torch 2.14 added c10d::Backend::gather_single (a gather into one flat tensor). Its
@@ -48,13 +47,16 @@ struct BackendOptions {
   // differently on each rank. Set where cpuRingFrom >= 0.
   c10::intrusive_ptr<c10d::Backend> ringDelegate;
   // The sub-group allreduce (src/subgroups/): its plan (what each size runs,
-  // fairring_pg.model.cuda_plan), the largest piece (fitted so that every
-  // lane has its staging) and each lane's staging (fairring_pg.config).
+  // fairring_pg.model.cuda_plan; where no row composes, the device's
+  // collectives are all its delegate's own), the largest piece (fitted so
+  // that every lane has its staging) and each lane's staging
+  // (fairring_pg.config).
   std::vector<PlanRow> subgroupPlan;
   size_t largestPieceBytes{0};
   size_t laneStagingBytes{0};
-  // NCCL groups for CUDA tensors; unset without CUDA and NCCL, or where
-  // ranks share a GPU (then CUDA allreduces go to the CUDA delegate).
+  // NCCL groups for CUDA tensors (the world group alone where the plan
+  // composes nothing); unset without CUDA and NCCL, or where ranks share a
+  // GPU (then CUDA allreduces go to the CUDA delegate).
   std::optional<Subgroups> cudaSubgroups;
   // The device type whose tensors take the CUDA side (the sub-groups above
   // and the CUDA delegate): CUDA, or in tests the stream vehicle
@@ -68,11 +70,11 @@ struct BackendOptions {
   std::optional<Subgroups> cpuSubgroups;
 };
 
-// The c10d backend: allreduce on CPU tensors runs the reduction-server
-// pipeline over fairring's own TCP mesh, on CUDA tensors the same algorithm
-// composed of NCCL sub-group collectives; reduce-scatter and all-gather on CPU
-// tensors run on the same engine (CUDA: NCCL's own); every other collective
-// goes to the delegate backend for the tensors' device.
+// The c10d backend: each device's tensors take that device's path
+// (device_path.h), chosen once here: CPU tensors fairring's engine, CUDA
+// tensors the composition of NCCL sub-group collectives where the plan
+// composes some call, else NCCL's own. Every collective asks the path of its
+// tensors' device; none branches on the device itself.
 class FairringBackend : public c10d::Backend {
  public:
   FairringBackend(
@@ -94,8 +96,32 @@ class FairringBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
       std::vector<at::Tensor>& tensors,
       const c10d::AllreduceCoalescedOptions& opts = c10d::AllreduceCoalescedOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allgather(
+      std::vector<std::vector<at::Tensor>>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(
+      at::Tensor& output,
+      at::Tensor& input,
+      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(
+      std::vector<at::Tensor>& outputs,
+      std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output,
+      at::Tensor& input,
+      const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
 
-  // Delegated.
+  // Always the delegate's.
   c10::intrusive_ptr<c10d::Work> broadcast(
       std::vector<at::Tensor>& tensors,
       const c10d::BroadcastOptions& opts = c10d::BroadcastOptions()) override;
@@ -105,20 +131,8 @@ class FairringBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> reduce(
       std::vector<at::Tensor>& tensors,
       const c10d::ReduceOptions& opts = c10d::ReduceOptions()) override;
-  c10::intrusive_ptr<c10d::Work> allgather(
-      std::vector<std::vector<at::Tensor>>& outputs,
-      std::vector<at::Tensor>& inputs,
-      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
-  c10::intrusive_ptr<c10d::Work> _allgather_base(
-      at::Tensor& output,
-      at::Tensor& input,
-      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
   c10::intrusive_ptr<c10d::Work> allgather_coalesced(
       std::vector<std::vector<at::Tensor>>& outputs,
-      std::vector<at::Tensor>& inputs,
-      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
-  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
-      std::vector<at::Tensor>& outputs,
       std::vector<at::Tensor>& inputs,
       const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
   c10::intrusive_ptr<c10d::Work> gather(
@@ -135,18 +149,6 @@ class FairringBackend : public c10d::Backend {
       std::vector<at::Tensor>& outputs,
       std::vector<std::vector<at::Tensor>>& inputs,
       const c10d::ScatterOptions& opts = c10d::ScatterOptions()) override;
-  c10::intrusive_ptr<c10d::Work> reduce_scatter(
-      std::vector<at::Tensor>& outputs,
-      std::vector<std::vector<at::Tensor>>& inputs,
-      const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
-  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
-      at::Tensor& output,
-      at::Tensor& input,
-      const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
-  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
-      std::vector<at::Tensor>& outputs,
-      std::vector<at::Tensor>& inputs,
-      const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
   c10::intrusive_ptr<c10d::Work> alltoall_base(
       at::Tensor& output,
       at::Tensor& input,
@@ -168,88 +170,49 @@ class FairringBackend : public c10d::Backend {
   void shutdown() override;
   void abort() override;
 
-  // What CpuAllreduce has run where; empty where CPU tensors take the sub-group path.
-  std::optional<CpuAllreduce::Stats> cpuAllreduceStats() const {
-    return cpuAllreduce_ ? std::optional<CpuAllreduce::Stats>(cpuAllreduce_->stats()) : std::nullopt;
-  }
-
+  // What fairring's CPU engine has run where; empty where CPU tensors take
+  // another path.
+  std::optional<CpuAllreduce::Stats> cpuAllreduceStats() const;
   // The sub-group allreduce of `device`'s tensors (null where that device's
-  // allreduces do not take it), for its counters.
-  const SubgroupAllreduce* subgroupAllreduce(c10::DeviceType device) const {
-    return device == accelerator_ ? cudaSubgroups_.get() : device == c10::kCPU ? cpuSubgroups_.get() : nullptr;
-  }
+  // path does not compose), for its counters.
+  const SubgroupAllreduce* subgroupAllreduce(c10::DeviceType device) const;
 
  private:
-  // The allreduce of `work` on the CPU delegate's ring, where the rule says so
-  // (BackendOptions::cpuRingFrom) and Gloo reduces its dtype and op; else null.
-  CpuAllreduce::Ring ringFor(
-      const at::Tensor& work,
-      c10d::ReduceOp::RedOpType op,
-      std::vector<at::Tensor> outputs,
-      std::function<void()> finish);
+  // The path of a device whose collectives may be composed of `subgroups`
+  // (where the plan composes some call), else its delegate's.
+  std::unique_ptr<DevicePath> composedOrDelegate(
+      const std::optional<Subgroups>& subgroups,
+      const SubgroupOptions& options,
+      c10::DeviceType device,
+      c10::intrusive_ptr<c10d::Backend> delegate,
+      const std::string& unavailable);
 
-  // barrier(): waits on the host for every allreduce of the sub-group paths.
-  void awaitSubgroups();
-
-  // Stops fairring's own engines (not the delegates): `drain` lets what the
-  // device still runs finish first (destroy), else it is aborted.
-  void shutdownCore(bool drain);
-
-  void releaseRing();
-
-  // The delegate for the device of the first defined tensor of `sets`
-  // (tensors, lists of them, lists of lists); on CUDA, what it is given runs
-  // after the allreduces in flight on the same memory.
+  // The path of the device of the first defined tensor of `sets` (tensors,
+  // lists of them, lists of lists); the CPU's where none is defined.
   template <typename... Sets>
-  c10d::Backend& delegateFor(const Sets&... sets) {
-    std::vector<at::Tensor> all;
-    (collect(all, sets), ...);
-    return delegateForAll(all);
-  }
-  c10d::Backend& delegateForAll(const std::vector<at::Tensor>& tensors);
-  // What the delegate returned for accelerator tensors: the allreduces issued
-  // later on the same memory wait for it, as they would behind NCCL's one
-  // stream (SubgroupAllreduce::orderAfter).
-  c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> work);
-  // Whether a reduce-scatter or all-gather of `sets` runs on fairring's CPU
-  // engine: its first defined tensor is not on a GPU (as delegateFor decides).
-  template <typename... Sets>
-  bool onCpuEngine(const Sets&... sets) {
-    std::vector<at::Tensor> all;
-    (collect(all, sets), ...);
-    for (const at::Tensor& t : all) {
+  DevicePath& pathFor(const Sets&... sets) {
+    for (const at::Tensor& t : tensorsOf(sets...)) {
       if (t.defined()) {
-        return cpuSharded_ && !onAccelerator(t);
+        return t.device().type() == accelerator_ ? *acceleratorPath_ : *cpuPath_;
       }
     }
-    return cpuSharded_ != nullptr;
+    return *cpuPath_;
   }
-  bool onAccelerator(const at::Tensor& t) const {
-    return t.device().type() == accelerator_;
+  // A collective that always goes to the delegate of its tensors' device.
+  template <typename... Sets>
+  c10::intrusive_ptr<c10d::Work> delegate(const DevicePath::Issue& issue, const Sets&... sets) {
+    return pathFor(sets...).delegated(tensorsOf(sets...), issue);
   }
-  static void collect(std::vector<at::Tensor>& all, const at::Tensor& t) {
-    all.push_back(t);
-  }
-  static void collect(std::vector<at::Tensor>& all, const std::vector<at::Tensor>& ts) {
-    all.insert(all.end(), ts.begin(), ts.end());
-  }
-  static void collect(std::vector<at::Tensor>& all, const std::vector<std::vector<at::Tensor>>& lists) {
-    for (const auto& list : lists) {
-      collect(all, list);
-    }
-  }
+
+  // Stops fairring's own paths (not the delegates): `drain` lets what the
+  // device still runs finish first (destroy), else it is aborted.
+  void stopPaths(bool drain);
 
   c10::intrusive_ptr<c10d::Backend> cpu_;
   c10::intrusive_ptr<c10d::Backend> cuda_;
-  c10::intrusive_ptr<c10d::Backend> ring_;
   const c10::DeviceType accelerator_; // CUDA, or the stream vehicle in tests
-  const std::string cudaUnavailable_;
-  const int64_t cpuRingFrom_;
-  std::unique_ptr<AllreduceEngine> engine_; // null when CPU tensors take the sub-group path
-  std::unique_ptr<CpuAllreduce> cpuAllreduce_; // uses engine_: declared after it
-  std::unique_ptr<CpuSharded> cpuSharded_; // uses cpuAllreduce_
-  std::unique_ptr<SubgroupAllreduce> cpuSubgroups_;
-  std::unique_ptr<SubgroupAllreduce> cudaSubgroups_;
+  std::unique_ptr<DevicePath> cpuPath_;
+  std::unique_ptr<DevicePath> acceleratorPath_;
 };
 
 } // namespace fairring

@@ -26,10 +26,24 @@ struct PlanRow {
   RailExchange exchange{RailExchange::kAllToAll}; // kCompose only
 };
 
+// Every piece, chunk and shard of a composed call starts a multiple of this
+// many bytes after the start of the tensor: NCCL's kernels take their fast
+// path on 16-byte aligned buffers (the caching allocator aligns a tensor's
+// start far more).
+constexpr size_t kPieceAlignment = 16;
+
+// The elements of one group: L*M times the elements that make kPieceAlignment
+// bytes (at least one), so that a whole number of groups splits into L chunks
+// of M shards, each a multiple of kPieceAlignment bytes.
+inline int64_t groupElements(size_t elemSize, int localSize, int numMachines) {
+  const int64_t aligned = std::max<int64_t>(1, static_cast<int64_t>(kPieceAlignment / std::max<size_t>(1, elemSize)));
+  return aligned * localSize * numMachines;
+}
+
 // One range of the flattened tensor: a piece of the composition (a whole
-// number of L*M-element groups, so that it splits into L chunks of M shards
-// and is reduce-scattered and gathered in place) or one NCCL allreduce on the
-// world group ("direct").
+// number of groups, groupElements(), so that it splits into L chunks of M
+// shards and is reduce-scattered and gathered in place) or one NCCL allreduce
+// on the world group ("direct": the tail of a composed call).
 struct Unit {
   int64_t begin{0};
   int64_t size{0};
@@ -47,12 +61,12 @@ struct CallPlan {
 // given alike, so every rank issues the same collectives:
 //   the row: the last whose fromBytes <= numel * elemSize;
 //   nothing for an empty tensor or a world of one;
-//   one direct unit where the row is NCCL's, on one machine, or for fewer than
-//   L*M elements;
-//   else the call's whole L*M-element groups in P = min(groups, max(pieces,
-//   ceil(groups / groups that fit in largestPieceBytes))) pieces, as even as
-//   can be (the first groups % P one group longer), and the fewer than L*M
-//   elements left over as one direct unit.
+//   one direct unit where the row is NCCL's, on one machine, or for fewer
+//   elements than a group (groupElements());
+//   else the call's whole groups in P = min(groups, max(pieces, ceil(groups /
+//   groups that fit in largestPieceBytes))) pieces, as even as can be (the
+//   first groups % P one group longer), and the fewer than a group's elements
+//   left over as one direct unit.
 // fairring_pg.model.composition.cut_pieces is the same rule (a test compares).
 inline CallPlan planCall(
     int64_t numel,
@@ -69,7 +83,7 @@ inline CallPlan planCall(
   if (numel == 0 || localSize * numMachines == 1) {
     return plan;
   }
-  const int64_t unit = static_cast<int64_t>(localSize) * numMachines;
+  const int64_t unit = groupElements(elemSize, localSize, numMachines);
   const PlanRow* row = rows.empty() ? nullptr : &rows[plan.row];
   if (row == nullptr || row->path == PlanPath::kNccl || numMachines == 1 || numel < unit) {
     plan.units.push_back(Unit{0, numel, true});

@@ -7,15 +7,23 @@
 // result bit-identical.
 #include "subgroups/subgroup_allreduce.h"
 
+#include "faults/plants.h"
 #include "ops/reduce_kind.h"
 #include "subgroups/reduction.h"
 
 namespace fairring {
 
 void SubgroupAllreduce::await(const c10::intrusive_ptr<c10d::Work>& work) {
-  // On a device this only makes the current stream wait; on CPU it blocks
-  // until Gloo is done.
-  work->wait();
+  // synchronize() makes the current stream wait and never the host (wait()
+  // blocks under TORCH_NCCL_BLOCKING_WAIT); it also empties ProcessGroupNCCL's
+  // hold on the step's tensors, which is safe here: they are the caller's
+  // (kept for the allocator on the step's stream, which now waits for the
+  // collective) and the lane's staging (kept for the group's life).
+  if (streams_->onDevice() && !plants::planted(plants::Plant::kStepWaitsOnHost)) {
+    work->synchronize();
+  } else {
+    work->wait(); // Gloo on CPU: the bytes are there only after it
+  }
   parts_.push_back(work);
 }
 
@@ -109,7 +117,9 @@ SubgroupAllreduce::Event SubgroupAllreduce::railStep(
     RedOp op) {
   const int M = options_.numMachines;
   auto onLane = streams_->enter(lane);
-  streams_->wait(lane, after);
+  if (!plants::planted(plants::Plant::kRailSkipsReduceScatter)) {
+    streams_->wait(lane, after);
+  }
   streams_->keepAlive(work, lane);
   const at::ScalarType original = work.scalar_type();
   at::Tensor piece = asReducible(work.narrow(0, unit.begin, unit.size));

@@ -2,6 +2,7 @@
 
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include "faults/plants.h"
 #include "subgroups/drain.h"
 
 namespace fairring {
@@ -16,16 +17,15 @@ LaneStreams::LaneStreams(c10::Device device, int lanes, bool localSteps) : devic
     streams_.push_back(impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false));
   }
   entered_.assign(count, 0);
-  watch_ = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false);
+  pool_ = std::make_shared<EventPool>(device.type());
 }
 
-void LaneStreams::beginOp(Events after) {
+void LaneStreams::beginOp(std::vector<Done> after) {
   if (!onDevice()) {
     return;
   }
   c10::impl::VirtualGuardImpl impl(device_.type());
-  callerPosition_.emplace(device_.type());
-  callerPosition_->record(impl.getStream(device_));
+  callerPosition_ = std::make_shared<EventDone>(pool_->record(impl.getStream(device_)));
   after_ = std::move(after);
   std::fill(entered_.begin(), entered_.end(), 0);
 }
@@ -37,9 +37,11 @@ c10::OptionalStreamGuard LaneStreams::enter(int index) {
   const c10::Stream& stream = streams_.at(index);
   if (!entered_[index]) {
     entered_[index] = 1;
-    callerPosition_->block(stream);
-    for (const auto& event : after_) {
-      event->block(stream);
+    if (index >= lanes_ || !plants::planted(plants::Plant::kLaneSkipsCallerWait)) {
+      callerPosition_->block(stream);
+    }
+    for (const auto& done : after_) {
+      done->block(stream);
     }
   }
   return c10::OptionalStreamGuard(stream);
@@ -49,14 +51,13 @@ void LaneStreams::restartFrom(int index) {
   if (!onDevice()) {
     return;
   }
-  callerPosition_.emplace(device_.type());
-  callerPosition_->record(streams_.at(index));
+  callerPosition_ = mark(index);
   after_.clear(); // `index` has waited for them
 }
 
-void LaneStreams::wait(int index, const Event& event) const {
-  if (onDevice() && event) {
-    event->block(streams_.at(index));
+void LaneStreams::wait(int index, const Done& done) const {
+  if (onDevice() && done) {
+    done->block(streams_.at(index));
   }
 }
 
@@ -68,7 +69,7 @@ std::optional<c10::Stream> LaneStreams::stream(int index) const {
 }
 
 void LaneStreams::keepAlive(const at::Tensor& t, int index) const {
-  if (!onDevice() || !t.defined() || !t.has_storage()) {
+  if (!onDevice() || !t.defined() || !t.has_storage() || plants::planted(plants::Plant::kKeepAliveOff)) {
     return;
   }
   c10::impl::VirtualGuardImpl impl(device_.type());
@@ -80,11 +81,9 @@ std::optional<c10::Stream> LaneStreams::join(int last) {
     return std::nullopt;
   }
   const c10::Stream& target = streams_.at(last);
-  for (size_t k = 0; k < streams_.size(); ++k) {
+  for (size_t k = 0; k < streams_.size() && !plants::planted(plants::Plant::kLanesNotJoined); ++k) {
     if (entered_[k] && static_cast<int>(k) != last) {
-      c10::Event done(device_.type());
-      done.record(streams_[k]);
-      done.block(target);
+      mark(static_cast<int>(k))->block(target);
     }
   }
   return target;
@@ -94,20 +93,7 @@ LaneStreams::Event LaneStreams::mark(int index) const {
   if (!onDevice()) {
     return nullptr;
   }
-  auto event = std::make_shared<c10::Event>(device_.type());
-  event->record(streams_.at(index));
-  return event;
-}
-
-LaneStreams::Event LaneStreams::markAfter(const std::function<void()>& waitFor) const {
-  if (!onDevice()) {
-    return nullptr;
-  }
-  c10::StreamGuard onWatch(*watch_);
-  waitFor();
-  auto event = std::make_shared<c10::Event>(device_.type());
-  event->record(*watch_);
-  return event;
+  return std::make_shared<EventDone>(pool_->record(streams_.at(index)));
 }
 
 at::Tensor LaneStreams::allocate(size_t bytes, int index) const {
@@ -119,16 +105,16 @@ at::Tensor LaneStreams::allocate(size_t bytes, int index) const {
   return at::empty({static_cast<int64_t>(bytes)}, options);
 }
 
-void blockCurrentStream(const c10::Event& event, c10::Device device) {
+void blockCurrentStream(DonePoint& done, c10::Device device) {
   c10::impl::VirtualGuardImpl impl(device.type());
-  event.block(impl.getStream(device));
+  done.block(impl.getStream(device));
 }
 
 Status waitOnHost(
-    const c10::Event& event,
+    DonePoint& done,
     std::chrono::steady_clock::time_point deadline,
     const std::function<bool()>& stop) {
-  const DrainEnd end = drainUntil({[&event] { return event.query(); }}, stop, deadline);
+  const DrainEnd end = drainUntil({[&done] { return done.reached(); }}, stop, deadline);
   switch (end) {
     case DrainEnd::kDrained:
       return Status();

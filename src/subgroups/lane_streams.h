@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "subgroups/done_point.h"
 
 namespace fairring {
 
@@ -34,8 +35,7 @@ namespace fairring {
 // method does nothing and the sub-group collectives' wait() blocks instead.
 class LaneStreams {
  public:
-  using Event = std::shared_ptr<c10::Event>;
-  using Events = std::vector<Event>;
+  using Event = std::shared_ptr<EventDone>;
 
   LaneStreams(c10::Device device, int lanes, bool localSteps);
 
@@ -48,7 +48,7 @@ class LaneStreams {
   // Each stream's first use in this operation waits for that point and for
   // `after` (earlier operations on the same memory, which other streams may
   // still be running).
-  void beginOp(Events after = {});
+  void beginOp(std::vector<Done> after = {});
   // Makes stream `index` current until the guard goes; its first use in this
   // operation first waits as beginOp said.
   c10::OptionalStreamGuard enter(int index);
@@ -57,8 +57,8 @@ class LaneStreams {
   // their first use waits for this point of `index` instead of the caller's
   // (which `index` has waited for).
   void restartFrom(int index);
-  // Stream `index` waits for `event` (a step of another stream before it).
-  void wait(int index, const Event& event) const;
+  // Stream `index` waits for `done` (a step of another stream before it).
+  void wait(int index, const Done& done) const;
   // The caching allocator must not hand `t`'s memory out again before stream
   // `index` has passed this point (the caller may free it at once).
   void keepAlive(const at::Tensor& t, int index) const;
@@ -67,12 +67,13 @@ class LaneStreams {
   std::optional<c10::Stream> join(int last);
   // Stream `index` itself (none on CPU).
   std::optional<c10::Stream> stream(int index) const;
-  // An event recorded at the current point of stream `index` (null on CPU).
+  // An event recorded at the current point of stream `index` (null on CPU),
+  // from the group's pool.
   Event mark(int index) const;
-  // `waitFor()` run with a stream of the group's own current (it makes that
-  // stream wait for work of another group), then an event there: the point
-  // where that work ends, for later operations to wait on.
-  Event markAfter(const std::function<void()>& waitFor) const;
+  // How many events the pool has made (a bound: not one per step).
+  size_t eventsCreated() const {
+    return pool_ ? pool_->created() : 0;
+  }
 
   // Allocates `bytes` on the device with stream `index` current, so that the
   // caching allocator orders the block's eventual release after its work.
@@ -82,21 +83,21 @@ class LaneStreams {
   c10::Device device_;
   int lanes_;
   std::vector<c10::Stream> streams_; // lanes, then reduce-scatter and all-gather
-  std::optional<c10::Stream> watch_; // waits for the delegate's collectives (markAfter)
-  std::optional<c10::Event> callerPosition_;
-  Events after_;
+  std::shared_ptr<EventPool> pool_;
+  Event callerPosition_;
+  std::vector<Done> after_;
   std::vector<char> entered_; // per stream: has it waited on callerPosition_ in this op
 };
 
-// Makes the caller's current stream on the device of `event` wait for it.
-void blockCurrentStream(const c10::Event& event, c10::Device device);
+// Makes the caller's current stream on `device` wait for `done`.
+void blockCurrentStream(DonePoint& done, c10::Device device);
 
 // Waits on the host until the device has passed `event`, or `deadline` (which
 // is an error). Polls, so that a peer that never comes cannot hold the
 // caller forever, as a plain synchronize would.
 // `stop` ends the wait early (an abort), as an error.
 Status waitOnHost(
-    const c10::Event& event,
+    DonePoint& done,
     std::chrono::steady_clock::time_point deadline,
     const std::function<bool()>& stop = [] { return false; });
 

@@ -1,7 +1,9 @@
 #include "subgroups/subgroup_allreduce.h"
 
+#include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 
+#include "faults/plants.h"
 #include "ops/reduce_kind.h"
 #include "ops/tensor_fusion.h"
 #include "subgroups/capture_probe.h"
@@ -9,6 +11,9 @@
 #include "subgroups/subgroup_work.h"
 
 namespace fairring {
+
+using plants::Plant;
+using plants::planted;
 
 SubgroupAllreduce::SubgroupAllreduce(Subgroups groups, SubgroupOptions options, c10::DeviceType deviceType)
     : groups_(std::move(groups)),
@@ -35,14 +40,20 @@ SubgroupAllreduce::SubgroupAllreduce(Subgroups groups, SubgroupOptions options, 
   TORCH_CHECK(M > 1, "fairring: lanes over the rail need several machines");
   TORCH_CHECK(L == 1 || (groups_.localReduce && groups_.localGather),
               "fairring: pieces with several local ranks need the local reduce and gather groups");
-  const size_t unit = 8 * static_cast<size_t>(L * M);
+  const size_t unit = kPieceAlignment * static_cast<size_t>(L * M);
   TORCH_CHECK(options_.largestPieceBytes > 0 && options_.largestPieceBytes % unit == 0,
-              "fairring: the largest piece (", options_.largestPieceBytes, " bytes) must be a multiple of 8*L*M = ",
-              unit);
+              "fairring: the largest piece (", options_.largestPieceBytes, " bytes) must be a multiple of ",
+              kPieceAlignment, "*L*M = ", unit);
   const size_t staging = numLanes_ * options_.laneStagingBytes;
   TORCH_CHECK(staging <= options_.totalMemory, "fairring: ", numLanes_, " lanes need ", staging,
               " bytes of staging for pieces of ", options_.largestPieceBytes, " but FAIRRING_TOTAL_MEMORY is ",
               options_.totalMemory);
+}
+
+CallPlan SubgroupAllreduce::planFor(int64_t numel, at::ScalarType dtype) const {
+  return planCall(
+      numel, c10::elementSize(reductionDtype(dtype)), options_.plan, options_.largestPieceBytes,
+      options_.localSize, options_.numMachines);
 }
 
 void SubgroupAllreduce::checkTensor(const at::Tensor& t, const std::string& name) const {
@@ -53,31 +64,8 @@ void SubgroupAllreduce::checkTensor(const at::Tensor& t, const std::string& name
               c10::DeviceTypeName(deviceType_, true), " tensor");
 }
 
-void SubgroupAllreduce::refuseCapture(c10::Device device) const {
-  // A captured allreduce would fork the capture onto lanes that never join
-  // the captured stream, and the capture fails far from here, obscurely.
-  // Checked before anything is locked or planned, and thrown as a plain
-  // string: on the H100 the refusal from inside run(), formatted by
-  // TORCH_CHECK, crashed the process (SIGSEGV) instead of raising.
-  const CaptureState state = currentStreamCapture(device);
-  if (isCapturing(state)) {
-    const std::string where = state == CaptureState::kImplicit
-        ? "while another stream is being captured into a CUDA graph (the current stream is the legacy default "
-          "stream, which a capture forbids)"
-        : "while the current stream is captured into a CUDA graph";
-    throw c10::DistBackendError(
-        "fairring: allreduce on rank " + std::to_string(options_.rank) + " was issued " + where +
-        "; fairring's CUDA allreduce runs on streams of its own and cannot be captured: issue it outside the graph");
-  }
-}
-
 c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::allreduce(at::Tensor& tensor, RedOp op) {
   checkTensor(tensor, "the allreduce tensor");
-  refuseCapture(tensor.device());
-  const Status reducible = checkReducible(op, tensor.scalar_type());
-  if (!reducible.ok()) {
-    throw c10::DistBackendError(reducible.message());
-  }
   const at::ScalarType dtype = reductionDtype(tensor.scalar_type());
   auto prepare = [tensor, dtype]() -> Prepared {
     if (tensor.is_contiguous() && dtype == tensor.scalar_type()) {
@@ -89,25 +77,15 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::allreduce(at::Tensor& tensor, 
     auto finish = [tensor, work]() mutable { tensor.copy_(work.view(tensor.sizes())); };
     return Prepared{work.view({-1}), std::move(finish), {}};
   };
-  return run({tensor}, tensor.numel(), dtype, op, c10d::OpType::ALLREDUCE, prepare);
+  return run({tensor}, planFor(tensor.numel(), tensor.scalar_type()), dtype, op, c10d::OpType::ALLREDUCE, prepare);
 }
 
 c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::allreduceCoalesced(std::vector<at::Tensor>& tensors, RedOp op) {
   TORCH_CHECK(!tensors.empty(), "fairring: allreduce_coalesced needs at least one tensor");
   int64_t numel = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
-    const std::string name = "tensor " + std::to_string(i) + " of allreduce_coalesced";
-    checkTensor(tensors[i], name);
-    TORCH_CHECK(tensors[i].scalar_type() == tensors[0].scalar_type() && tensors[i].device() == tensors[0].device(),
-                "fairring: ", name, " is torch.", dtypeName(tensors[i].scalar_type()), " on ", tensors[i].device(),
-                " but tensor 0 is torch.", dtypeName(tensors[0].scalar_type()), " on ", tensors[0].device(),
-                "; coalesced tensors must share dtype and device");
+    checkTensor(tensors[i], "tensor " + std::to_string(i) + " of allreduce_coalesced");
     numel += tensors[i].numel();
-  }
-  refuseCapture(tensors[0].device());
-  const Status reducible = checkReducible(op, tensors[0].scalar_type());
-  if (!reducible.ok()) {
-    throw c10::DistBackendError(reducible.message());
   }
   const at::ScalarType dtype = reductionDtype(tensors[0].scalar_type());
   auto prepare = [tensors, dtype]() -> Prepared {
@@ -123,16 +101,43 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::allreduceCoalesced(std::vector
     };
     return Prepared{work, std::move(finish), {fusion.fused}};
   };
-  return run(tensors, numel, dtype, op, c10d::OpType::ALLREDUCE_COALESCED, prepare);
+  return run(
+      tensors, planFor(numel, tensors[0].scalar_type()), dtype, op, c10d::OpType::ALLREDUCE_COALESCED, prepare);
+}
+
+c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::allreduceOnOurStreams(at::Tensor& tensor, RedOp op) {
+  checkTensor(tensor, "the allreduce tensor");
+  CallPlan plan;
+  plan.units.push_back(Unit{0, tensor.numel(), true});
+  auto prepare = [tensor]() -> Prepared {
+    at::Tensor work = tensor.is_contiguous() ? tensor.view({-1}) : tensor.contiguous().view({-1});
+    std::function<void()> finish;
+    if (!work.is_same(tensor) && !tensor.is_contiguous()) {
+      finish = [tensor, work]() mutable { tensor.copy_(work.view(tensor.sizes())); };
+    }
+    return Prepared{work, std::move(finish), {}};
+  };
+  return run({tensor}, plan, tensor.scalar_type(), op, c10d::OpType::ALLREDUCE, prepare);
+}
+
+void SubgroupAllreduce::countDelegated(size_t row) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++stats_.operations;
+  ++stats_.ncclCalls;
+  stats_.rows.resize(std::max<size_t>({stats_.rows.size(), options_.plan.size(), row + 1}), 0);
+  ++stats_.rows[row];
 }
 
 void SubgroupAllreduce::orderBefore(const std::vector<at::Tensor>& tensors) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!streams_ || !streams_->onDevice()) {
+  if (planted(Plant::kDelegatedNotAfterAllreduce) || deviceType_ == c10::kCPU) {
     return;
   }
-  const c10::Device device = streams_->device();
+  std::lock_guard<std::mutex> lock(mu_);
   const std::vector<ByteRange> ranges = byteRangesOf(tensors);
+  if (ranges.empty() || inFlight_.size() == 0) {
+    return;
+  }
+  const c10::Device device(deviceType_, tensors.front().device().index());
   if (isCapturing(currentStreamCapture(device))) {
     // Neither ask (a query breaks a global-mode capture) nor wait (an event
     // recorded outside the capture cannot be waited for inside it): the
@@ -143,162 +148,177 @@ void SubgroupAllreduce::orderBefore(const std::vector<at::Tensor>& tensors) {
     }
     return;
   }
-  inFlight_.forget([](const DoneEvent& done) { return done->query(); });
-  for (const auto& event : inFlight_.overlapping(ranges)) {
-    blockCurrentStream(*event, device);
-    ++stats_.orderingWaits;
+  inFlight_.forget([](const Done& done) { return done->reached(); });
+  for (const auto& done : inFlight_.overlapping(ranges)) {
+    // The delegate orders its own collectives (one stream): only ours are waited for.
+    if (std::dynamic_pointer_cast<WorkDone>(done) == nullptr) {
+      blockCurrentStream(*done, device);
+      ++stats_.orderingWaits;
+    }
   }
 }
 
-void SubgroupAllreduce::orderAfter(const std::vector<at::Tensor>& tensors, c10d::Work& work) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!streams_ || !streams_->onDevice() || isCapturing(currentStreamCapture(streams_->device()))) {
+void SubgroupAllreduce::orderAfter(const std::vector<at::Tensor>& tensors, const c10::intrusive_ptr<c10d::Work>& work) {
+  if (planted(Plant::kAllreduceNotAfterDelegated) || deviceType_ == c10::kCPU) {
     return;
   }
-  DoneEvent done = streams_->markAfter([&work] { work.synchronize(); });
-  inFlight_.add(byteRangesOf(tensors), std::move(done));
+  std::vector<ByteRange> ranges = byteRangesOf(tensors);
+  if (ranges.empty() || isCapturing(currentStreamCapture(tensors.front().device()))) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (planted(Plant::kDelegatedHoldReleasedAtIssue) && streams_ && streams_->onDevice()) {
+    // What this method once did: synchronize() on a stream of the group's own.
+    c10::StreamGuard onOurs(*streams_->stream(0));
+    work->synchronize();
+  }
+  inFlight_.add(std::move(ranges), std::make_shared<WorkDone>(work));
 }
 
-void SubgroupAllreduce::useDevice(c10::Device device) {
-  std::unique_lock<std::mutex> lock(mu_);
+void SubgroupAllreduce::useDevice(c10::Device device, std::unique_lock<std::mutex>& lock) {
   // Another thread may be connecting: connecting waits on the host for the
   // peers, so it runs without the lock, which abort() and destroy need.
-  connected_.wait(lock, [&] { return !connecting_; });
+  connected_.wait(lock, [&] { return life_.load() != Life::kConnecting; });
   if (streams_) {
     TORCH_CHECK(device == streams_->device(), "fairring: an allreduce on ", device,
                 " but this process group's allreduces run on ", streams_->device(), "; use one device per process");
     return;
   }
-  if (!failure_.empty()) {
-    return; // run() raises it
-  }
-  connecting_ = true;
+  Life expected = Life::kUnconnected;
+  TORCH_CHECK(life_.compare_exchange_strong(expected, Life::kConnecting), "fairring: allreduce on rank ",
+              options_.rank, " after the process group was shut down");
   auto streams = std::make_unique<LaneStreams>(device, numLanes_, composes() && options_.localSize > 1);
   std::vector<at::Tensor> staging;
   std::string failure;
   lock.unlock();
   try {
     connect(*streams);
-    if (composes()) {
-      // Allocated once; each lane reuses its slot piece after piece, in the
-      // order of its stream.
-      for (int k = 0; k < numLanes_; ++k) {
-        staging.push_back(streams->allocate(options_.laneStagingBytes, k));
-      }
+    // Allocated once; each lane reuses its slot piece after piece, in the
+    // order of its stream.
+    for (int k = 0; composes() && k < numLanes_; ++k) {
+      staging.push_back(streams->allocate(options_.laneStagingBytes, k));
     }
   } catch (const std::exception& e) {
     failure = std::string("fairring: rank ") + std::to_string(options_.rank) +
         " could not set up its allreduce sub-groups: " + e.what();
   }
   lock.lock();
-  connecting_ = false;
+  expected = Life::kConnecting;
+  const bool up = life_.compare_exchange_strong(expected, failure.empty() ? Life::kReady : Life::kUnconnected);
   connected_.notify_all();
   if (!failure.empty()) {
-    failure_ = failure;
-    return;
+    failure_->fail(failure, 0); // every later call refuses with it
+    throw c10::DistBackendError(failure);
   }
+  TORCH_CHECK(up, "fairring: rank ", options_.rank, "'s process group was shut down while it connected");
   streams_ = std::move(streams);
   staging_ = std::move(staging);
 }
 
+void SubgroupAllreduce::failAt(uint64_t turn, const std::string& message) {
+  failure_->fail(message, turn);
+  throw c10::DistBackendError(message);
+}
+
 c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::run(
     std::vector<at::Tensor> outputs,
-    int64_t numel,
+    const CallPlan& plan,
     at::ScalarType dtype,
     RedOp op,
     c10d::OpType type,
     const std::function<Prepared()>& prepare) {
-  TORCH_CHECK(!stopped_, "fairring: allreduce on rank ", options_.rank, " after the process group was shut down");
+  TORCH_CHECK(!plan.units.empty(), "fairring: an allreduce of nothing reached the composition");
   const c10::Device device = outputs[0].device();
-  useDevice(device);
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!failure_.empty()) {
-    throw c10::DistBackendError(failure_ + " (this process group failed earlier and cannot be used)");
+  std::unique_lock<std::mutex> lock(mu_);
+  TORCH_CHECK(!stopped(), "fairring: allreduce on rank ", options_.rank, " after the process group was shut down");
+  if (failure_->fails(nextTurn_)) {
+    throw c10::DistBackendError(failure_->refusal());
   }
-  TORCH_CHECK(!stopped_, "fairring: allreduce on rank ", options_.rank, " after the process group was shut down");
-  const CallPlan plan = planCall(
-      numel, c10::elementSize(dtype), options_.plan, options_.largestPieceBytes, options_.localSize,
-      options_.numMachines);
+  useDevice(device, lock);
+  const uint64_t turn = nextTurn_++;
   const std::vector<ByteRange> ranges = byteRangesOf(outputs);
   // Asked before anything is issued, so that an error of the device's here
   // fails this call only, not the group.
-  std::vector<DoneEvent> after;
-  if (streams_->onDevice() && !plan.units.empty()) {
-    inFlight_.forget([](const DoneEvent& done) { return done->query(); });
-    after = inFlight_.overlapping(ranges);
+  std::vector<Done> after;
+  if (streams_->onDevice()) {
+    inFlight_.forget([](const Done& done) { return done->reached(); });
+    if (!planted(Plant::kByteRangesOff)) {
+      after = inFlight_.overlapping(ranges);
+    }
   }
   countCall(plan, after.size());
-
   const std::vector<c10::Device> devices =
       streams_->onDevice() ? std::vector<c10::Device>{device} : std::vector<c10::Device>{};
   auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()), devices);
-  DoneEvent done;
+  Event done;
   parts_.clear();
   try {
     // The stream the operation is done on is current while the future is
     // marked: c10's Future records its events on the current stream, and
     // whoever waits on the future (DDP's reducer, then() callbacks) waits for
-    // those. Nothing is issued for an empty tensor or a world of one: the
-    // result is the input, ready on the caller's stream, which stays current.
+    // those.
     c10::OptionalStreamGuard onDone;
-    if (!plan.units.empty()) {
-      streams_->beginOp(std::move(after));
-      const int first = firstStream(plan);
-      Prepared prepared;
-      {
-        // The copy of a view, of an int16 tensor or of coalesced tensors
-        // reads the caller's bytes: it waits, on the first step's stream, for
-        // what they wait for, and every other stream of the call after it.
-        auto onFirst = streams_->enter(first);
-        prepared = prepare();
+    streams_->beginOp(std::move(after));
+    Prepared prepared;
+    const int last = issue(plan, op, prepare, prepared);
+    if (const auto doneStream = streams_->stream(last)) {
+      onDone.reset_stream(*doneStream);
+    }
+    if (prepared.finish) {
+      prepared.finish();
+    }
+    for (const std::vector<at::Tensor>* tensors : {&outputs, &prepared.buffers}) {
+      for (const at::Tensor& t : *tensors) {
+        streams_->keepAlive(t, last);
       }
-      if (prepared.finish) {
-        streams_->restartFrom(first);
-      }
-      const bool composed = !plan.units.front().direct;
-      const int last = composed ? issueComposed(prepared.work, plan, op) : issueDirect(prepared.work, op);
-      if (const auto doneStream = streams_->stream(last)) {
-        onDone.reset_stream(*doneStream);
-      }
-      if (prepared.finish) {
-        prepared.finish();
-      }
-      for (const std::vector<at::Tensor>* tensors : {&outputs, &prepared.buffers}) {
-        for (const at::Tensor& t : *tensors) {
-          streams_->keepAlive(t, last);
-        }
-      }
-      done = streams_->mark(last);
-      if (done) {
-        inFlight_.add(ranges, done);
-      }
+    }
+    done = streams_->mark(last);
+    if (done) {
+      inFlight_.add(ranges, done);
+    }
+    if (planted(Plant::kFutureOnCallerStream)) {
+      onDone.reset(); // the caller's stream current again
     }
     future->markCompleted(c10::IValue(outputs));
   } catch (const std::exception& e) {
     // Some sub-groups may have this operation and others not: the ranks no
     // longer agree on what comes next, so nothing more may be issued.
-    failure_ = std::string("fairring: allreduce failed on rank ") + std::to_string(options_.rank) + ": " + e.what();
-    throw c10::DistBackendError(failure_);
+    failAt(turn, std::string("fairring: allreduce failed on rank ") + std::to_string(options_.rank) + ": " + e.what());
   }
-  const std::string description = "allreduce of " + std::to_string(numel) + " elements of " + dtypeName(dtype) +
-      " on rank " + std::to_string(options_.rank);
+  const std::string description = "allreduce of " + std::to_string(plan.units.back().begin + plan.units.back().size) +
+      " elements of " + dtypeName(dtype) + " on rank " + std::to_string(options_.rank);
   return c10::make_intrusive<SubgroupWork>(
       options_.rank, type, std::move(outputs), future, done, device, std::move(parts_), description,
-      options_.timeout);
+      options_.timeout, failure_);
+}
+
+int SubgroupAllreduce::issue(
+    const CallPlan& plan,
+    RedOp op,
+    const std::function<Prepared()>& prepare,
+    Prepared& prepared) {
+  const int first = firstStream(plan);
+  {
+    // The copy of a view, of an int16 tensor or of coalesced tensors reads
+    // the caller's bytes: it waits, on the first step's stream, for what they
+    // wait for, and every other stream of the call after it.
+    auto onFirst = streams_->enter(first);
+    prepared = prepare();
+  }
+  if (prepared.finish) {
+    streams_->restartFrom(first);
+  }
+  const bool composed = !plan.units.front().direct;
+  return composed ? issueComposed(prepared.work, plan, op) : issueDirect(prepared.work, op);
 }
 
 void SubgroupAllreduce::countCall(const CallPlan& plan, size_t orderingWaits) {
   ++stats_.operations;
   stats_.orderingWaits += orderingWaits;
-  if (stats_.rows.size() < std::max<size_t>(1, options_.plan.size())) {
-    stats_.rows.resize(std::max<size_t>(1, options_.plan.size()), 0);
-  }
+  stats_.rows.resize(std::max<size_t>({stats_.rows.size(), options_.plan.size(), plan.row + 1}), 0);
   ++stats_.rows[plan.row];
-  if (plan.units.empty()) {
-    return;
-  }
   if (plan.units.front().direct) {
-    ++stats_.ncclCalls;
+    ++stats_.ncclCalls; // the plant kDirectThroughOurStreams
   } else {
     ++stats_.composedCalls;
   }
@@ -312,149 +332,12 @@ int SubgroupAllreduce::firstStream(const CallPlan& plan) const {
   return static_cast<int>(nextUnit_ % numLanes_);
 }
 
-std::vector<c10::intrusive_ptr<c10d::Backend>> SubgroupAllreduce::subgroups(bool withWorld) const {
-  std::vector<c10::intrusive_ptr<c10d::Backend>> groups(groups_.lanes.begin(), groups_.lanes.end());
-  for (const auto& group : {groups_.localReduce, groups_.localGather}) {
-    if (group) {
-      groups.push_back(group);
-    }
-  }
-  if (withWorld) {
-    groups.push_back(groups_.world);
-  }
-  return groups;
-}
-
-bool SubgroupAllreduce::anySubgroupFailed() const {
-  for (const auto& group : subgroups(/*withWorld=*/true)) {
-    try {
-      if (group->getError() != c10d::ErrorType::SUCCESS) {
-        return true;
-      }
-    } catch (const std::exception&) {
-      // A backend that cannot report errors (torch 2.13's Gloo throws "does
-      // not support getError") is not known to have failed: the drain still
-      // ends at the timeout if its work never finishes.
-    }
-  }
-  return false;
-}
-
-void SubgroupAllreduce::awaitIssued() {
-  std::vector<DoneEvent> pending;
-  std::string failure;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    failure = failure_;
-    pending = inFlight_.all();
-  }
-  if (!failure.empty()) {
-    throw c10::DistBackendError(failure + " (barrier on a process group that failed earlier)");
-  }
-  std::vector<std::function<bool()>> checks;
-  for (const auto& event : pending) {
-    checks.emplace_back([event] { return event->query(); });
-  }
-  const DrainEnd end = drainUntil(
-      checks, [this] { return aborting_.load() || anySubgroupFailed(); },
-      std::chrono::steady_clock::now() + options_.timeout);
-  if (end == DrainEnd::kDrained) {
-    return;
-  }
-  throw c10::DistBackendError(
-      "fairring: barrier on rank " + std::to_string(options_.rank) + ": " +
-      (end == DrainEnd::kFailed
-           ? std::string("a sub-group reported an error (or the group was aborted) while its allreduces were finishing")
-           : "its allreduces did not finish within " + std::to_string(options_.timeout.count()) + " ms"));
-}
-
-void SubgroupAllreduce::shutdown() {
-  std::vector<DoneEvent> pending;
-  std::string failedEarlier;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stopped_) {
-      return;
-    }
-    stopped_ = true;
-    pending = inFlight_.all();
-    failedEarlier = failure_;
-  }
-  // Waited for with no lock held: an abort() from another thread is not kept
-  // out, and stops the wait.
-  DrainEnd end = DrainEnd::kFailed;
-  if (failedEarlier.empty()) {
-    std::vector<std::function<bool()>> checks;
-    for (const auto& event : pending) {
-      checks.emplace_back([event] { return event->query(); });
-    }
-    try {
-      end = drainUntil(
-          checks, [this] { return aborting_.load() || anySubgroupFailed(); },
-          std::chrono::steady_clock::now() + options_.timeout);
-    } catch (const std::exception& e) {
-      failedEarlier = e.what(); // the device could not say: as good as failed
-    }
-  }
-  if (end == DrainEnd::kDrained) {
-    close(/*graceful=*/true, /*withWorld=*/false, "drained");
-    return;
-  }
-  std::string why;
-  if (!failedEarlier.empty()) {
-    why = "the group had failed (" + failedEarlier + ")";
-  } else if (end == DrainEnd::kFailed) {
-    why = "a sub-group reported an error while its allreduces were finishing";
-  } else {
-    why = "its allreduces did not finish within " + std::to_string(options_.timeout.count()) + " ms";
-  }
-  TORCH_WARN("fairring: destroying rank ", options_.rank, "'s process group: ", why,
-             "; its sub-groups, the world group included, were aborted rather than waited for");
-  close(/*graceful=*/false, /*withWorld=*/true, std::string("aborted: ") + drainEndName(end));
-}
-
-void SubgroupAllreduce::abort() {
-  // Takes no lock that an allreduce holds while it issues (on the CPU test
-  // path a Gloo collective blocks there), so an abort is never kept waiting.
-  aborting_ = true;
-  stopped_ = true;
-  close(/*graceful=*/false, /*withWorld=*/false, "aborted");
-}
-
-void SubgroupAllreduce::close(bool graceful, bool withWorld, const std::string& outcome) {
-  {
-    std::lock_guard<std::mutex> lock(closeMu_);
-    if (closed_) {
-      return;
-    }
-    closed_ = true;
-    shutdown_ = outcome;
-  }
-  // NCCL's graceful shutdown waits for its collectives, and its abort may
-  // take a while too: outside the lock, like the wait before it.
-  int aborted = 0;
-  for (const auto& group : subgroups(withWorld)) {
-    try {
-      if (graceful) {
-        group->shutdown();
-      } else {
-        group->abort();
-        ++aborted;
-      }
-    } catch (const std::exception& e) {
-      TORCH_WARN("fairring: ", graceful ? "shutting down" : "aborting", " a sub-group on rank ", options_.rank,
-                 " failed: ", e.what());
-    }
-  }
-  std::lock_guard<std::mutex> lock(closeMu_);
-  abortedGroups_ = aborted;
-}
-
 SubgroupStats SubgroupAllreduce::stats() const {
   SubgroupStats stats;
   {
     std::lock_guard<std::mutex> lock(mu_);
     stats = stats_;
+    stats.eventsCreated = streams_ ? streams_->eventsCreated() : 0;
   }
   std::lock_guard<std::mutex> lock(closeMu_);
   stats.shutdown = shutdown_;

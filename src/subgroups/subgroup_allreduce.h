@@ -15,7 +15,9 @@
 #include <string>
 #include <vector>
 
+#include "failure/group_failure.h"
 #include "subgroups/call_plan.h"
+#include "subgroups/done_point.h"
 #include "subgroups/drain.h"
 #include "subgroups/in_flight_ops.h"
 #include "subgroups/lane_streams.h"
@@ -26,7 +28,8 @@ namespace fairring {
 // store (fairring_pg/subgroups.py): ProcessGroupNCCL for CUDA tensors, and
 // ProcessGroupGloo for the CPU test path that runs this same code in CI.
 struct Subgroups {
-  // Every rank of the job: NCCL's own allreduce, and the tails of pieces.
+  // Every rank of the job: the tails of pieces (and the delegate's own
+  // allreduce, which the backend calls itself).
   c10::intrusive_ptr<c10d::Backend> world;
   // This machine's ranks (several local ranks only). Two groups, so that the
   // reduce-scatter of one piece and the all-gather of another run at once:
@@ -34,10 +37,8 @@ struct Subgroups {
   c10::intrusive_ptr<c10d::Backend> localReduce;
   c10::intrusive_ptr<c10d::Backend> localGather;
   // This rank's rail (same local rank on every machine), one per lane:
-  // K communicators put K pieces on the wire at once. Empty where the plan
-  // composes no call (one machine, one rank per machine under auto, unknown
-  // node facts, FAIRRING_CUDA_ALLREDUCE=direct, or no size where composing
-  // wins), and then neither are the local groups made.
+  // K communicators put K pieces on the wire at once. Made only where the
+  // plan composes some call, and then the local groups too.
   std::vector<c10::intrusive_ptr<c10d::Backend>> lanes;
 };
 
@@ -50,9 +51,9 @@ struct SubgroupOptions {
   int machine{0};
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   // The plan (fairring_pg.model.cuda_plan, made once per group, the same on
-  // every rank): what a call of each size runs. Empty: NCCL's allreduce.
+  // every rank): what a call of each size runs.
   std::vector<PlanRow> plan;
-  size_t largestPieceBytes{0}; // a multiple of 8*L*M: no piece is larger
+  size_t largestPieceBytes{0}; // a multiple of 16*L*M: no piece is larger
   size_t laneStagingBytes{0}; // each lane's staging for pieces of that size (fairring_pg.config)
   size_t totalMemory{0};
 };
@@ -61,10 +62,10 @@ struct SubgroupOptions {
 // allreduce took, whether ordering made it wait) and for a destroy to say how
 // it ended.
 struct SubgroupStats {
-  uint64_t operations{0}; // allreduces and coalesced allreduces issued
-  uint64_t ncclCalls{0}; // operations that were one NCCL allreduce on the world group
-  uint64_t composedCalls{0}; // operations cut into pieces
-  uint64_t directUnits{0}; // pieces reduced by one allreduce on the world group (a call, or a tail)
+  uint64_t operations{0}; // allreduces and coalesced allreduces, whichever way they went
+  uint64_t ncclCalls{0}; // those handed to the delegate's own allreduce, returned as it made them
+  uint64_t composedCalls{0}; // those cut into pieces
+  uint64_t directUnits{0}; // tails of composed calls: one allreduce on the world group each
   uint64_t slicedUnits{0}; // pieces that went through the composition
   std::vector<uint64_t> rows; // operations per row of the plan
   // Earlier operations, still in flight on bytes a later one touches, that it
@@ -75,6 +76,7 @@ struct SubgroupStats {
   // an allreduce that may still be in flight: not ordered after it (events
   // from outside a capture cannot be waited for inside it).
   uint64_t unorderedInCapture{0};
+  uint64_t eventsCreated{0}; // by the event pool, ever
   std::string shutdown{"running"}; // how destroy or abort ended
   int abortedGroups{0};
 };
@@ -87,7 +89,9 @@ struct SubgroupStats {
 //      machines, and every machine's reduced shard back into my chunk;
 //   3. all-gather of the chunks on the local group, in place;
 // each step on a stream of its own, waiting for the step before it, so that
-// the steps of consecutive pieces run at once (composed_call.cpp).
+// the steps of consecutive pieces run at once (composed_call.cpp). Which calls
+// come here is ComposedPath's choice (composed_path.h): the others are the
+// delegate's own, ordered after and before these by orderBefore/orderAfter.
 // See docs/design.md for why this cannot deadlock and what the streams do.
 class SubgroupAllreduce {
  public:
@@ -98,37 +102,48 @@ class SubgroupAllreduce {
   SubgroupAllreduce(const SubgroupAllreduce&) = delete;
   SubgroupAllreduce& operator=(const SubgroupAllreduce&) = delete;
 
+  // How a call of `numel` elements of `dtype` (the caller's) is cut, from the
+  // plan and the job's shape only: the same on every rank for the same call.
+  CallPlan planFor(int64_t numel, at::ScalarType dtype) const;
+
+  // The composition of a call planFor() cuts into pieces, of a dtype and op
+  // it reduces (checkReducible), not under capture: ComposedPath decided so.
   c10::intrusive_ptr<c10d::Work> allreduce(at::Tensor& tensor, RedOp op);
   c10::intrusive_ptr<c10d::Work> allreduceCoalesced(std::vector<at::Tensor>& tensors, RedOp op);
+  // The plant kDirectThroughOurStreams only: a call that does not compose,
+  // as one allreduce on the world group issued on the group's streams.
+  c10::intrusive_ptr<c10d::Work> allreduceOnOurStreams(at::Tensor& tensor, RedOp op);
+  // An allreduce went to the delegate's own (the plan's row `row`).
+  void countDelegated(size_t row);
 
-  // A collective of another group (the delegate) is about to run on
-  // `tensors`: the caller's current stream waits for the allreduces in
-  // flight whose bytes they share, as it would behind them on NCCL's one
-  // stream. Under CUDA graph capture it neither asks about nor waits for
-  // them (either would break the capture): the captured collective runs
-  // when the graph is replayed, which NCCL orders after nothing either.
+  // A collective of the delegate is about to run on `tensors`: the caller's
+  // current stream waits for the allreduces in flight whose bytes they share,
+  // as it would behind them on NCCL's one stream. Under CUDA graph capture it
+  // neither asks about nor waits for them (either would break the capture):
+  // the captured collective runs when the graph is replayed, which NCCL
+  // orders after nothing either.
   void orderBefore(const std::vector<at::Tensor>& tensors);
-  // ... and once it is issued (`work`, the delegate's), the allreduces issued
-  // later on the same bytes wait for it, as they would behind it on NCCL's one
-  // stream: a stream of the group's own waits for the collective (the work's
-  // synchronize(), which does not block the host) and marks where it ends.
-  // Not under capture, for the reasons above.
-  void orderAfter(const std::vector<at::Tensor>& tensors, c10d::Work& work);
+  // ... and once it is issued (`work`, the delegate's), allreduces issued
+  // later on the same bytes wait for it, through its future (WorkDone), never
+  // its wait() or synchronize(), which would empty ProcessGroupNCCL's hold on
+  // the caller's memory. Nothing is recorded on the device. Not under capture.
+  void orderAfter(const std::vector<at::Tensor>& tensors, const c10::intrusive_ptr<c10d::Work>& work);
 
   // barrier(): the host waits until the device has finished every allreduce
   // issued on this group (as NCCL's barrier waits for the group's earlier
   // collectives), up to the group's timeout, holding no lock; raises the
-  // group's failure, or one a sub-group reports meanwhile, or the timeout.
+  // group's failure, or one a sub-group reports meanwhile, or the timeout
+  // (which then fail the group: GroupFailure).
   void awaitIssued();
 
   // destroy_process_group(): waits on the host, up to the group's timeout,
   // until the device has finished every allreduce issued (a peer may still
   // need this rank's sends), then shuts the sub-groups down gracefully. After
-  // a failure (this group's first error, or one a sub-group reports while
-  // waiting) it waits no longer, and if the time passes it stops waiting too:
-  // then every sub-group, the world group included, is aborted, since a
-  // graceful NCCL shutdown would wait for the collectives that will never
-  // end. No lock is held while waiting. Never throws. Idempotent.
+  // a failure (the group's, or one a sub-group reports while waiting) it waits
+  // no longer, and if the time passes it stops waiting too: then every
+  // sub-group, the world group included, is aborted, since a graceful NCCL
+  // shutdown would wait for the collectives that will never end. No lock is
+  // held while waiting. Never throws. Idempotent.
   void shutdown();
   // Aborts every sub-group but the world group (the backend owns that one)
   // at once, with whatever is in flight; a shutdown waiting meanwhile stops.
@@ -137,10 +152,17 @@ class SubgroupAllreduce {
   SubgroupStats stats() const;
 
  private:
-  using DoneEvent = LaneStreams::Event;
+  // The group's life, one value; what failed is GroupFailure's.
+  enum class Life : uint8_t {
+    kUnconnected, // no composed call yet: no streams, the sub-groups not connected
+    kConnecting, // the first composed call connects them, holding no lock
+    kReady, // composed calls run
+    kStopped, // destroy or abort began: no more calls; the sub-groups still open
+    kClosed, // the sub-groups shut down or aborted (by one closer, once)
+  };
 
-  // What an operation reduces, made on the lane of its first unit once that
-  // lane waits for everything the caller's tensors wait for.
+  // What an operation reduces, made on the stream of its first step once that
+  // stream waits for everything the caller's tensors wait for.
   struct Prepared {
     at::Tensor work; // flat, in the dtype the sub-groups reduce
     std::function<void()> finish; // writes the result back (null: `work` is the caller's tensor)
@@ -151,11 +173,13 @@ class SubgroupAllreduce {
 
   c10::intrusive_ptr<c10d::Work> run(
       std::vector<at::Tensor> outputs,
-      int64_t numel,
+      const CallPlan& plan,
       at::ScalarType dtype,
       RedOp op,
       c10d::OpType type,
       const std::function<Prepared()>& prepare);
+  // Issues the call's units on their streams; returns the stream it is done on.
+  int issue(const CallPlan& plan, RedOp op, const std::function<Prepared()>& prepare, Prepared& prepared);
   // The stream an operation's first step runs on (where prepare() copies).
   int firstStream(const CallPlan& plan) const;
   void countCall(const CallPlan& plan, size_t orderingWaits);
@@ -167,48 +191,56 @@ class SubgroupAllreduce {
   Event railStep(const at::Tensor& work, const Unit& piece, int lane, const Event& after, RailExchange how, RedOp op);
   void allGatherStep(const at::Tensor& work, const Unit& piece, const Event& after);
   void reduceDirect(const at::Tensor& piece, RedOp op);
-  // Issues `work`'s collective's wait on the current (lane) stream and keeps
-  // it as a part of the operation in progress.
+  // Orders the current (step's) stream after `work`'s collective, on the
+  // device only (a step never makes the host wait: TORCH_NCCL_BLOCKING_WAIT
+  // would otherwise run the steps one at a time), and keeps it as a part of
+  // the operation in progress. On CPU (Gloo) the wait blocks: that is all
+  // Gloo has.
   void await(const c10::intrusive_ptr<c10d::Work>& work);
-  // Makes the streams and connects every sub-group at the first operation,
-  // without holding mu_ while it waits for the peers; sets failure_ if that
-  // fails.
-  void useDevice(c10::Device device);
+  // Makes the streams and connects every sub-group at the first composed call,
+  // without holding mu_ while it waits for the peers; fails the group (turn 0)
+  // if that fails.
+  void useDevice(c10::Device device, std::unique_lock<std::mutex>& lock);
   void connect(LaneStreams& streams);
   bool composes() const {
     return !groups_.lanes.empty();
+  }
+  bool stopped() const {
+    return life_.load() >= Life::kStopped;
   }
   // `withWorld`: the world group too (the backend's delegate, which the
   // backend shuts down itself after a graceful end).
   std::vector<c10::intrusive_ptr<c10d::Backend>> subgroups(bool withWorld) const;
   bool anySubgroupFailed() const;
+  // Waits on the host for `pending` (no lock held): a sub-group's error and an
+  // abort end it early.
+  DrainEnd drain(const std::vector<Done>& pending);
   // Shuts the sub-groups down (`graceful`) or aborts them, once, outside the lock.
   void close(bool graceful, bool withWorld, const std::string& outcome);
-  void refuseCapture(c10::Device device) const;
   void checkTensor(const at::Tensor& t, const std::string& name) const;
+  [[noreturn]] void failAt(uint64_t turn, const std::string& message);
 
   const Subgroups groups_;
   const SubgroupOptions options_;
   const c10::DeviceType deviceType_;
   const int numLanes_;
+  // Shared with the Works, which fail the group when a wait of theirs times out.
+  const std::shared_ptr<GroupFailure> failure_{std::make_shared<GroupFailure>()};
+  std::atomic<Life> life_{Life::kUnconnected};
 
   // One operation's units are issued together, and operations in call order.
   mutable std::mutex mu_;
-  std::condition_variable connected_; // connecting_ went false
-  bool connecting_{false};
-  std::string failure_;
-  std::unique_ptr<LaneStreams> streams_; // made and connected at the first operation (its device)
+  std::condition_variable connected_; // life_ left kConnecting
+  uint64_t nextTurn_{0}; // composed calls so far: GroupFailure's turns
+  std::unique_ptr<LaneStreams> streams_; // made and connected at the first composed call
   std::vector<at::Tensor> staging_; // one slot per lane, bytes (the all-to-all exchange's)
   uint64_t nextUnit_{0};
-  InFlightOps<DoneEvent> inFlight_;
+  InFlightOps<Done> inFlight_;
   std::vector<c10::intrusive_ptr<c10d::Work>> parts_; // of the operation being issued
   SubgroupStats stats_;
-  std::atomic<bool> stopped_{false}; // no more operations
-  std::atomic<bool> aborting_{false}; // read by the waits of connecting and draining, which hold no lock
   // How the sub-groups were closed; apart from mu_, which an allreduce holds
   // while it issues, so that abort() never waits for one.
   mutable std::mutex closeMu_;
-  bool closed_{false};
   std::string shutdown_{"running"};
   int abortedGroups_{0};
 };

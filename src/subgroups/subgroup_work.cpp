@@ -24,11 +24,12 @@ SubgroupWork::SubgroupWork(
     c10d::OpType opType,
     std::vector<at::Tensor> outputs,
     c10::intrusive_ptr<c10::ivalue::Future> future,
-    std::shared_ptr<c10::Event> done,
+    std::shared_ptr<EventDone> done,
     c10::Device device,
     std::vector<c10::intrusive_ptr<c10d::Work>> parts,
     std::string description,
-    std::chrono::milliseconds groupTimeout)
+    std::chrono::milliseconds groupTimeout,
+    std::shared_ptr<GroupFailure> groupFailure)
     : c10d::Work(rank, opType),
       outputs_(std::move(outputs)),
       future_(std::move(future)),
@@ -36,10 +37,14 @@ SubgroupWork::SubgroupWork(
       device_(device),
       parts_(std::move(parts)),
       description_(std::move(description)),
-      groupTimeout_(groupTimeout) {}
+      groupTimeout_(groupTimeout),
+      groupFailure_(std::move(groupFailure)) {}
 
-std::exception_ptr SubgroupWork::partFailure() const {
+std::exception_ptr SubgroupWork::partFailure(bool ask) const {
   for (const auto& part : parts_) {
+    if (ask) {
+      part->isCompleted();
+    }
     if (auto failure = part->exception()) {
       return failure;
     }
@@ -57,7 +62,7 @@ bool SubgroupWork::isSuccess() const {
 }
 
 bool SubgroupWork::isCompleted() {
-  return exception() != nullptr || !done_ || done_->query();
+  return exception() != nullptr || !done_ || done_->reached();
 }
 
 void SubgroupWork::synchronize() {
@@ -77,14 +82,16 @@ bool SubgroupWork::wait(std::chrono::milliseconds timeout) {
   synchronize();
   if (done_ && (timeout != kNoTimeout || blockingWait())) {
     const auto limit = timeout != kNoTimeout ? timeout : groupTimeout_;
-    const Status reached = waitOnHost(*done_, std::chrono::steady_clock::now() + limit);
+    const Status reached = waitOnHost(
+        *done_, std::chrono::steady_clock::now() + limit, [this] { return partFailure(/*ask=*/true) != nullptr; });
     if (auto failure = exception()) {
       std::rethrow_exception(failure);
     }
     if (!reached.ok()) {
-      auto error = std::make_exception_ptr(c10::DistBackendError(
-          "fairring: " + description_ + " did not finish within " + std::to_string(limit.count()) +
-          " ms (the timeout of its wait)"));
+      const std::string message = "fairring: " + description_ + " did not finish within " +
+          std::to_string(limit.count()) + " ms (the timeout of its wait)";
+      groupFailure_->fail(message, 0);
+      auto error = std::make_exception_ptr(c10::DistBackendError(message));
       {
         std::lock_guard<std::mutex> lock(mutex_);
         exception_ = error;

@@ -9,6 +9,9 @@
 #include <string>
 #include <vector>
 
+#include "failure/group_failure.h"
+#include "subgroups/done_point.h"
+
 namespace fairring {
 
 // The Work of a sub-group allreduce, with ProcessGroupNCCL's semantics: the
@@ -33,11 +36,12 @@ class SubgroupWork : public c10d::Work {
       c10d::OpType opType,
       std::vector<at::Tensor> outputs,
       c10::intrusive_ptr<c10::ivalue::Future> future,
-      std::shared_ptr<c10::Event> done,
+      std::shared_ptr<EventDone> done,
       c10::Device device,
       std::vector<c10::intrusive_ptr<c10d::Work>> parts,
       std::string description,
-      std::chrono::milliseconds groupTimeout);
+      std::chrono::milliseconds groupTimeout,
+      std::shared_ptr<GroupFailure> groupFailure);
 
   bool isCompleted() override;
   bool isSuccess() const override;
@@ -49,17 +53,23 @@ class SubgroupWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
  private:
-  std::exception_ptr partFailure() const;
+  // The first failure of a part; `ask`: each part is asked to look first
+  // (isCompleted(), which is how ProcessGroupNCCL finds an error where no
+  // watchdog runs, under TORCH_NCCL_BLOCKING_WAIT).
+  std::exception_ptr partFailure(bool ask = false) const;
 
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
-  std::shared_ptr<c10::Event> done_;
+  std::shared_ptr<EventDone> done_;
   c10::Device device_;
   // The sub-group collectives of the operation (NCCL's works on a device):
   // their failures are this operation's.
   std::vector<c10::intrusive_ptr<c10d::Work>> parts_;
   std::string description_; // "allreduce of N elements of T on rank R", for errors
   std::chrono::milliseconds groupTimeout_; // a blocking wait's limit when wait() names none
+  // The group's: a wait that times out fails it from turn 0 (the device may
+  // never get past this operation, so nothing after it may be issued).
+  std::shared_ptr<GroupFailure> groupFailure_;
 };
 
 } // namespace fairring

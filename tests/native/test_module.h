@@ -10,3 +10,5 @@ void bindEngine(pybind11::module_& m);
 // The sub-group path's pure logic (subgroup_bindings.cpp).
 void bindSubgroupLogic(pybind11::module_& m);
 void bindCaptureAndDrain(pybind11::module_& m);
+// The plants: test-only switches that put a known bug back (plant_bindings.cpp).
+void bindPlants(pybind11::module_& m);

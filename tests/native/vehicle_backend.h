@@ -1,20 +1,50 @@
 #pragma once
 
+#include <c10/core/Event.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
-// A stand-in for ProcessGroupNCCL on the stream vehicle (vehicle_device.h),
-// over a Gloo group: each collective runs on a communication stream of the
-// group's own, which first waits for the caller's current stream; the
-// allocator is told that its tensors are used there (as ProcessGroupNCCL's
-// record_stream); its Work's wait(), synchronize() and blockCurrentStream()
-// make the caller's current stream wait for the collective's end, without the
-// host waiting; its future is marked on the communication stream. The bytes
-// move through Gloo, at once, on host views of the vehicle tensors.
+#include "vehicle_ledger.h"
+
+// A stand-in for today's ProcessGroupNCCL (torch >= 2.8) on the stream vehicle
+// (vehicle_device.h), over a Gloo group. What it copies is how ProcessGroupNCCL
+// keeps memory safe, because that is what fairring must not break:
+//  - an asynchronous collective (opts.asyncOp, what every Work-returning call
+//    asks for) runs on a communication stream of the group's own, which first
+//    waits for the caller's current stream; it calls no record_stream: its
+//    tensors (and any temporary it makes, such as the flattened input of the
+//    list form of reduce_scatter) sit on the Work's shelf until wait() or
+//    synchronize() makes the caller's current stream wait for its end and
+//    empties the shelf, or until the watchdog has seen it end and the group's
+//    next collective empties it (the late release, the only safety net);
+//  - a blocking one (asyncOp false) runs on the caller's current stream and
+//    returns no Work;
+//  - its future is marked on the communication stream; isCompleted() asks
+//    the end event; TORCH_NCCL_BLOCKING_WAIT makes wait() (not
+//    synchronize()) also block the host until the end;
+//  - as NCCL does, it runs the group's kernels one after the other whatever
+//    stream each was issued on; its barrier waits for them on the host; it
+//    refuses a non-contiguous tensor with ProcessGroupNCCL's words.
+// The bytes move through Gloo, at once, on host views of the vehicle tensors.
 namespace vehicle {
+
+// Tensors held for the caching allocator's sake until a collective is known to
+// have ended on the device (ProcessGroupNCCL's TensorShelf).
+class Shelf {
+ public:
+  void stash(const std::vector<at::Tensor>& tensors);
+  // Drops the references (outside the lock: a drop may free a block).
+  void unstash();
+
+ private:
+  std::mutex mu_;
+  std::vector<at::Tensor> tensors_;
+};
 
 class StreamedBackend : public c10d::Backend {
  public:
@@ -41,6 +71,10 @@ class StreamedBackend : public c10d::Backend {
       at::Tensor& output,
       at::Tensor& input,
       const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(
+      std::vector<at::Tensor>& outputs,
+      std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
       at::Tensor& output,
       at::Tensor& input,
@@ -63,20 +97,48 @@ class StreamedBackend : public c10d::Backend {
   int64_t collectives() const {
     return collectives_;
   }
+  // Shelves still held (their collective not known to have ended).
+  size_t heldShelves();
 
  private:
-  // Runs `onHost` (the Gloo collective on host views) as one launch on the
-  // communication stream, ordered as ProcessGroupNCCL orders its kernels.
+  // Runs `onHost` (the Gloo collective on host views) as one launch, on the
+  // communication stream (async) or the caller's current stream, and holds
+  // the inputs, outputs and `temporaries` (written by the launch, not part of
+  // the result) as ProcessGroupNCCL does.
   c10::intrusive_ptr<c10d::Work> run(
       const std::string& op,
+      bool async,
       const std::vector<at::Tensor>& inputs,
       const std::vector<at::Tensor>& outputs,
+      const std::vector<at::Tensor>& temporaries,
       const std::function<void()>& onHost);
+  // One launch of `op` on `stream`, after the group's previous one.
+  void launch(
+      const c10::Stream& stream,
+      const std::string& op,
+      const std::vector<at::Tensor>& reads,
+      const std::vector<at::Tensor>& writes,
+      const std::function<void()>& onHost);
+  // The watchdog and the next call's clean-up in one: the shelves of
+  // collectives the host knows to have ended are emptied.
+  void releaseEnded();
 
   c10::intrusive_ptr<c10d::Backend> gloo_;
   std::string name_;
   int64_t stream_; // the communication stream's id
+  bool blockingWait_;
   int64_t collectives_{0};
+  std::mutex mu_;
+  struct Watched {
+    Clock end;
+    std::shared_ptr<Shelf> shelf;
+  };
+  std::vector<Watched> watched_; // the watchdog's list
+  std::mutex launchMu_; // one launch at a time, in order
+  c10::Event previous_{c10::DeviceType::PrivateUse1}; // where the group's last launch ends
 };
+
+// Whether `work` is a Work this stand-in made (the delegate's own, returned as is).
+bool isStreamedWork(const c10::intrusive_ptr<c10d::Work>& work);
 
 } // namespace vehicle

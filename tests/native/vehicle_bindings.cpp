@@ -38,6 +38,14 @@ void bindStreamVehicle(py::module_& m) {
         impl.exchangeStream(c10::Stream(c10::Stream::UNSAFE, vehicle::device(), id));
       },
       py::arg("id"));
+  v.def(
+      "wait_stream",
+      [](int64_t waiter, int64_t waited) {
+        c10::Event point(vehicle::device().type());
+        point.record(c10::Stream(c10::Stream::UNSAFE, vehicle::device(), waited));
+        point.block(c10::Stream(c10::Stream::UNSAFE, vehicle::device(), waiter));
+      },
+      py::arg("waiter"), py::arg("waited"), "Stream `waiter` waits for where stream `waited` stands now.");
   v.def("stream_name", [](int64_t id) { return vehicle::Ledger::get().streamName(id); });
   v.def(
       "launches",
@@ -72,5 +80,9 @@ void bindStreamVehicle(py::module_& m) {
             return c10::make_intrusive<vehicle::StreamedBackend>(gloo, name);
           }),
           py::arg("gloo"), py::arg("name"))
-      .def("collectives", &vehicle::StreamedBackend::collectives);
+      .def("collectives", &vehicle::StreamedBackend::collectives)
+      .def("held_shelves", &vehicle::StreamedBackend::heldShelves);
+  v.def(
+      "is_streamed_work", [](const c10::intrusive_ptr<c10d::Work>& work) { return vehicle::isStreamedWork(work); },
+      py::arg("work"), "Whether `work` is the stand-in's own Work (a collective returned as the delegate made it).");
 }

@@ -119,6 +119,11 @@ void Ledger::hostKnowsAll() {
   }
 }
 
+bool Ledger::hostKnowsDone(const Clock& clock) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return host_.covers(clock);
+}
+
 bool Ledger::reached(const Clock& clock, int& asked) {
   std::lock_guard<std::mutex> lock(mu_);
   if (host_.covers(clock)) {

@@ -65,6 +65,9 @@ class Ledger {
   void hostKnows(const Clock& clock);
   void hostKnowsStream(int64_t stream);
   void hostKnowsAll();
+  // Whether the host already knows the device got this far (asks nothing:
+  // a watchdog that has seen the end; the host learns nothing from it).
+  bool hostKnowsDone(const Clock& clock);
   // Whether an event query says "done". The device is slow but finite: an
   // event the host does not know to be done answers "not yet" to its first
   // `patience` questions (`asked` counts them) and "done" after, and then the

@@ -1,0 +1,49 @@
+#include "faults/plants.h"
+
+#include <stdexcept>
+
+namespace fairring::plants {
+
+namespace detail {
+std::atomic<uint32_t> gPlanted{0};
+} // namespace detail
+
+const std::vector<std::string>& names() {
+  static const std::vector<std::string> all{
+      "future_on_caller_stream",
+      "lane_skips_caller_wait",
+      "lanes_not_joined",
+      "keep_alive_off",
+      "byte_ranges_off",
+      "delegated_not_after_allreduce",
+      "allreduce_not_after_delegated",
+      "barrier_not_waiting",
+      "rail_skips_reduce_scatter",
+      "delegated_hold_released_at_issue",
+      "direct_through_our_streams",
+      "step_waits_on_host",
+  };
+  static_assert(static_cast<int>(Plant::kCount) == 12, "a name for every plant");
+  return all;
+}
+
+void arm(const std::string& name) {
+  const auto& all = names();
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (all[i] == name) {
+      detail::gPlanted.fetch_or(1U << i, std::memory_order_relaxed);
+      return;
+    }
+  }
+  std::string known;
+  for (const auto& n : all) {
+    known += (known.empty() ? "" : ", ") + n;
+  }
+  throw std::invalid_argument("no plant is called '" + name + "'; the plants are " + known);
+}
+
+void disarmAll() {
+  detail::gPlanted.store(0, std::memory_order_relaxed);
+}
+
+} // namespace fairring::plants

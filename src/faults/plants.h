@@ -1,0 +1,46 @@
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fairring::plants {
+
+// Test-only switches that put a known bug back, one each, so that a script
+// (scripts/stream_mutants.sh) shows on every CI run that the tests still catch
+// it: a plant kept only in someone's notes stops proving anything the day the
+// code moves. Only the test module (tests/native/) arms them; production code
+// never does, and an unarmed check is one relaxed atomic load.
+enum class Plant : uint8_t {
+  kFutureOnCallerStream, // the future marked with the caller's stream current
+  kLaneSkipsCallerWait, // a lane's first step does not wait for the caller's stream
+  kLanesNotJoined, // the done stream does not wait for the other lanes (L = 1)
+  kKeepAliveOff, // the allocator is not told which streams use the caller's memory
+  kByteRangesOff, // an allreduce does not wait for one in flight on the same bytes
+  kDelegatedNotAfterAllreduce, // a delegated collective does not wait for allreduces in flight
+  kAllreduceNotAfterDelegated, // an allreduce does not wait for a delegated collective in flight
+  kBarrierNotWaiting, // barrier() does not wait for the device
+  kRailSkipsReduceScatter, // the rail exchange does not wait for the local reduce-scatter
+  kDelegatedHoldReleasedAtIssue, // the delegate's Work synchronized at issue (its hold emptied)
+  kDirectThroughOurStreams, // a call that does not compose runs on fairring's streams
+  kStepWaitsOnHost, // each step's collective waited for with wait() (blocks under blocking wait)
+  kCount,
+};
+
+namespace detail {
+extern std::atomic<uint32_t> gPlanted; // a bit per Plant: 0 in production
+} // namespace detail
+
+inline bool planted(Plant plant) {
+  return (detail::gPlanted.load(std::memory_order_relaxed) >> static_cast<int>(plant)) & 1U;
+}
+
+// Every plant's name (the test module's and the script's), in Plant's order.
+const std::vector<std::string>& names();
+// For the test module: arm the plant called `name` (refused, naming the
+// known ones, if there is none), and disarm all.
+void arm(const std::string& name);
+void disarmAll();
+
+} // namespace fairring::plants

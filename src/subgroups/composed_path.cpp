@@ -1,0 +1,95 @@
+#include "subgroups/composed_path.h"
+
+#include <c10/util/Exception.h>
+
+#include "faults/plants.h"
+#include "ops/reduce_kind.h"
+#include "subgroups/capture_probe.h"
+
+namespace fairring {
+
+ComposedPath::ComposedPath(std::unique_ptr<SubgroupAllreduce> composition, c10::intrusive_ptr<c10d::Backend> delegate)
+    : composition_(std::move(composition)), delegate_(std::move(delegate)) {
+  TORCH_CHECK(composition_ && delegate_, "fairring: a composed path needs its composition and a delegate");
+}
+
+ComposedPath::Route ComposedPath::routeOf(const std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op)
+    const {
+  Route route;
+  if (tensors.empty()) {
+    return route;
+  }
+  const at::Tensor& first = tensors.front();
+  int64_t numel = 0;
+  for (const at::Tensor& t : tensors) {
+    // What the composition does not take, the delegate runs or refuses, as it would under its own name.
+    if (!t.defined() || t.layout() != at::kStrided || t.device() != first.device() ||
+        t.scalar_type() != first.scalar_type()) {
+      return route;
+    }
+    numel += t.numel();
+  }
+  const CallPlan plan = composition_->planFor(numel, first.scalar_type());
+  route.row = plan.row;
+  if (!checkReducible(op, first.scalar_type()).ok()) {
+    return route;
+  }
+  route.byPlan = plan.units.empty() || plan.units.front().direct;
+  // A captured call is replayed later, on every rank that captured it (as the
+  // program does on every rank): the delegate's own allreduce, which a CUDA
+  // graph can hold, and fairring's streams cannot.
+  route.compose = !route.byPlan && !isCapturing(currentStreamCapture(first.device()));
+  return route;
+}
+
+c10::intrusive_ptr<c10d::Work> ComposedPath::allreduce(
+    std::vector<at::Tensor>& tensors,
+    const c10d::AllreduceOptions& opts) {
+  const auto op = opts.reduceOp.op_;
+  const Route route = routeOf(tensors, op);
+  if (route.compose) {
+    return composition_->allreduce(tensors.front(), op);
+  }
+  if (route.byPlan && plants::planted(plants::Plant::kDirectThroughOurStreams) && tensors.front().numel() > 0) {
+    return composition_->allreduceOnOurStreams(tensors.front(), op);
+  }
+  composition_->countDelegated(route.row);
+  return delegated(tensors, [&](c10d::Backend& b) { return b.allreduce(tensors, opts); });
+}
+
+c10::intrusive_ptr<c10d::Work> ComposedPath::allreduceCoalesced(
+    std::vector<at::Tensor>& tensors,
+    const c10d::AllreduceCoalescedOptions& opts) {
+  const auto op = opts.reduceOp.op_;
+  const Route route = routeOf(tensors, op);
+  if (route.compose) {
+    return composition_->allreduceCoalesced(tensors, op);
+  }
+  composition_->countDelegated(route.row);
+  return delegated(tensors, [&](c10d::Backend& b) { return b.allreduce_coalesced(tensors, opts); });
+}
+
+c10::intrusive_ptr<c10d::Work> ComposedPath::delegated(const std::vector<at::Tensor>& tensors, const Issue& issue) {
+  composition_->orderBefore(tensors);
+  barrier_.used();
+  c10::intrusive_ptr<c10d::Work> work = issue(*delegate_);
+  if (work) {
+    composition_->orderAfter(tensors, work);
+  }
+  return work;
+}
+
+void ComposedPath::awaitIssued(const c10d::BarrierOptions& opts) {
+  composition_->awaitIssued();
+  barrier_.await(delegate_, opts);
+}
+
+void ComposedPath::stop(bool drain) {
+  if (drain) {
+    composition_->shutdown();
+  } else {
+    composition_->abort();
+  }
+}
+
+} // namespace fairring

@@ -1,0 +1,49 @@
+#pragma once
+
+#include <memory>
+
+#include "backend/device_path.h"
+#include "subgroups/subgroup_allreduce.h"
+
+namespace fairring {
+
+// A device whose plan composes some calls (FAIRRING_CUDA_ALLREDUCE, the plan of
+// fairring_pg.model.cuda_plan): one path per call, chosen once, from the call
+// itself and the job-wide plan, so alike on every rank. An allreduce composes
+// where its row of the plan composes, the composition reduces its dtype and op
+// and it is not being captured into a CUDA graph; every other allreduce, and
+// every other collective, is the delegate's own Work, returned as it is (so
+// NCCL's dtypes, ops and graph capture work, with NCCL's errors), ordered
+// after the composed allreduces in flight on the same bytes, and they after
+// it, as on NCCL's one stream.
+class ComposedPath : public DevicePath {
+ public:
+  ComposedPath(std::unique_ptr<SubgroupAllreduce> composition, c10::intrusive_ptr<c10d::Backend> delegate);
+
+  c10::intrusive_ptr<c10d::Work> delegated(const std::vector<at::Tensor>& tensors, const Issue& issue) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts)
+      override;
+  c10::intrusive_ptr<c10d::Work> allreduceCoalesced(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceCoalescedOptions& opts) override;
+  void awaitIssued(const c10d::BarrierOptions& opts) override;
+  void stop(bool drain) override;
+
+  const SubgroupAllreduce& composition() const {
+    return *composition_;
+  }
+
+ private:
+  struct Route {
+    bool compose{false};
+    bool byPlan{false}; // the delegate's because the plan's row says so (a dtype and op the composition reduces)
+    size_t row{0};
+  };
+  Route routeOf(const std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op) const;
+
+  const std::unique_ptr<SubgroupAllreduce> composition_;
+  const c10::intrusive_ptr<c10d::Backend> delegate_;
+  DelegateBarrier barrier_;
+};
+
+} // namespace fairring

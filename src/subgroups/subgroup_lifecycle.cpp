@@ -1,0 +1,150 @@
+// The sub-group path's life after its calls: barrier's wait, destroy's drain,
+// abort, and closing the sub-groups once. Failures are GroupFailure's: a wait
+// that cannot end (a sub-group's error, the group's timeout) fails the group
+// from turn 0, as an operation past the group's timeout does on the CPU engine.
+#include "subgroups/subgroup_allreduce.h"
+
+#include <c10/util/Exception.h>
+
+#include "faults/plants.h"
+
+namespace fairring {
+
+std::vector<c10::intrusive_ptr<c10d::Backend>> SubgroupAllreduce::subgroups(bool withWorld) const {
+  std::vector<c10::intrusive_ptr<c10d::Backend>> groups(groups_.lanes.begin(), groups_.lanes.end());
+  for (const auto& group : {groups_.localReduce, groups_.localGather}) {
+    if (group) {
+      groups.push_back(group);
+    }
+  }
+  if (withWorld) {
+    groups.push_back(groups_.world);
+  }
+  return groups;
+}
+
+bool SubgroupAllreduce::anySubgroupFailed() const {
+  for (const auto& group : subgroups(/*withWorld=*/true)) {
+    try {
+      if (group->getError() != c10d::ErrorType::SUCCESS) {
+        return true;
+      }
+    } catch (const std::exception&) {
+      // A backend that cannot report errors (torch 2.13's Gloo throws "does
+      // not support getError") is not known to have failed: the drain still
+      // ends at the timeout if its work never finishes.
+    }
+  }
+  return false;
+}
+
+DrainEnd SubgroupAllreduce::drain(const std::vector<Done>& pending) {
+  std::vector<std::function<bool()>> checks;
+  for (const auto& done : pending) {
+    checks.emplace_back([done] { return done->reached(); });
+  }
+  return drainUntil(
+      checks, [this] { return life_.load() == Life::kClosed || anySubgroupFailed(); },
+      std::chrono::steady_clock::now() + options_.timeout);
+}
+
+void SubgroupAllreduce::awaitIssued() {
+  if (plants::planted(plants::Plant::kBarrierNotWaiting)) {
+    return;
+  }
+  std::vector<Done> pending;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending = inFlight_.all();
+  }
+  if (failure_->failed()) {
+    throw c10::DistBackendError(failure_->refusal());
+  }
+  const DrainEnd end = drain(pending);
+  if (end == DrainEnd::kDrained) {
+    return;
+  }
+  const std::string why = "fairring: barrier on rank " + std::to_string(options_.rank) + ": " +
+      (end == DrainEnd::kFailed
+           ? std::string("a sub-group reported an error (or the group was aborted) while its allreduces were finishing")
+           : "its allreduces did not finish within " + std::to_string(options_.timeout.count()) + " ms");
+  failure_->fail(why, 0);
+  throw c10::DistBackendError(why);
+}
+
+void SubgroupAllreduce::shutdown() {
+  std::vector<Done> pending;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopped()) {
+      return;
+    }
+    life_ = Life::kStopped;
+    pending = inFlight_.all();
+  }
+  connected_.notify_all();
+  // Waited for with no lock held: an abort() from another thread is not kept
+  // out, and stops the wait.
+  std::string failedEarlier = failure_->reason();
+  DrainEnd end = DrainEnd::kFailed;
+  if (failedEarlier.empty()) {
+    try {
+      end = drain(pending);
+    } catch (const std::exception& e) {
+      failedEarlier = e.what(); // the device could not say: as good as failed
+    }
+  }
+  if (end == DrainEnd::kDrained) {
+    close(/*graceful=*/true, /*withWorld=*/false, "drained");
+    return;
+  }
+  std::string why;
+  if (!failedEarlier.empty()) {
+    why = "the group had failed (" + failedEarlier + ")";
+  } else if (end == DrainEnd::kFailed) {
+    why = "a sub-group reported an error while its allreduces were finishing";
+  } else {
+    why = "its allreduces did not finish within " + std::to_string(options_.timeout.count()) + " ms";
+  }
+  TORCH_WARN("fairring: destroying rank ", options_.rank, "'s process group: ", why,
+             "; its sub-groups, the world group included, were aborted rather than waited for");
+  close(/*graceful=*/false, /*withWorld=*/true, std::string("aborted: ") + drainEndName(end));
+}
+
+void SubgroupAllreduce::abort() {
+  // Takes no lock that an allreduce holds while it issues (on the CPU test
+  // path a Gloo collective blocks there), so an abort is never kept waiting.
+  close(/*graceful=*/false, /*withWorld=*/false, "aborted");
+  connected_.notify_all();
+}
+
+void SubgroupAllreduce::close(bool graceful, bool withWorld, const std::string& outcome) {
+  // The one transition into kClosed: whoever makes it closes the groups.
+  if (life_.exchange(Life::kClosed) == Life::kClosed) {
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(closeMu_);
+    shutdown_ = outcome;
+  }
+  // NCCL's graceful shutdown waits for its collectives, and its abort may
+  // take a while too: outside every lock, like the wait before it.
+  int aborted = 0;
+  for (const auto& group : subgroups(withWorld)) {
+    try {
+      if (graceful) {
+        group->shutdown();
+      } else {
+        group->abort();
+        ++aborted;
+      }
+    } catch (const std::exception& e) {
+      TORCH_WARN("fairring: ", graceful ? "shutting down" : "aborting", " a sub-group on rank ", options_.rank,
+                 " failed: ", e.what());
+    }
+  }
+  std::lock_guard<std::mutex> lock(closeMu_);
+  abortedGroups_ = aborted;
+}
+
+} // namespace fairring

@@ -1,0 +1,144 @@
+"""The plants: bugs the CUDA path once had or could have, each a test-only switch in the
+core (src/faults/plants.h), and the tests that must catch it.
+
+``python tests/stream_mutants.py`` (what ``bash scripts/stream_mutants.sh`` runs, and
+``.ci/run`` with it) arms each plant in turn (``FAIRRING_TEST_PLANT``, read by the rank
+before its group exists) and runs the tests that should catch it, with their jobs cut to
+the scenarios they read (``FAIRRING_TEST_SCENARIOS``). It prints ``NAME: caught by TEST``
+(the first test that failed) or ``NAME: NOT CAUGHT``, and exits non-zero if any plant
+was not caught. The tests pass without a plant: that is the suite's own run.
+
+    python tests/stream_mutants.py                 # every plant
+    python tests/stream_mutants.py keep_alive_off  # some
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PLANT_VARIABLE = "FAIRRING_TEST_PLANT"
+TESTS = Path(__file__).resolve().parent
+
+
+def arm_from_env() -> None:
+    """In a rank: put back the bug FAIRRING_TEST_PLANT names (the test module refuses a
+    name no plant has)."""
+    name = os.environ.get(PLANT_VARIABLE)
+    if name:
+        import native_module
+
+        native_module.load().plants.arm(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Catch:
+    tests: tuple[str, ...]  # pytest node ids under tests/
+    scenarios: tuple[str, ...]  # what test_stream_order's jobs must run for them
+
+
+ORDER = "test_stream_order.py::"
+CATCHERS: dict[str, Catch] = {
+    # DDP's reducer waits on the future, not on the Work.
+    "future_on_caller_stream": Catch(
+        (f"{ORDER}test_no_race_and_exact[2x2-future_wait]",), ("future_wait",)
+    ),
+    # With one rank per machine the first step is a lane's.
+    "lane_skips_caller_wait": Catch(
+        (f"{ORDER}test_no_race_and_exact[3x1-future_wait]",), ("future_wait",)
+    ),
+    "lanes_not_joined": Catch(
+        (f"{ORDER}test_no_race_and_exact[3x1-future_wait]",), ("future_wait",)
+    ),
+    "keep_alive_off": Catch(
+        (f"{ORDER}test_no_race_and_exact[3x1-freed_at_once]",), ("freed_at_once",)
+    ),
+    "byte_ranges_off": Catch(
+        (
+            f"{ORDER}test_no_race_and_exact[2x2-overlapping_views]",
+            f"{ORDER}test_overlapping_views_wait_disjoint_ones_do_not[2x2]",
+        ),
+        ("overlapping_views", "disjoint_views"),
+    ),
+    "delegated_not_after_allreduce": Catch(
+        (f"{ORDER}test_no_race_and_exact[2x2-delegated_after_allreduce]",),
+        ("delegated_after_allreduce",),
+    ),
+    # A composed call first: connecting waits on the host, past the broadcast.
+    "allreduce_not_after_delegated": Catch(
+        (
+            f"{ORDER}test_no_race_and_exact[2x2-allreduce_after_delegated]",
+            f"{ORDER}test_delegated_collectives_wait_only_on_shared_memory[2x2]",
+        ),
+        ("future_wait", "delegated_after_allreduce", "allreduce_after_delegated"),
+    ),
+    "barrier_not_waiting": Catch(
+        (f"{ORDER}test_no_race_and_exact[2x2-barrier_waits_for_device]",),
+        ("barrier_waits_for_device",),
+    ),
+    "rail_skips_reduce_scatter": Catch(
+        (f"{ORDER}test_no_race_and_exact[2x2-future_wait]",), ("future_wait",)
+    ),
+    # A composed call first, so that the group's streams exist.
+    "delegated_hold_released_at_issue": Catch(
+        (f"{ORDER}test_no_race_and_exact[2x2-delegated_gather_of_a_temporary]",),
+        ("future_wait", "delegated_gather_of_a_temporary"),
+    ),
+    "direct_through_our_streams": Catch(
+        (f"{ORDER}test_a_call_that_does_not_compose_is_the_delegates_own[1x2]",),
+        ("direct_row_is_the_delegates",),
+    ),
+    "step_waits_on_host": Catch(
+        (f"{ORDER}test_the_rail_exchanges_of_a_call_overlap[True]",), ("rails_run_at_once",)
+    ),
+}
+
+_FAILED = re.compile(r"^FAILED (\S+)", re.MULTILINE)
+
+
+def run(name: str, catch: Catch) -> tuple[str | None, str]:
+    """(the first test that failed, pytest's output) with plant ``name`` armed."""
+    env = {
+        **os.environ,
+        PLANT_VARIABLE: name,
+        "FAIRRING_TEST_SCENARIOS": ",".join(catch.scenarios),
+    }
+    command = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider"]
+    command += [str(TESTS / test) for test in catch.tests]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    output = proc.stdout + proc.stderr
+    failed = _FAILED.findall(output)
+    if proc.returncode == 1 and failed:
+        return failed[0].split("tests/")[-1], output
+    return None, output
+
+
+def main(argv: list[str]) -> int:
+    names = argv or list(CATCHERS)
+    unknown = [n for n in names if n not in CATCHERS]
+    if unknown:
+        print(
+            f"stream_mutants: no plant is called {', '.join(unknown)}; known: {', '.join(CATCHERS)}"
+        )
+        return 2
+    missed = []
+    for name in names:
+        start = time.monotonic()
+        caught, output = run(name, CATCHERS[name])
+        took = f"({time.monotonic() - start:.0f} s)"
+        if caught:
+            print(f"{name}: caught by {caught} {took}", flush=True)
+        else:
+            missed.append(name)
+            print(f"{name}: NOT CAUGHT {took}\n{output[-3000:]}", flush=True)
+    print(f"stream_mutants: {len(names) - len(missed)} of {len(names)} plants caught")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
