@@ -403,21 +403,23 @@ ONE_GPU = GpuNode("1 x H100 + 1 x 400G", 1, "hopper", 50e9, 1, 370e9, 3.35e12, 1
 
 
 def test_cut_pieces_even_whole_groups_and_a_direct_tail() -> None:
-    # 1000 floats on 3 machines of 2: groups of 6 elements, 166 of them and 4 left over
+    # 1000 floats on 3 machines of 2: groups of 6 x 16 bytes (24 float32), so that every
+    # chunk and shard starts 16 bytes apart: 41 of them and 16 elements left over
     units = cut_pieces(1000, 4, 4, 1 << 30, 2, 3)
     assert [(u.begin, u.numel, u.direct) for u in units] == [
-        (0, 252, False),  # 42 groups: the first 166 mod 4 = 2 pieces take one more
-        (252, 252, False),
-        (504, 246, False),
-        (750, 246, False),
-        (996, 4, True),
+        (0, 264, False),  # 11 groups: the first 41 mod 4 = 1 piece takes one more
+        (264, 240, False),
+        (504, 240, False),
+        (744, 240, False),
+        (984, 16, True),
     ]
-    # No piece larger than the largest: 10 groups (240 bytes) make 17 pieces
+    # No piece larger than the largest: 2 groups (192 of 240 bytes) make 21 pieces
     capped = cut_pieces(1000, 4, 4, 240, 2, 3)
-    assert len([u for u in capped if not u.direct]) == 17
-    assert max(u.numel for u in capped) == 60
-    assert cut_pieces(5, 4, 4, 1 << 30, 2, 3) == [Unit(0, 5, True)]
-    assert cut_pieces(12, 8, 4, 1 << 30, 2, 3) == [Unit(0, 6, False), Unit(6, 6, False)]
+    assert len([u for u in capped if not u.direct]) == 21
+    assert max(u.numel for u in capped) == 48
+    assert cut_pieces(23, 4, 4, 1 << 30, 2, 3) == [Unit(0, 23, True)]
+    # float64: 2 elements make 16 bytes, so groups of 12
+    assert cut_pieces(24, 8, 4, 1 << 30, 2, 3) == [Unit(0, 12, False), Unit(12, 12, False)]
 
 
 def test_a_piece_moves_2_m_minus_1_over_m_through_the_nics() -> None:

@@ -114,8 +114,15 @@ def held_like_nccl(rank: int, world: int, v: Any, stand_in: Any) -> dict[str, An
 
 
 def run_controls(rank: int, world: int) -> dict[str, Any]:
+    import native_module
+
     v = stream_vehicle.install()
-    results: dict[str, Any] = {}
+    plants = native_module.load().plants
+    results: dict[str, Any] = {"plants": plants.names()}
+    try:
+        plants.arm("no_such_plant")
+    except ValueError as exc:
+        results["unknown plant"] = str(exc)
     for name, control in CONTROLS.items():
         for planted in (True, False):
             _fresh(v)
@@ -142,6 +149,15 @@ def controls() -> dict[str, Any]:
 def stand_in() -> list[dict[str, Any]]:
     stream_vehicle.ensure_built()
     return run_ranks(run_stand_in, 2, ["m0", "m1"], timeout_s=240, init_group=False)
+
+
+def test_every_plant_has_the_tests_that_catch_it() -> None:
+    """scripts/stream_mutants.sh runs each plant the core has, none more or fewer, and
+    arming a name no plant has is refused (a renamed plant would otherwise go inert)."""
+    import stream_mutants
+
+    assert controls()["plants"] == list(stream_mutants.CATCHERS)
+    assert "no plant is called 'no_such_plant'" in controls()["unknown plant"]
 
 
 @pytest.mark.parametrize("name", CONTROLS)

@@ -240,14 +240,15 @@ def test_drain_times_out(core: Any) -> None:
 # ------------------------------------------------------------------ plans
 
 
-@pytest.mark.parametrize("numel", [5, 4096, 1_000_003])
+@pytest.mark.parametrize("numel", [5, 15, 16, 4096, 1_000_003])
 def test_a_plan_of_nccl_makes_every_allreduce_one_direct_unit(core: Any, numel: int) -> None:
-    # 4 machines x 1 rank, 4 KiB pieces: composed if the plan says so.
+    # 4 machines x 1 rank, 4 KiB pieces: composed if the plan says so, from one group of
+    # 16 bytes per rank (4 float32 each: 16 elements).
     nccl = [(0, "nccl", 0, "")]
     assert core.plan_call(numel, 4, nccl, 4096, 1, 4) == (0, [(0, numel, True)])
     row, units = core.plan_call(numel, 4, [(0, "compose", 1, "alltoall")], 4096, 1, 4)
     assert row == 0 and sum(size for _, size, _ in units) == numel
-    assert any(not direct for _, _, direct in units) == (numel >= 4)
+    assert any(not direct for _, _, direct in units) == (numel >= 16)
 
 
 @pytest.mark.parametrize(

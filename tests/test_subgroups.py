@@ -100,31 +100,69 @@ def forced_cases() -> list[Case]:
 
 # ----------------------------------------------------- exact results, pieces and exchanges
 
+# What the composition reduces (src/ops/reduce_kind.cpp's checkReducible); anything else
+# is the delegate's own call (test_what_the_composition_does_not_take_is_the_delegates).
+COMPOSED_DTYPES = FLOAT_DTYPES + ("int8", "int16", "int32", "int64", "uint8", "bool")
+ELEM_SIZE = {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "int16": 4, "float16": 2}
+ELEM_SIZE.update(bfloat16=2, int8=1, uint8=1, bool=1)  # int16 travels as int32
+
+
+def composes(case: Case, local: int, machines: int) -> bool:
+    """Whether the composition takes this case's call: a dtype and op it reduces, and for
+    a plain tensor at least one group of L·M x 16 bytes (src/subgroups/call_plan.h);
+    the other kinds are sized to compose (the job checks each did)."""
+    refused = case.kind in ("avg_error", "unsupported", "complex_sum")
+    if refused or case.dtype not in COMPOSED_DTYPES:
+        return False
+    if case.op == "AVG" and case.dtype not in FLOAT_DTYPES:
+        return False
+    if case.kind == "plain":
+        return case.numel >= local * machines * max(1, 16 // ELEM_SIZE[case.dtype])
+    return True
+
+
+def run_composed_case(rank: int, world: int, case: Case) -> str | None:
+    """run_case, and the call went through the composition (not to the delegate)."""
+    before = subgroup_stats(None, "cpu")
+    err = run_case(rank, world, case)
+    after = subgroup_stats(None, "cpu")
+    assert before is not None and after is not None
+    delegated = after["nccl_calls"] - before["nccl_calls"]
+    if err is None and (delegated or after["composed_calls"] == before["composed_calls"]):
+        return f"{case.id} went to the delegate, not through the composition"
+    return err
+
+
 # M machines of L ranks: 2x2; L != M both ways (2x3, 3x2); 4x2 (eight ranks); one rank
-# per machine (3x1: the rail alone); one machine (1x3: NCCL's allreduce, every call).
+# per machine (3x1: the rail alone). One machine composes nothing (1x3: every call the
+# delegate's own, test_what_the_composition_does_not_take_is_the_delegates).
 MACHINES = {
     **SHAPES,
     "3x2": ["m0", "m0", "m1", "m1", "m2", "m2"],
     "4x2": ["m0", "m0", "m1", "m1", "m2", "m2", "m3", "m3"],
 }
-JOB_SHAPES = ("2x2", "2x3", "3x2", "4x2", "3x1", "1x3")
+JOB_SHAPES = ("2x2", "2x3", "3x2", "4x2", "3x1")
 
 
 def _job_cases(shape: str) -> list[Case]:
-    if shape in ("2x2", "3x1", "1x3"):
+    if shape in ("2x2", "3x1"):
         # A fortieth of the engine's big cases: still more than the staging memory,
         # dozens of pieces through every lane, where the full size cost 16 s of Gloo steps.
-        return build_cases(shape, big_numel=(40_000, 16_000))
-    return forced_cases()
+        cases = build_cases(shape, big_numel=(40_000, 16_000))
+    else:
+        cases = forced_cases()
+    machines = len(set(MACHINES[shape]))
+    local = len(MACHINES[shape]) // machines
+    return [c for c in cases if composes(c, local, machines)]
 
 
 JOBS = {
     shape: CaseJob(
         f"subgroups {shape}",
-        run_case,
+        run_composed_case,
         _job_cases(shape),
         MACHINES[shape],
-        env=subgroup_env(FAIRRING_TEST_CUDA_PLAN=FORCED_PLAN if shape != "1x3" else None),
+        env=subgroup_env(FAIRRING_TEST_CUDA_PLAN=FORCED_PLAN),
         timeout_s=TIMEOUT_S,
     )
     for shape in JOB_SHAPES
@@ -137,6 +175,55 @@ JOBS = {
 )
 def test_subgroup_allreduce(shape: str, case_id: str) -> None:
     JOBS[shape].check(case_id)
+
+
+def delegated_like_gloo(rank: int, world: int) -> list[dict[str, Any]]:
+    """Calls the composition does not take (too small for a group, a dtype or op it does
+    not reduce, and every call where the plan composes nothing) are the delegate's own:
+    each ends exactly as the same call on a plain Gloo group of the same ranks (the same
+    values, or the same error), never with an error of fairring's."""
+    gloo = dist.new_group(backend="gloo")
+    calls: list[tuple[str, torch.dtype, int, Any, bool]] = [
+        ("int16-SUM-n7", torch.int16, 7, dist.ReduceOp.SUM, False),
+        ("int32-AVG-n4099", torch.int32, 4099, dist.ReduceOp.AVG, False),
+        ("uint16-MAX-n4099", torch.uint16, 4099, dist.ReduceOp.MAX, False),
+        ("bool-MAX-n3", torch.bool, 3, dist.ReduceOp.MAX, False),
+        ("float32-SUM-n0", torch.float32, 0, dist.ReduceOp.SUM, False),
+        ("float64-SUM-n7-strided", torch.float64, 7, dist.ReduceOp.SUM, True),
+        ("float32-PREMUL_SUM-n4099", torch.float32, 4099, "premul", False),
+    ]
+    out = []
+    for name, dtype, n, op, strided in calls:
+        ends = []
+        for group in (None, gloo):
+            values = (torch.arange(2 * n, dtype=torch.float64) % 5 + rank).to(dtype)
+            tensor = values[::2] if strided else values[:n].clone()
+            reduce = dist._make_nccl_premul_sum(0.5) if op == "premul" else op
+            try:
+                dist.all_reduce(tensor, op=reduce, group=group)
+                ends.append(("ok", tensor.clone()))
+            except Exception as exc:  # noqa: BLE001 - compared with Gloo's own
+                ends.append(("error", f"{type(exc).__name__}: {exc}"))
+        ok = ends[0][0] == "ok"
+        same = ends[0][0] == ends[1][0] and (
+            torch.equal(ends[0][1], ends[1][1]) if ok else ends[0][1] == ends[1][1]
+        )
+        out.append({"call": name, "fairring": ends[0], "gloo": ends[1], "same": same})
+    return out
+
+
+@pytest.mark.parametrize("shape", ["2x2", "1x3"])
+def test_what_the_composition_does_not_take_is_the_delegates(shape: str) -> None:
+    results = run_ranks(
+        delegated_like_gloo,
+        len(MACHINES[shape]),
+        MACHINES[shape],
+        env=subgroup_env(FAIRRING_TEST_CUDA_PLAN=FORCED_PLAN if shape == "2x2" else None),
+        timeout_s=TIMEOUT_S,
+    )
+    for rank, rows in enumerate(results):
+        for row in rows:
+            assert row["same"], (rank, row)
 
 
 def views_of_one_buffer(rank: int, world: int) -> list[str | None]:
@@ -238,8 +325,8 @@ def test_lanes_and_direct(job: str, case_id: str) -> None:
 
 # ------------------------------------------------- which path, per shape, mode and size
 
-# A multiple of 8*L*M bytes for every shape below (16, 32, 48, 24), so that a slice is
-# the same 1200 four-byte (600 float64, 2400 bfloat16) elements everywhere.
+# A multiple of 16*L*M bytes for every shape below (32, 64, 64, 48, 96), so that a slice
+# is the same 1200 four-byte (600 float64, 2400 bfloat16) elements everywhere.
 PATH_SLICE = 4800
 PATH_DIRECT_BELOW = 16 * 1024  # bytes
 PATH_SHAPES = {
@@ -258,32 +345,36 @@ PATH_KINDS = (
     ("PRODUCT", "int16", 4),
 )
 # Empty; fewer elements than ranks; under PATH_DIRECT_BELOW in every dtype; over it in
-# every dtype, with and without a tail of fewer than L*M elements.
+# every dtype, with and without a tail of fewer elements than a group.
 PATH_SIZES = (0, 2, 1000, 8400, 20_003)
 
 
-def expected_units(mode: str, machines: int, local: int, numel: int, elem: int) -> tuple[int, int]:
-    """(direct units, pieces) an allreduce should take, from the rule as documented: the
-    composition only with several machines, where FAIRRING_CUDA_ALLREDUCE=lanes asks for
-    it (auto composes only where the model predicts a win, from the node's facts, which
-    this job declares unknown: FAIRRING_NODE=none); small tensors and the tail of fewer
-    than L*M elements are one allreduce on the world group; a composed call is as many
-    pieces as it takes to keep each under the largest (FAIRRING_SLICE_SIZE)."""
-    world = machines * local
-    if numel == 0 or world == 1:
-        return 0, 0
-    slices = machines > 1 and mode == "lanes"
-    if not slices or numel * elem < PATH_DIRECT_BELOW or numel < world:
-        return 1, 0
-    aligned = numel - numel % world
-    per_slice = PATH_SLICE // elem
-    return int(numel % world != 0), -(-aligned // per_slice)
+def expected_route(
+    mode: str, machines: int, local: int, numel: int, elem: int
+) -> tuple[str, tuple[int, int]]:
+    """Where an allreduce should go, from the rule as documented, and its (direct tail,
+    pieces) units where it composes: a plan composes only with several machines, where
+    FAIRRING_CUDA_ALLREDUCE=lanes asks for it (auto composes only where the model
+    predicts a win, from the node's facts, which this job declares unknown:
+    FAIRRING_NODE=none), and then "composed" from PATH_DIRECT_BELOW and one group of L·M
+    x 16 bytes, in as many pieces as keep each under the largest (FAIRRING_SLICE_SIZE),
+    the rest of a group a direct tail; a call of a plan that composes is otherwise the
+    delegate's ("delegated"), and every call of one that composes nothing
+    ("delegate-only": no sub-group path at all)."""
+    if machines == 1 or mode != "lanes":
+        return "delegate-only", (0, 0)
+    group = local * machines * max(1, 16 // elem)
+    if numel * elem < PATH_DIRECT_BELOW or numel < group:
+        return "delegated", (0, 0)
+    groups, tail = divmod(numel, group)
+    fit = max(1, PATH_SLICE // (elem * group))
+    return "composed", (int(tail != 0), -(-groups // fit))
 
 
 def paths_taken(rank: int, world: int, device: str = "cpu") -> list[dict[str, Any]]:
     """One fairring group per mode; every size and kind once on each, with the path's
-    counters read around it and the result checked exactly. ``device`` "cuda" runs the
-    same on the GPU (tests/test_cuda.py)."""
+    counters read around it and the result checked exactly (or the delegate's error
+    kept). ``device`` "cuda" runs the same on the GPU (tests/test_cuda.py)."""
     import os
 
     dev = torch.device(device)
@@ -300,23 +391,33 @@ def paths_taken(rank: int, world: int, device: str = "cpu") -> list[dict[str, An
                 inputs = [make_input(r, case, numel, world) for r in range(world)]
                 tensor = inputs[rank].clone().to(dev)
                 before = subgroup_stats(group, device)
-                dist.all_reduce(tensor, op=reduce_op(op), group=group)
+                try:
+                    dist.all_reduce(tensor, op=reduce_op(op), group=group)
+                    error = compare_exact(tensor.cpu(), reduce_exact(inputs, op, dtype), "result")
+                    raised = None
+                except Exception as exc:  # noqa: BLE001 - the delegate's refusal is kept
+                    error, raised = None, f"{type(exc).__name__}: {exc}"
                 after = subgroup_stats(group, device)
-                assert before is not None and after is not None
+                if before is None or after is None:
+                    route, units = "delegate-only", (0, 0)
+                else:
+                    delegated = after["nccl_calls"] - before["nccl_calls"]
+                    route = "delegated" if delegated else "composed"
+                    units = (
+                        after["direct_units"] - before["direct_units"],
+                        after["sliced_units"] - before["sliced_units"],
+                    )
                 records.append(
                     {
                         "mode": mode,
                         "case": case.id,
+                        "dtype": dtype,
                         "numel": numel,
                         "elem": elem,
-                        "error": compare_exact(
-                            tensor.cpu(), reduce_exact(inputs, op, dtype), "result"
-                        ),
-                        "operations": after["operations"] - before["operations"],
-                        "units": (
-                            after["direct_units"] - before["direct_units"],
-                            after["sliced_units"] - before["sliced_units"],
-                        ),
+                        "error": error,
+                        "raised": raised,
+                        "route": route,
+                        "units": units,
                     }
                 )
     return records
@@ -337,26 +438,30 @@ def path_env(**extra: str | int | None) -> dict[str, str | None]:
 
 
 def check_paths(shape: str, machine_ids: list[str], per_rank: list[list[dict[str, Any]]]) -> None:
-    """Every record exact, one operation, the units the rule says; and the rule's
-    outcomes in this shape (which modes sliced anything) as expected."""
+    """Every call where the rule sends it, with the units it says; composed calls
+    exact; the delegate's exact too, but for int16, which neither Gloo nor NCCL reduces
+    (they refuse it, and so does fairring there)."""
     machines = len(set(machine_ids))
     local = len(machine_ids) // machines
     for rank, records in enumerate(per_rank):
         assert len(records) == len(PATH_MODES) * len(PATH_KINDS) * len(PATH_SIZES)
         for r in records:
             where = f"rank {rank}, {shape}, {r['case']}"
+            route, units = expected_route(r["mode"], machines, local, r["numel"], r["elem"])
+            assert r["route"] == route, f"{where}: went {r['route']}, want {route}"
+            if route == "composed":
+                assert r["units"] == units, f"{where}: (direct, sliced) {r['units']}, want {units}"
             assert r["error"] is None, f"{where}: {r['error']}"
-            assert r["operations"] == 1, where
-            want = expected_units(r["mode"], machines, local, r["numel"], r["elem"])
-            assert r["units"] == want, f"{where}: (direct, sliced) units {r['units']}, want {want}"
-    sliced = {r["mode"] for r in per_rank[0] if r["units"][1] > 0}
-    assert sliced == (set() if machines == 1 else {"lanes"}), shape
+            refused = route != "composed" and r["dtype"] == "int16"
+            assert (r["raised"] is not None) == refused, f"{where}: raised {r['raised']}"
+    composed = {r["mode"] for r in per_rank[0] if r["route"] == "composed"}
+    assert composed == (set() if machines == 1 else {"lanes"}), shape
 
 
 @pytest.mark.parametrize("shape", list(PATH_SHAPES))
 def test_path_per_shape_mode_and_size(shape: str) -> None:
-    """With the node's facts unknown, `auto` runs NCCL's own allreduce on the world group
-    for every size, as `direct` does; `lanes` composes from FAIRRING_DIRECT_BELOW up on
+    """With the node's facts unknown, `auto` leaves every size to the delegate's own
+    allreduce, as `direct` does; `lanes` composes from FAIRRING_DIRECT_BELOW up on
     several machines, at one rank per machine (2x1, 4x1) too; one machine (1x3) never
     does. The same on every rank, and every result exact."""
     ids = PATH_SHAPES[shape]
@@ -412,7 +517,7 @@ def test_many_async_waited_in_reverse(shape: str) -> None:
 def test_subgroup_slice_fits_staging(machines: int, local: int, lanes: int) -> None:
     config = Config(lanes=lanes, cuda_allreduce="lanes")
     size = config.subgroup_slice_size(machines, local)
-    unit = 8 * machines * local
+    unit = 16 * machines * local
     assert size % unit == 0 and size >= unit
     assert lanes * lane_staging_bytes(size, machines, local) <= config.total_memory
     # The largest such size: one more unit would not fit, or would exceed the wish.
@@ -432,7 +537,7 @@ def test_subgroup_slice_refuses_tiny_staging() -> None:
         (Config(total_memory=1000, lanes=4, cuda_allreduce="direct"), 4, 2),
         (Config(total_memory=1000, lanes=4), 1, 8),
     ]:
-        assert config.subgroup_slice_size(machines, local) % (8 * machines * local) == 0
+        assert config.subgroup_slice_size(machines, local) % (16 * machines * local) == 0
 
 
 @pytest.mark.parametrize(

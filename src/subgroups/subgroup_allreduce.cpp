@@ -121,6 +121,9 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::allreduceOnOurStreams(at::Tens
 }
 
 void SubgroupAllreduce::countDelegated(size_t row) {
+  if (failure_->failed()) {
+    throw c10::DistBackendError(failure_->refusal());
+  }
   std::lock_guard<std::mutex> lock(mu_);
   ++stats_.operations;
   ++stats_.ncclCalls;

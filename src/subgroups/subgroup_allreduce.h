@@ -113,7 +113,8 @@ class SubgroupAllreduce {
   // The plant kDirectThroughOurStreams only: a call that does not compose,
   // as one allreduce on the world group issued on the group's streams.
   c10::intrusive_ptr<c10d::Work> allreduceOnOurStreams(at::Tensor& tensor, RedOp op);
-  // An allreduce went to the delegate's own (the plan's row `row`).
+  // An allreduce goes to the delegate's own (the plan's row `row`): counted,
+  // or refused with the group's failure, as every allreduce after it is.
   void countDelegated(size_t row);
 
   // A collective of the delegate is about to run on `tensors`: the caller's
