@@ -224,9 +224,7 @@ def machine_range(highlight: int, last: int) -> list[int]:
     return sorted({m for m in MACHINE_STEPS if m <= last} | {highlight})
 
 
-def row(
-    p: GpuPrediction, machines: int, gpus: int, size: int, turns: list[Turn]
-) -> dict[str, Any]:
+def row(p: GpuPrediction, machines: int, gpus: int, size: int, turns: list[Turn]) -> dict[str, Any]:
     pieces = [u.numel * 4 for u in p.plan.units(size) if not u.direct]
     first = nearest(turns)
     runs = f"{len(pieces)} x {show_size(max(pieces))}, {p.row.exchange}" if pieces else ""
