@@ -21,6 +21,7 @@ import pytest
 from fairring_pg import plan
 from fairring_pg.config import MIB, Config
 from fairring_pg.model import calibration, nccl, prefer_fairring, seed
+from fairring_pg.model.alltoall import MessageEfficiency
 from fairring_pg.model.composition import (
     FAIRRING_PG,
     Unit,
@@ -348,6 +349,52 @@ def test_pat_only_for_one_gpu_per_node() -> None:
     for tuning, algorithms in ((nccl.NCCL_2_28, {"ring", "pat"}), (nccl.NCCL_2_11, {"ring"})):
         times = nccl.collective_times(tuning, rail, 16, MIB, "all-gather")
         assert {t.algorithm for t in times} == algorithms
+
+
+def test_nccl_counts_the_hosts_cpu_vendor() -> None:
+    # Across nodes NCCL 2.28 floors each NVLink step of a ring at its network overhead
+    # (1 us on Intel, 2 on AMD, x3 for Simple) and takes llMaxBw's AMD row on AMD hosts.
+    size = 100 * MIB
+    for cpu, step_us, ll_n4 in (("intel", 3.4, 20.4), ("amd", 6.0, 19.0), ("other", 3.4, 20.4)):
+        fabric = nccl.Fabric("ampere", 8, 230e9, 94e9, channels=16, cpu=cpu)
+        t = _time(nccl.collective_times(nccl.NCCL_2_28, fabric, 2, size), "ring", "Simple")
+        # 30 steps over 16 ranks, 2 of them across the network (14 us), past the plateau
+        assert t.latency_s == pytest.approx((8.4 + 28 * step_us + 2 * 14.0) * 1.4e-6, rel=1e-9)
+        ll = _time(nccl.collective_times(nccl.NCCL_2_28, fabric, 4, size), "ring", "LL")
+        assert ll.algbw == pytest.approx(ll_n4 * 1e9 * 32 / 62, rel=1e-9)  # capped
+
+
+def test_the_rail_all_to_all_is_charged_as_nccl_charges_its_own() -> None:
+    # A piece of 1 MiB on 16 A100 machines (AMD hosts): messages of 1 MiB / 8 / 16 = 8 KiB,
+    # under NCCL's 16 KiB threshold, so LL: the ring's LL latency with the tree's network
+    # step (6.6 + 5.0 us), half the rail's 94/8 GB/s (llMaxBw's AMD N4 row, 19 GB/s, does
+    # not cap it) at treeCorrectionFactor[LL][log2(8 KiB / 64) = 7] = 0.7, and 30 messages
+    # posted at NCCL's 2 us (AMD, LL: no x3).
+    tuning = nccl.NCCL_2_28
+    stages = piece_stages(A100, 16, MIB, "alltoall", 0, tuning, FAIRRING_PG).stages
+    collect = stages[1]
+    assert collect.latency == pytest.approx(11.6e-6, rel=1e-12)
+    assert collect.busy["nic"] == pytest.approx(15 / 16 * MIB / 94e9 / (0.5 * 0.7), rel=1e-12)
+    assert collect.busy["proxy of lane 0"] == pytest.approx(30 * 2e-6, rel=1e-12)
+    # An Intel host posts each at 1 us; an unknown vendor pays AMD's.
+    for cpu, per_message in (("intel", 1e-6), ("unknown", 2e-6)):
+        node = dataclasses.replace(A100, cpu=cpu)
+        other = piece_stages(node, 16, MIB, "alltoall", 0, tuning, FAIRRING_PG).stages[1]
+        assert other.busy["proxy of lane 0"] == pytest.approx(30 * per_message, rel=1e-12)
+    # H100 + 8 x 400G: half of a rail's 376/8 GB/s is over llMaxBw's Intel N4 cap, 20.4.
+    h100 = NODE_TYPES["h100-8x400g"]
+    capped = piece_stages(h100, 16, MIB, "alltoall", 0, tuning, FAIRRING_PG).stages[1]
+    share = 20.4e9 / (376e9 / 8) * 0.7
+    assert capped.busy["nic"] == pytest.approx(15 / 16 * MIB / 376e9 / share, rel=1e-12)
+    # A measured efficiency replaces NCCL's figures by message size.
+    measured = dataclasses.replace(
+        FAIRRING_PG, alltoall_efficiency=MessageEfficiency(((0, 0.4), (16 << 10, 0.8)))
+    )
+    for piece, share in ((MIB, 0.4), (4 * MIB, 0.8)):
+        hop = piece_stages(A100, 16, piece, "alltoall", 0, tuning, measured).stages[1]
+        assert hop.busy["nic"] == pytest.approx(15 / 16 * piece / 94e9 / share, rel=1e-12)
+    with pytest.raises(ValueError, match="ascend"):
+        MessageEfficiency(((16, 0.5), (0, 0.4)))
 
 
 # --- GPU: NCCL's side, pinned ------------------------------------------------------
