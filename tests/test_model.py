@@ -42,6 +42,7 @@ from fairring_pg.model.cuda_plan import (
 from fairring_pg.model.gpu import predict_gpu
 from fairring_pg.model.nodes import NODE_TYPES, V100_4X100G, GpuNode
 from fairring_pg.model.pipeline import Piece, Stage, flow_time, schedule
+from fairring_pg.model.sensitivity import nearest, turning_points
 from fairring_pg.model.units import parse_rate, parse_size
 
 REPO = Path(__file__).resolve().parent.parent
@@ -771,6 +772,16 @@ def test_plan_gpu_table(capsys: pytest.CaptureFixture[str]) -> None:
         assert runs in line and ("same: NCCL's allreduce" in line) == p.direct
     assert "fairring does not lose in this range" in out and "assumptions:" in out
     assert "> " in next(x for x in out.splitlines() if x[3:12].strip() == "16")
+    # Under the table, where each composed row turns (tests/test_sensitivity.py checks
+    # the values), and nothing for the rows that run NCCL's allreduce.
+    for m in (1, 2, 4, 8, 16, 32, 64, 128):
+        p = predict_gpu(A100, m, S25, 4)
+        turns = turning_points(A100, m, S25, 4)
+        said = [x for x in out.splitlines() if x.startswith(f"  M = {m}, ")]
+        assert bool(said) == (not p.direct) == bool(turns), m
+        if said:
+            first = nearest(turns)
+            assert first is not None and said[0].endswith(f"First to turn: {first.describe()}.")
 
 
 def test_plan_shows_the_plan(capsys: pytest.CaptureFixture[str]) -> None:

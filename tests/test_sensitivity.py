@@ -78,7 +78,7 @@ def test_each_turning_value_is_a_crossing_on_the_plan_as_it_runs(
     assert (off.turns_at is not None) == (without <= 1.0)
     first = nearest(turns)
     assert first is not None and first.used
-    assert all(first.factor <= t.factor for t in turns if t.used and t.factor)  # type: ignore
+    assert first.factor == min(t.factor for t in turns if t.used and t.factor is not None)
 
 
 def test_a_plan_made_again_would_hide_the_loss() -> None:

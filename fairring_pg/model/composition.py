@@ -64,17 +64,17 @@ class Implementation:
     # (NCCL 2.28.9 src/init.cc: a split shares its parent's only when asked to), or
     # one CPU thread for the process (the Fairring seed's TensorPipe loop).
     proxy_per_lane: bool = True
-    host_s: float = HOST_STEP.value  # type: ignore[assignment]
-    launch_s: float = KERNEL_START.value  # type: ignore[assignment]
+    host_s: float = HOST_STEP.value
+    launch_s: float = KERNEL_START.value
     # The NCCL all-to-all's payload rate by message size (not the seed's messages).
-    alltoall_efficiency: MessageEfficiency = ALLTOALL_EFFICIENCY.value  # type: ignore[assignment]
+    alltoall_efficiency: MessageEfficiency = ALLTOALL_EFFICIENCY.value
 
 
 FAIRRING_PG = Implementation(
     "fairring_pg (NCCL sub-groups, steps of pieces overlapped)",
     message_s=None,
     exchanges=(ALLTOALL, REDUCE_SCATTER),
-    overlap=bool(OVERLAP.value),
+    overlap=OVERLAP.value,
     planned=True,
 )
 # What ran on the H100 in bench/results/cuda/ (and what src/subgroups/ builds until

@@ -11,6 +11,7 @@ alone, on the plan as it runs, to say where each composed row's verdict turns
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from fairring_pg.model.alltoall import MessageEfficiency
 
@@ -19,7 +20,7 @@ from fairring_pg.model.alltoall import MessageEfficiency
 class Constant:
     name: str  # as fairring-plan prints it
     field: str  # the field of composition.Implementation it sets
-    value: object  # None: NCCL's own figure, by message and CPU vendor
+    value: Any  # seconds, a MessageEfficiency or a flag; None: NCCL's own figure
     source: str
     measured: bool = False
 
