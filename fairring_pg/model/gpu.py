@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fairring_pg.config import Config
-from fairring_pg.model import nccl
+from fairring_pg.model import alltoall, nccl
 from fairring_pg.model.composition import (
     FAIRRING_PG,
     Implementation,
@@ -157,10 +157,14 @@ def assumptions(
         f"{'on' if config.slice_scaling else 'off'}), NCCL's allreduce below "
         f"FAIRRING_DIRECT_BELOW={config.direct_below} B; the host issues each step in "
         f"{impl.host_s * 1e6:.0f} us, an all-to-all posts each message in {_per_message(impl)}, "
-        f"compose only where predicted at least {1 + COMPOSE_MARGIN:.2f}x NCCL's time",
+        f"compose only where NCCL's predicted time is {1 + COMPOSE_MARGIN:.2f}x fairring's or more",
         "the rail all-to-all as NCCL charges its own algorithms: its protocol's latency and "
-        "bandwidth factor, treeCorrectionFactor by message size "
-        + ("" if not impl.alltoall_efficiency.measured else "(replaced by a measurement)"),
+        "bandwidth factor, "
+        + (
+            "a measured efficiency by message size"
+            if impl.alltoall_efficiency.measured
+            else "treeCorrectionFactor by message size"
+        ),
         "not modelled: congestion in the fabric (every machine's NICs at full rate), "
         "compute beside the collectives (SMs and HBM shared with training), NCCL's CollNet "
         "(SHARP switches), NVLS for fairring's own local steps (ring only: conservative)",
@@ -170,4 +174,9 @@ def assumptions(
 def _per_message(impl: Implementation) -> str:
     if impl.message_s is not None:
         return f"{impl.message_s * 1e6:.1f} us"
-    return "NCCL's network overhead (3 us on Intel hosts, 6 on AMD or unknown; LL: a third)"
+    simple = 1 << 20  # a message NCCL sends with its Simple protocol
+    intel, amd = (alltoall.message_cost_s(cpu, simple) * 1e6 for cpu in (nccl.INTEL, nccl.AMD))
+    return (
+        f"NCCL's network overhead ({intel:g} us on Intel hosts, {amd:g} on AMD or unknown; "
+        "LL messages a third)"
+    )
