@@ -217,6 +217,32 @@ def counted(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if r.get("engine", True)]
 
 
+def tbf_burst() -> int:
+    """The bytes tc's token bucket lets through a namespace host's link unshaped
+    (scripts/netns_cluster.py), which the model knows nothing of."""
+    args = common.netns_cluster._tbf_args("1gbit")
+    return common.parse_size(args[args.index("burst") + 1])
+
+
+def comparable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows the model claims to describe: fairring's engine's (``counted``), where
+    each machine sends more per hop ((M-1)/M of the tensor) than tc's burst; smaller
+    allreduces pass the shaper unshaped."""
+    burst = tbf_burst()
+    return [
+        r
+        for r in counted(rows)
+        if (lambda m: (m - 1) / m * r["size"])(common.parse_shape(r["shape"])[0]) > burst
+    ]
+
+
+def speedup_error(row: dict[str, Any]) -> float:
+    """How far the model overstates (> 0) or understates fairring's speedup over Gloo."""
+    predicted = row["gloo"]["predicted_s"] / row["fairring"]["predicted_s"]
+    measured = row["gloo"]["measured_s"] / row["fairring"]["measured_s"]
+    return predicted / measured - 1
+
+
 def loopback_comparison(p: calibration.Primitives, machine: dict[str, Any]) -> dict[str, Any]:
     """The model beside bench/allreduce_sizes.py's loopback runs (no link: CPU-bound,
     every rank on this host's cores), which it is not validated against: how far below
@@ -248,6 +274,63 @@ def loopback_comparison(p: calibration.Primitives, machine: dict[str, Any]) -> d
         "median_error_from_4mib": statistics.median(large) if large else None,
         "range_from_4mib": [min(large), max(large)] if large else None,
     }
+
+
+GPU_CHECKS = "model_check_*.json"
+
+
+def gpu_checks() -> list[Path]:
+    """GPU measurements of fairring's composition on machines of their own GPUs and NICs
+    (bench/results/cuda/model_check_*.json), which the model is checked against; none
+    exist yet (the one-H100 runs share one GPU among simulated machines: below)."""
+    return sorted(CUDA_RESULTS.glob(GPU_CHECKS))
+
+
+def gpu_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The model beside one GPU measurement: predicted and measured times of fairring's
+    allreduce (as its plan ran) and of NCCL's, per case.
+
+    ``data``: {"node": a node type of fairring-plan or the machine's facts (the JSON of
+    fairring_pg.node_facts.NodeFacts), "machines": M, "local_size": L, "nccl": "2.28",
+    "env": the job's FAIRRING_* variables, "plan": the plan that ran (CudaPlan's JSON;
+    optional: else the model's own), "cases": [{"size": bytes, "in_flight": k,
+    "fairring_s": seconds, "nccl_s": seconds}]}."""
+    from fairring_pg.model import nccl
+    from fairring_pg.model.composition import world_fabric
+    from fairring_pg.model.cuda_plan import CudaPlan
+    from fairring_pg.model.gpu import fairring_time
+    from fairring_pg.model.nodes import NODE_TYPES
+    from fairring_pg.node_facts import NodeFacts
+
+    machines, local_size = data["machines"], data["local_size"]
+    given = data["node"]
+    if isinstance(given, str):
+        node = NODE_TYPES[given]
+    else:
+        node = NodeFacts.from_json(json.dumps(given)).gpu_node(local_size)
+    if node is None or node.gpus != local_size:
+        raise ValueError(f"a GPU measurement whose machine the model cannot take: {given!r}")
+    tuning = next(t for v, t in nccl.TUNINGS.items() if v.startswith(data["nccl"]))
+    config = Config.from_env(data.get("env", {}))
+    plan = CudaPlan.from_json(json.dumps(data["plan"])) if "plan" in data else None
+    rows = []
+    for case in data["cases"]:
+        size, count = case["size"], case["in_flight"]
+        ours, _ = fairring_time(node, machines, [size] * count, config, tuning, plan=plan)
+        times = nccl.collective_times(tuning, world_fabric(node), machines, size)
+        theirs = count * nccl.best(times).seconds
+        row: dict[str, Any] = {"size": size, "in_flight": count}
+        for side, predicted in (("fairring", ours.seconds), ("nccl", theirs)):
+            measured = case[f"{side}_s"]
+            row[side] = {
+                "predicted_s": predicted,
+                "measured_s": measured,
+                "error": (predicted - measured) / measured,
+            }
+        speedups = [row["nccl"][k] / row["fairring"][k] for k in ("predicted_s", "measured_s")]
+        row["speedup_error"] = speedups[0] / speedups[1] - 1
+        rows.append(row)
+    return rows
 
 
 def cuda_comparison() -> list[dict[str, Any]]:

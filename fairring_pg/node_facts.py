@@ -6,8 +6,9 @@ NCCL's own allreduce everywhere), or ``detect`` (the default): the GPU's generat
 its compute capability, NVLink from the device (torch's NVLink matrix where it sees
 several GPUs, else the device's name: SXM parts sit on NVLink), and the NICs NCCL would
 use with their rates from sysfs (InfiniBand/RoCE ports that are up; without any, the
-physical network interfaces that are up). Every probe is a field of ``Probes``, so tests
-replace them.
+physical network interfaces that are up), and the CPU's vendor from /proc/cpuinfo
+(NCCL's own figures and fairring's cost per rail message depend on it). Every probe is
+a field of ``Probes``, so tests replace them.
 
 Every rank publishes its facts; ``merge`` turns all of them, in rank order, into the
 job's answer, the same on every rank that computes it: one set of facts where every
@@ -25,6 +26,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
+from fairring_pg.model.nccl import AMD, CPU_VENDORS, INTEL, OTHER_CPU, UNKNOWN_CPU
 from fairring_pg.model.nodes import IB_EFFICIENCY, NODE_TYPES, GpuNode
 from fairring_pg.model.units import parse_rate
 
@@ -40,6 +42,7 @@ _BY_ARCH = {
 }
 _SYS_IB = "/sys/class/infiniband"
 _SYS_NET = "/sys/class/net"
+_CPUINFO = "/proc/cpuinfo"
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class NodeFacts:
     intra: float | None = None  # allreduce bus bandwidth inside the machine (else by arch)
     nvls: bool | None = None  # NVLink SHARP (else: Hopper on NVLink)
     source: str = "detected"
+    cpu: str | None = None  # the CPU's vendor: intel, amd, other
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -64,12 +68,13 @@ class NodeFacts:
 
     def same_machine_as(self, other: NodeFacts) -> bool:
         """The same facts, wherever they came from."""
-        return (self.arch, self.nvlink, self.nic_rates, self.intra, self.nvls) == (
+        return (self.arch, self.nvlink, self.nic_rates, self.intra, self.nvls, self.cpu) == (
             other.arch,
             other.nvlink,
             other.nic_rates,
             other.intra,
             other.nvls,
+            other.cpu,
         )
 
     def missing(self) -> list[str]:
@@ -86,7 +91,8 @@ class NodeFacts:
     def gpu_node(self, local_size: int) -> GpuNode | None:
         """The model's machine for L = ``local_size`` GPUs per machine; None where a
         fact is missing. A GPU drives one NIC at a time (its rail), so the L fastest
-        NICs are the machine's."""
+        NICs are the machine's. An unknown CPU vendor is no gap: the model then takes
+        the figures that favour NCCL (fairring_pg.model.alltoall)."""
         if self.missing() or self.arch is None:
             return None
         base = _BY_ARCH[self.arch]
@@ -103,6 +109,7 @@ class NodeFacts:
             channels=base.channels,
             nvls=bool(_nvls(self.arch, self.nvlink, self.nvls)) and local_size > 1,
             nic_efficiency=IB_EFFICIENCY,
+            cpu=self.cpu or UNKNOWN_CPU,
         )
 
 
@@ -163,6 +170,18 @@ def _device_name() -> str | None:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
+def cpu_vendor(cpuinfo: str | None) -> str | None:
+    """The vendor NCCL's topology would report (ncclTopoCpuType): Intel and AMD by the
+    x86 ``vendor_id``, other (Arm, POWER) where /proc/cpuinfo has none; None unread."""
+    if cpuinfo is None:
+        return None
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id":
+            return {"GenuineIntel": INTEL, "AuthenticAMD": AMD}.get(value.strip(), OTHER_CPU)
+    return OTHER_CPU if cpuinfo.strip() else None
+
+
 @dataclass(frozen=True)
 class Probes:
     read: Callable[[str], str | None] = _read
@@ -181,6 +200,7 @@ def detect(probes: Probes = Probes()) -> NodeFacts:
         nic_rates=nic_rates(probes),
         nvls=_nvls(arch, nvlink, None),
         source="detected",
+        cpu=cpu_vendor(probes.read(_CPUINFO)),
     )
 
 
@@ -245,7 +265,7 @@ def nic_rates(probes: Probes = Probes()) -> tuple[float, ...]:
 
 # --- FAIRRING_NODE ----------------------------------------------------------------
 
-_FILE_FIELDS = ("arch", "nvlink", "nics", "nic", "nics_per_machine", "intra", "nvls")
+_FILE_FIELDS = ("arch", "nvlink", "nics", "nic", "nics_per_machine", "intra", "nvls", "cpu")
 
 
 def from_env(environ: Mapping[str, str] = os.environ, probes: Probes = Probes()) -> NodeFacts:
@@ -265,20 +285,21 @@ def from_env(environ: Mapping[str, str] = os.environ, probes: Probes = Probes())
             intra=node.intra,
             nvls=node.nvls,
             source=f"{ENV}={value.lower()}",
+            cpu=node.cpu if node.cpu in CPU_VENDORS else None,
         )
     if not os.path.isfile(value):
         raise ValueError(
             f"{ENV}={raw!r} is neither a node type ({', '.join(sorted(NODE_TYPES))}), 'detect', "
             "'none', nor an existing file of facts (JSON: arch, nvlink, nics or nic and "
-            "nics_per_machine, optionally intra and nvls)"
+            "nics_per_machine, optionally intra, nvls and cpu)"
         )
     return from_file(value)
 
 
 def from_file(path: str) -> NodeFacts:
     """Facts from a JSON file: {"arch": "hopper", "nvlink": true, "nics": ["400gbit", ...]}
-    or {"nic": "400gbit", "nics_per_machine": 8}; optionally "intra": "370GB/s" and
-    "nvls": true."""
+    or {"nic": "400gbit", "nics_per_machine": 8}; optionally "intra": "370GB/s",
+    "nvls": true and "cpu": "intel" (or "amd", "other")."""
     where = f"{ENV}={path!r}"
     try:
         with open(path) as f:
@@ -314,6 +335,9 @@ def from_file(path: str) -> NodeFacts:
         raise ValueError(
             f"{where}: expected 'nics' (a list of rates) or 'nic' and 'nics_per_machine'"
         )
+    cpu = data.get("cpu")
+    if cpu is not None and cpu not in CPU_VENDORS:
+        raise ValueError(f"{where}: 'cpu' is {cpu!r}; expected one of {', '.join(CPU_VENDORS)}")
     intra = parse_rate(f"{where}: 'intra'", str(data["intra"])) if "intra" in data else None
     nvlink = data.get("nvlink", True)
     return NodeFacts(
@@ -323,6 +347,7 @@ def from_file(path: str) -> NodeFacts:
         intra=intra,
         nvls=_nvls(arch, nvlink, data.get("nvls")),
         source=where,
+        cpu=cpu,
     )
 
 
@@ -353,7 +378,8 @@ def merge(facts: Sequence[NodeFacts], machine_of: Sequence[int]) -> JobFacts:
 
 def _show(facts: NodeFacts) -> str:
     nics = ", ".join(f"{r * 8 / 1e9:g}G" for r in facts.nic_rates) or "no NICs"
-    return f"{facts.arch or 'unknown GPU'}, NVLink {facts.nvlink}, {nics} ({facts.source})"
+    cpu = f"{facts.cpu or 'unknown'} CPU"
+    return f"{facts.arch or 'unknown GPU'}, NVLink {facts.nvlink}, {nics}, {cpu} ({facts.source})"
 
 
 __all__ = [
@@ -362,6 +388,7 @@ __all__ = [
     "NodeFacts",
     "Probes",
     "UNKNOWN",
+    "cpu_vendor",
     "detect",
     "from_env",
     "from_file",

@@ -26,6 +26,7 @@ from fairring_pg.model.cpu import CpuCluster, predict_cpu
 from fairring_pg.model.cuda_plan import CudaPlan
 from fairring_pg.model.gpu import GpuPrediction, predict_gpu
 from fairring_pg.model.nodes import IB_EFFICIENCY, NODE_TYPES, GpuNode
+from fairring_pg.model.sensitivity import Turn, nearest, turning_points
 from fairring_pg.model.units import parse_rate, parse_size, show_rate, show_size
 
 MACHINE_STEPS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -40,6 +41,7 @@ _GPU_OPTIONS = (
     "node",
     "plot",
     "show_plan",
+    "cpu",
 )
 _CPU_OPTIONS = ("ranks_per_machine", "link")
 
@@ -85,6 +87,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help=f"payload share of a NIC's rate (default {IB_EFFICIENCY}: NDR's 46-48 of 50 GB/s)",
     )
     gpu.add_argument("--nvls", choices=("on", "off"), help="NVLink SHARP (default: on for hopper)")
+    gpu.add_argument(
+        "--cpu",
+        choices=nccl.CPU_VENDORS + (nccl.UNKNOWN_CPU,),
+        help="the hosts' CPU vendor (default: the node type's; unknown for a custom node): "
+        "NCCL's figures and fairring's cost per rail message depend on it",
+    )
     gpu.add_argument("--nccl", choices=sorted(_TUNINGS), default="2.28", help="NCCL's tuning")
     gpu.add_argument("--max-machines", type=int, default=128, help="the table's last row")
     gpu.add_argument(
@@ -146,6 +154,7 @@ def gpu_node(args: argparse.Namespace) -> GpuNode:
         v is not None
         for v in (args.gpus_per_machine, args.nic, args.nics_per_machine, args.intra, args.arch)
     )
+    cpu = args.cpu or (base.cpu if not custom else nccl.UNKNOWN_CPU)
     return GpuNode(
         name=base.name if not custom else "custom",
         gpus=gpus,
@@ -158,6 +167,7 @@ def gpu_node(args: argparse.Namespace) -> GpuNode:
         nvls=(args.nvls == "on") if args.nvls else (arch == "hopper" and gpus > 1),
         nic_efficiency=efficiency,
         sources=base.sources if not custom else (),
+        cpu=cpu,
     )
 
 
@@ -214,8 +224,9 @@ def machine_range(highlight: int, last: int) -> list[int]:
     return sorted({m for m in MACHINE_STEPS if m <= last} | {highlight})
 
 
-def row(p: GpuPrediction, machines: int, gpus: int, size: int) -> dict[str, Any]:
+def row(p: GpuPrediction, machines: int, gpus: int, size: int, turns: list[Turn]) -> dict[str, Any]:
     pieces = [u.numel * 4 for u in p.plan.units(size) if not u.direct]
+    first = nearest(turns)
     runs = f"{len(pieces)} x {show_size(max(pieces))}, {p.row.exchange}" if pieces else ""
     return {
         "machines": machines,
@@ -233,6 +244,18 @@ def row(p: GpuPrediction, machines: int, gpus: int, size: int) -> dict[str, Any]
         "pieces": len(pieces),
         "exchange": p.row.exchange,
         "reason": p.row.reason,
+        "turns": [
+            {
+                "constant": t.constant,
+                "used": t.used,
+                "now": t.now,
+                "turns_at": t.turns_at,
+                "speedup_there": t.speedup_there,
+                "text": t.describe(),
+            }
+            for t in turns
+        ],
+        "turns_first": first.describe() if first else None,
     }
 
 
@@ -244,7 +267,8 @@ def run_gpu(args: argparse.Namespace, config: Config) -> dict[str, Any]:
     predictions = {}
     for m in machine_range(highlight, max(args.max_machines, 1)):
         predictions[m] = predict_gpu(node, m, args.size_bytes, args.in_flight, config, tuning)
-        rows.append(row(predictions[m], m, node.gpus, args.size_bytes))
+        turns = turning_points(node, m, args.size_bytes, args.in_flight, config, tuning)
+        rows.append(row(predictions[m], m, node.gpus, args.size_bytes, turns))
     chosen = predictions[highlight]
     return {
         "device": "cuda",
@@ -308,6 +332,20 @@ def show_gpu(result: dict[str, Any]) -> str:
         "(FAIRRING_CUDA_ALLREDUCE=auto) picks for one call of this size: NCCL's allreduce, or "
         "pieces through the composition with that rail exchange."
     )
+    turning = [r for r in result["rows"] if r["turns"]]
+    if turning:
+        lines.append(
+            "where each composed row's verdict turns: each constant of fairring's own "
+            "(fairring_pg/model/constants.py) changed alone, on the plan as it runs, until "
+            "fairring's time reaches NCCL's:"
+        )
+        for r in turning:
+            texts = "; ".join(t["text"] for t in r["turns"] if t["used"])
+            unused = [t["constant"] for t in r["turns"] if not t["used"]]
+            if unused:
+                texts += f" ({', '.join(unused)}: not used by the rail {r['exchange']})"
+            first = f" First to turn: {r['turns_first']}." if r["turns_first"] else ""
+            lines.append(f"  M = {r['machines']}, {r['speedup']:.2f}x: {texts}.{first}")
     if losses:
         where = ", ".join(str(r["machines"]) for r in losses)
         causes = sorted({r["fairring_bottleneck"] for r in losses})

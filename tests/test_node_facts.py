@@ -4,6 +4,7 @@ allreduce's plan is made from. No GPU, no sysfs of this host: every probe is a f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -112,7 +113,7 @@ def test_nvlink_from_the_device(
 def test_fairring_node_names_a_node_type_none_or_detect() -> None:
     facts = node_facts.from_env({"FAIRRING_NODE": "A100-4x200G"}, IB_MACHINE)
     assert facts == NodeFacts(
-        "ampere", True, (25e9,) * 4, 230e9, False, source="FAIRRING_NODE=a100-4x200g"
+        "ampere", True, (25e9,) * 4, 230e9, False, source="FAIRRING_NODE=a100-4x200g", cpu="amd"
     )
     assert node_facts.from_env({"FAIRRING_NODE": "none"}).missing()
     assert node_facts.from_env({}, IB_MACHINE) == node_facts.detect(IB_MACHINE)
@@ -137,8 +138,12 @@ def test_fairring_node_file(tmp_path: Path) -> None:
         False,
     )
     given = {"arch": "ampere", "nic": "200gbit", "nics_per_machine": 4, "intra": "230GB/s"}
-    same = node_facts.from_file(_file(tmp_path, given))
-    assert same.same_machine_as(node_facts.from_env({"FAIRRING_NODE": "a100-4x200g"}))
+    a100 = node_facts.from_env({"FAIRRING_NODE": "a100-4x200g"})
+    # Without its CPU the file describes another machine than the node type's (AMD) ...
+    assert not node_facts.from_file(_file(tmp_path, given)).same_machine_as(a100)
+    # ... and with it the same.
+    same = node_facts.from_file(_file(tmp_path, {**given, "cpu": "amd"}))
+    assert same.same_machine_as(a100) and same.source != a100.source
 
 
 @pytest.mark.parametrize(
@@ -154,6 +159,7 @@ def test_fairring_node_file(tmp_path: Path) -> None:
         ({"arch": "hopper", "nic": "400gbit", "nics_per_machine": 0}, "'nics_per_machine' is 0"),
         ({"arch": "hopper"}, "expected 'nics'"),
         ({"arch": "hopper", "nics": ["400gbit"], "nvlink": "yes"}, "'nvlink' is 'yes'"),
+        ({"arch": "hopper", "nics": ["400gbit"], "cpu": "Intel"}, "'cpu' is 'Intel'"),
     ],
 )
 def test_bad_fairring_node_file(tmp_path: Path, data: object, message: str) -> None:
@@ -186,7 +192,6 @@ def test_merge_agrees_or_says_unknown() -> None:
     assert "rank 2 on machine 1: ampere, NVLink True, 200G, 200G, 200G" in job.reason
     unknown = node_facts.merge([node_facts.UNKNOWN] * 2, [0, 1])
     assert unknown.facts is None and "the GPU generation" in unknown.reason
-    assert node_facts.merge([degraded, a100], [0, 1]) == node_facts.merge([degraded, a100], [0, 1])
     with pytest.raises(ValueError, match="2 ranks' facts for 3 ranks"):
         node_facts.merge([a100, a100], [0, 0, 1])
 
@@ -199,3 +204,55 @@ def test_facts_travel_as_json_and_make_the_node_types_plan() -> None:
     assert node is not None
     made = plan_allreduce(node, 2, Config())
     assert made.rows == plan_allreduce(NODE_TYPES["a100-4x200g"], 2, Config()).rows
+
+
+def test_merge_does_not_depend_on_which_rank_comes_first(tmp_path: Path) -> None:
+    # Rank 0's facts are compared with every other rank's; the job's answer must be the
+    # same with the ranks swapped: unknown where any machine differs, and where all
+    # agree the same machine for the model, whichever rank's source names it.
+    a100 = node_facts.from_env({"FAIRRING_NODE": "a100-4x200g"})
+    from_file = node_facts.from_file(
+        _file(tmp_path, {"arch": "ampere", "nic": "200gbit", "nics_per_machine": 4,
+                         "intra": "230GB/s", "cpu": "amd"})
+    )  # fmt: skip
+    degraded = NodeFacts("ampere", True, (25e9,) * 3, 230e9, False, cpu="amd")
+    intel = dataclasses.replace(a100, cpu="intel")
+    for odd in (degraded, intel):
+        for order in ([a100, a100, odd], [odd, a100, a100], [a100, odd, a100]):
+            job = node_facts.merge(order, [0, 1, 2])
+            assert job.facts is None and job.gpu_node(8) is None, order
+    agree, swapped = (node_facts.merge(f, [0, 1]) for f in ([a100, from_file], [from_file, a100]))
+    assert agree.facts is not None and swapped.facts is not None
+    nodes = [job.gpu_node(8) for job in (agree, swapped)]
+    assert nodes[0] is not None and nodes[1] is not None
+    assert dataclasses.replace(nodes[0], name="") == dataclasses.replace(nodes[1], name="")
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "vendor"),
+    [
+        ("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\n", "intel"),
+        ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n", "amd"),
+        ("processor\t: 0\nvendor_id\t: HygonGenuine\n", "other"),
+        ("processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\n", "other"),  # Arm
+        ("", None),
+        (None, None),
+    ],
+)
+def test_cpu_vendor_from_proc_cpuinfo(cpuinfo: str | None, vendor: str | None) -> None:
+    assert node_facts.cpu_vendor(cpuinfo) == vendor
+    files = {} if cpuinfo is None else {"/proc/cpuinfo": cpuinfo}
+    probes = fake_sysfs(files, {}, capability=lambda: (8, 0), nvlink_matrix=lambda: None,
+                        device_name=lambda: None)  # fmt: skip
+    assert node_facts.detect(probes).cpu == vendor
+
+
+def test_the_cpu_reaches_the_model() -> None:
+    # An unknown vendor is no gap (the model then takes the figures that favour NCCL);
+    # a known one is the node's.
+    amd = NodeFacts("ampere", True, (25e9,) * 8, cpu="amd").gpu_node(8)
+    unknown = NodeFacts("ampere", True, (25e9,) * 8).gpu_node(8)
+    assert amd is not None and unknown is not None
+    assert (amd.cpu, unknown.cpu) == ("amd", "unknown")
+    typed = node_facts.from_env({"FAIRRING_NODE": "h100-8x400g"}).gpu_node(8)
+    assert typed is not None and typed.cpu == NODE_TYPES["h100-8x400g"].cpu == "intel"

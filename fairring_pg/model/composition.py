@@ -17,9 +17,10 @@ the plan, fairring_pg.model.cuda_plan, says how large). Each piece of p bytes, o
                    all-gather communicator, NVLink.
 
 Each step's time is NCCL's own model of that collective on that communicator
-(fairring_pg.model.nccl); the all-to-all, which NCCL's tuning does not model, takes
-NCCL's fixed cost of a collective and of one network step, and its proxy posts 2(M-1)
-messages at NCCL's network overhead each. With ``overlap`` (the design of issue 34)
+(fairring_pg.model.nccl); the all-to-all, which NCCL's tuning does not model, is
+charged by message as NCCL charges its own algorithms (fairring_pg.model.alltoall):
+protocol, latency, payload rate by message size, and its proxy posts 2(M-1) messages
+at NCCL's network overhead each. With ``overlap`` (the design of issue 34)
 each step runs on a stream of its own and waits only for the step before it, so the
 reduce-scatter of a piece, the rail exchange of the one before and the all-gather of
 the one before that run at once; without it (as built before issue 34, and the Fairring
@@ -34,7 +35,9 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fairring_pg.model import nccl
+from fairring_pg.model import alltoall, nccl
+from fairring_pg.model.alltoall import MessageEfficiency
+from fairring_pg.model.constants import ALLTOALL_EFFICIENCY, HOST_STEP, KERNEL_START, OVERLAP
 from fairring_pg.model.nodes import GpuNode
 from fairring_pg.model.pipeline import Piece, Stage
 
@@ -42,19 +45,17 @@ ALLTOALL, REDUCE_SCATTER = "alltoall", "reduce_scatter"
 # Only for what ran before issue 34 and the Fairring seed:
 ALLTOALL_ALLGATHER, MESSAGES = "alltoall_allgather", "messages"
 
-# NCCL's network overhead per step of its Simple protocol: getNetOverhead (1 us on Intel
-# x86 hosts, 2 on AMD) x 3 (NCCL 2.28.9 src/graph/tuning.cc, where it floors the
-# latency of every step of an inter-node ring).
-NCCL_NET_STEP_S = 3e-6
-
 
 @dataclass(frozen=True)
 class Implementation:
     """A reduction-server allreduce on GPUs: this project's, as designed or as built
-    before issue 34, or the Fairring seed's."""
+    before issue 34, or the Fairring seed's. The defaults of fairring's own costs are
+    fairring_pg.model.constants'."""
 
     name: str
-    message_s: float  # proxy (CPU) seconds per rail message posted, one GPU's
+    # Proxy (CPU) seconds per rail message posted, one GPU's; None: NCCL's own, by
+    # protocol and the hosts' CPU vendor (fairring_pg.model.alltoall.message_cost_s).
+    message_s: float | None
     exchanges: tuple[str, ...]  # rail exchanges it can run
     overlap: bool  # the steps of consecutive pieces overlap (streams per step)
     planned: bool  # pieces and exchange per call from the model (else whole slices)
@@ -63,27 +64,24 @@ class Implementation:
     # (NCCL 2.28.9 src/init.cc: a split shares its parent's only when asked to), or
     # one CPU thread for the process (the Fairring seed's TensorPipe loop).
     proxy_per_lane: bool = True
-    # The host's seconds to issue one step (a ProcessGroupNCCL collective with its event
-    # record and stream wait, or the reduction kernel): see docs/design.md, "The cost
-    # model", for what it rests on.
-    host_s: float = 10e-6
-    # A dependent kernel's start on the GPU after the step before it (the reduction of
-    # the all-to-all exchange), beyond its own work.
-    launch_s: float = 5e-6
+    host_s: float = HOST_STEP.value
+    launch_s: float = KERNEL_START.value
+    # The NCCL all-to-all's payload rate by message size (not the seed's messages).
+    alltoall_efficiency: MessageEfficiency = ALLTOALL_EFFICIENCY.value
 
 
 FAIRRING_PG = Implementation(
     "fairring_pg (NCCL sub-groups, steps of pieces overlapped)",
-    message_s=NCCL_NET_STEP_S,
+    message_s=None,
     exchanges=(ALLTOALL, REDUCE_SCATTER),
-    overlap=True,
+    overlap=OVERLAP.value,
     planned=True,
 )
 # What ran on the H100 in bench/results/cuda/ (and what src/subgroups/ builds until
 # issue 34 lands): whole slices, the five steps in a row on a lane, the all-to-all.
 FAIRRING_PG_SLICES = Implementation(
     "fairring_pg before issue 34 (whole slices, five steps in a row)",
-    message_s=NCCL_NET_STEP_S,
+    message_s=None,
     exchanges=(ALLTOALL_ALLGATHER,),
     overlap=False,
     planned=False,
@@ -150,6 +148,12 @@ def nccl_time(
     return found
 
 
+def nccl_cpu(node: GpuNode) -> str:
+    """The vendor NCCL's side is modelled with: Intel's figures where unknown (the
+    faster for NCCL)."""
+    return node.cpu if node.cpu in nccl.CPU_VENDORS else nccl.INTEL
+
+
 def world_fabric(node: GpuNode) -> nccl.Fabric:
     return nccl.Fabric(
         arch=node.arch,
@@ -159,17 +163,22 @@ def world_fabric(node: GpuNode) -> nccl.Fabric:
         channels=node.channels,
         nvls=node.nvls,
         nvls_channels=node.nics,
+        cpu=nccl_cpu(node),
     )
 
 
 def local_fabric(node: GpuNode) -> nccl.Fabric:
-    return nccl.Fabric(node.arch, node.gpus, node.intra, node.inter, node.channels)
+    return nccl.Fabric(
+        node.arch, node.gpus, node.intra, node.inter, node.channels, cpu=nccl_cpu(node)
+    )
 
 
 def rail_fabric(node: GpuNode) -> nccl.Fabric:
     """One rank per node; every rail of a machine runs at once, so each gets 1/L of
     the machine's NICs."""
-    return nccl.Fabric(node.arch, 1, node.intra, node.inter / node.gpus, node.channels)
+    return nccl.Fabric(
+        node.arch, 1, node.intra, node.inter / node.gpus, node.channels, cpu=nccl_cpu(node)
+    )
 
 
 def direct_piece(
@@ -260,20 +269,30 @@ def rail_stages(
             collective("rail reduce-scatter", nccl.REDUCE_SCATTER),
             collective("rail all-gather", nccl.ALL_GATHER),
         ]
-    messages = 2 * (M - 1) * impl.message_s  # M-1 sent and M-1 received
     proxy = f"proxy of {lane}" if impl.proxy_per_lane else "proxy"
-    one_ppn = tuning.one_ppn_inter_lat_from_tree
-    net_step = tuning.hw_lat[nccl.NET][nccl.TREE if one_ppn else nccl.RING][nccl.SIMPLE] * 1e-6
     if exchange == MESSAGES:
-        # The Fairring seed: each shard a message its CPU thread posts and waits for.
+        # The Fairring seed: each shard a message its CPU thread posts and waits for,
+        # over TensorPipe (not NCCL's protocols).
+        assert impl.message_s is not None, "the seed's messages have a cost of their own"
+        messages = 2 * (M - 1) * impl.message_s  # M-1 sent and M-1 received
+        one_ppn = tuning.one_ppn_inter_lat_from_tree
+        net = nccl.TREE if one_ppn else nccl.RING
+        net_step = tuning.hw_lat[nccl.NET][net][nccl.SIMPLE] * 1e-6
         post = (M - 1) * impl.message_s
         hop = Stage("collect", {"nic": wire, proxy: messages}, net_step + post, held)
         reduce = Stage("reduce", {"hbm": (M + 1) / M * chunk / node.hbm}, impl.launch_s, held)
         return [hop, reduce, Stage("diffuse", hop.busy, hop.latency, held)]
-    # An all-to-all: NCCL's fixed cost of a collective and of one network step; its
-    # proxy posts the M-1 sends and M-1 receives.
-    base = tuning.base_lat[nccl.RING][nccl.SIMPLE] * 1e-6
-    collect = Stage("collect", {"nic": wire, proxy: messages}, base + net_step, held, impl.host_s)
+    # NCCL's all-to-all of my M shards, charged by message as NCCL charges its own
+    # algorithms: its fixed cost, the payload rate its protocol and size allow, and its
+    # proxy's M-1 sends and M-1 receives.
+    message = max(1, chunk // M)
+    per_message = (
+        impl.message_s if impl.message_s is not None else alltoall.message_cost_s(node.cpu, message)
+    )
+    share = impl.alltoall_efficiency.at(tuning, rail, M, message)
+    busy = {"nic": wire / share, proxy: 2 * (M - 1) * per_message}
+    latency = alltoall.hop_latency_s(tuning, message)
+    collect = Stage("collect", busy, latency, held, impl.host_s)
     if exchange == ALLTOALL_ALLGATHER:
         hbm = (M + 1) / M * chunk  # read the M copies, write my shard
         reduce = Stage("reduce", {"hbm": hbm / node.hbm}, impl.launch_s, held, impl.host_s)

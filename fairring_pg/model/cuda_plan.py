@@ -14,8 +14,9 @@ fairring_pg.model.composition with that rail ``exchange`` (src/subgroups/call_pl
 applies the same rule). Every rank uses the same table (rank 0
 publishes it), so every rank takes the same path for the same call.
 
-A row composes only where the model predicts the composition faster than NCCL's own
-allreduce by ``COMPOSE_MARGIN`` for one call alone, at both ends of its size range
+A row composes only where the model predicts NCCL's own allreduce at least
+1 + ``COMPOSE_MARGIN`` times the composition's time, for one call alone, at both ends of its
+size range
 (with several in flight the composition gains more, NCCL runs them one after
 another); elsewhere, where the node is unknown, and with one rank per machine
 (measured: bench/results/cuda/), it is NCCL's.
@@ -48,8 +49,12 @@ from fairring_pg.model.nodes import GpuNode
 from fairring_pg.model.pipeline import schedule
 
 NCCL, COMPOSE = "nccl", "compose"
-# Compose only where the model predicts at least this much less time than NCCL's.
-COMPOSE_MARGIN = 0.01
+# Compose only where the model predicts NCCL's time at least (1 + this) x fairring's: a
+# predicted win larger than the model's measured error. Against the committed CPU
+# validation (bench/results/model_validation.json) the model overstates fairring's
+# speedup by up to 9.2% (tests/test_model_validation.py holds the margin above that); no
+# GPU measurement of the composition exists yet.
+COMPOSE_MARGIN = 0.10
 # The sizes at which the decision is made: 1, 2, 3, 4, 6, ... 48, 64 MiB, then powers of
 # two up to 1 GiB; a call between two takes the row of the one below, a larger one the
 # last row.
@@ -318,9 +323,15 @@ def _decide(
         composed_seconds(node, M, upper, count, exchange, largest, tuning, impl, lanes)
     )
     worst = min(speedup, at_upper)
-    if worst * (1 - COMPOSE_MARGIN) >= 1.0:
+    if composes(worst):
         return PlanRow(size, COMPOSE, count, exchange, f"predicted {worst:.2f}x NCCL's {nccl_name}")
-    return PlanRow(size, NCCL, reason=f"composing predicted {worst:.2f}x NCCL's {nccl_name}")
+    why = f"composing predicted {worst:.2f}x NCCL's {nccl_name}, under {1 + COMPOSE_MARGIN:.2f}x"
+    return PlanRow(size, NCCL, reason=why)
+
+
+def composes(speedup: float) -> bool:
+    """Whether a predicted speedup over NCCL's allreduce is enough to compose on."""
+    return speedup >= 1.0 + COMPOSE_MARGIN
 
 
 def composed_seconds(

@@ -19,14 +19,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fairring_pg.config import Config
-from fairring_pg.model import nccl
+from fairring_pg.model import alltoall, nccl
 from fairring_pg.model.composition import (
     FAIRRING_PG,
     Implementation,
     call_pieces,
     world_fabric,
 )
-from fairring_pg.model.cuda_plan import COMPOSE, CudaPlan, PlanRow, plan_allreduce
+from fairring_pg.model.cuda_plan import COMPOSE, COMPOSE_MARGIN, CudaPlan, PlanRow, plan_allreduce
 from fairring_pg.model.nodes import GpuNode
 from fairring_pg.model.pipeline import FlowTime, Scheduled, flow_time, schedule
 
@@ -128,10 +128,12 @@ def fairring_time(
     tuning: nccl.NcclTuning = nccl.NCCL_2_28,
     impl: Implementation = FAIRRING_PG,
     elem_size: int = 4,
+    plan: CudaPlan | None = None,
 ) -> tuple[Scheduled, FlowTime]:
     """Allreduces of ``sizes`` bytes issued at once, each as fairring's plan runs it:
-    (the schedule, its lower bound)."""
-    plan = plan_allreduce(node, machines, config, tuning, impl)
+    (the schedule, its lower bound). ``plan``: the plan to run (default: the one
+    ``impl``'s own costs make), so that a cost can change under a plan made without it."""
+    plan = plan or plan_allreduce(node, machines, config, tuning, impl)
     calls = []
     for size in sizes:
         row = plan.row_for(size)
@@ -154,9 +156,27 @@ def assumptions(
         f"{config.lanes} lanes, largest piece FAIRRING_SLICE_SIZE={config.slice_size} (scaling "
         f"{'on' if config.slice_scaling else 'off'}), NCCL's allreduce below "
         f"FAIRRING_DIRECT_BELOW={config.direct_below} B; the host issues each step in "
-        f"{impl.host_s * 1e6:.0f} us, an all-to-all posts each message in "
-        f"{impl.message_s * 1e6:.0f} us",
+        f"{impl.host_s * 1e6:.0f} us, an all-to-all posts each message in {_per_message(impl)}, "
+        f"compose only where NCCL's predicted time is {1 + COMPOSE_MARGIN:.2f}x fairring's or more",
+        "the rail all-to-all as NCCL charges its own algorithms: its protocol's latency and "
+        "bandwidth factor, "
+        + (
+            "a measured efficiency by message size"
+            if impl.alltoall_efficiency.measured
+            else "treeCorrectionFactor by message size"
+        ),
         "not modelled: congestion in the fabric (every machine's NICs at full rate), "
         "compute beside the collectives (SMs and HBM shared with training), NCCL's CollNet "
         "(SHARP switches), NVLS for fairring's own local steps (ring only: conservative)",
     ]
+
+
+def _per_message(impl: Implementation) -> str:
+    if impl.message_s is not None:
+        return f"{impl.message_s * 1e6:.1f} us"
+    simple = 1 << 20  # a message NCCL sends with its Simple protocol
+    intel, amd = (alltoall.message_cost_s(cpu, simple) * 1e6 for cpu in (nccl.INTEL, nccl.AMD))
+    return (
+        f"NCCL's network overhead ({intel:g} us on Intel hosts, {amd:g} on AMD or unknown; "
+        "LL messages a third)"
+    )

@@ -12,6 +12,11 @@ bandwidth, see fairring_pg/model/gpu.py). The constants are facts (numbers), cit
 - NCCL 2.28.9-1 (what ran on the H100 in bench/results/cuda/), commit
   dbc86fd06e8b0c4517b95d8958a09ccacf9520c9, src/graph/tuning.cc.
 
+The host's CPU vendor counts where NCCL counts it: across machines, AMD hosts take
+``llMaxBws``' second row (Intel and others the first) and, in 2.28, a network overhead
+of 2 us per ring step instead of 1 (``getNetOverhead``). Where the vendor is unknown,
+NCCL's side takes the Intel figures, the faster for NCCL.
+
 Left out: CollNet (SHARP switches); NCCL's channel and thread-count choices below full
 size; LL128 is taken as enabled (NVLink nodes with NICs next to the GPUs, as NCCL's
 defaults do). PAT (NCCL 2.23+, all-gather and reduce-scatter with one GPU per node) is
@@ -29,6 +34,10 @@ RING, TREE, NVLS_TREE, PAT = "ring", "tree", "nvls tree", "pat"
 NVLINK, NET = "nvlink", "net"
 ALLREDUCE, REDUCE_SCATTER, ALL_GATHER = "allreduce", "reduce-scatter", "all-gather"
 ARCHS = ("volta", "ampere", "hopper")
+# The host's CPU vendor, as NCCL's topology reports it (ncclTopoCpuType); UNKNOWN_CPU:
+# not known to the model.
+INTEL, AMD, OTHER_CPU, UNKNOWN_CPU = "intel", "amd", "other", "unknown"
+CPU_VENDORS = (INTEL, AMD, OTHER_CPU)
 
 Triple = tuple[float, float, float]  # LL, LL128, Simple; or N1, N2, N4 for the caps
 
@@ -41,7 +50,7 @@ class NcclTuning:
     commit: str
     base_lat: dict[str, Triple]
     hw_lat: dict[str, dict[str, Triple]]  # NVLINK / NET -> algorithm -> per protocol
-    ll_max_bw: dict[str, Triple]  # "volta" row = Intel CPUs for N2/N4 (NCCL's index1)
+    ll_max_bw: dict[str, Triple]  # across nodes: "volta" row = Intel, "ampere" row = AMD
     per_ch_max_tree: dict[str, Triple]
     per_ch_max_ring_ll128: dict[str, Triple]
     per_ch_max_tree_ll128: dict[str, Triple]
@@ -50,7 +59,9 @@ class NcclTuning:
     ring_ll_factor: float  # ring LL: busBw * this (2.11: 1/4, 2.28: 1/2)
     ring_ll128_factor_one_ppn: float  # ring LL128 with one GPU per node
     ll_intra_lat_multinode: float  # 2.11 multiplies LL's intra latency by 1.8 across nodes
-    net_overhead_us: float  # per network step of a ring across nodes (2.28), x3 Simple
+    # getNetOverhead by CPU vendor: floors each step of a ring across nodes (x3 Simple)
+    net_overhead_us: dict[str, float]
+    p2p_ll_threshold: int  # send/recv up to this many bytes per channel use LL (else Simple)
     one_ppn_inter_lat_from_tree: bool  # 2.28: one GPU per node exposes the tree's net latency
     plateau_per_channel_rank: bool  # 2.28: ring plateau when bytes/(channels*ranks) >= 64
     plateau: dict[str, float]  # the ring's latency factor past the plateau, per arch
@@ -84,7 +95,8 @@ NCCL_2_11 = NcclTuning(
     ring_ll_factor=1 / 4,
     ring_ll128_factor_one_ppn=0.7,
     ll_intra_lat_multinode=1.8,
-    net_overhead_us=0.0,
+    net_overhead_us={INTEL: 0.0, AMD: 0.0, OTHER_CPU: 0.0},
+    p2p_ll_threshold=0,  # p2p is always Simple before 2.14.3 (NCCL_P2P_LL_THRESHOLD)
     one_ppn_inter_lat_from_tree=False,
     plateau_per_channel_rank=False,
     plateau={"volta": 1.9, "ampere": 1.9, "hopper": 1.9},
@@ -142,7 +154,8 @@ NCCL_2_28 = NcclTuning(
     ring_ll_factor=1 / 2,
     ring_ll128_factor_one_ppn=0.92,
     ll_intra_lat_multinode=1.0,
-    net_overhead_us=1.0,  # Intel x86 hosts; 2.0 on AMD
+    net_overhead_us={INTEL: 1.0, AMD: 2.0, OTHER_CPU: 1.0},
+    p2p_ll_threshold=16384,  # src/enqueue.cc, NCCL_P2P_LL_THRESHOLD
     one_ppn_inter_lat_from_tree=True,
     plateau_per_channel_rank=True,
     plateau={"volta": 1.9, "ampere": 1.4, "hopper": 1.4},
@@ -168,6 +181,7 @@ class Fabric:
     channels: int  # NCCL channels (rings / trees) per communicator
     nvls: bool = False  # NVLink SHARP (NVSwitch multicast), Hopper HGX
     nvls_channels: int = 0  # NVLS tree heads: one per NIC
+    cpu: str = INTEL  # the hosts' CPU vendor (INTEL for unknown: NCCL's faster figures)
 
 
 @dataclass(frozen=True)
@@ -216,6 +230,25 @@ def _index2(nodes: int) -> int:
     return 0 if nodes == 1 else 1 if nodes == 2 else 2
 
 
+def ll_max_bw(tuning: NcclTuning, fabric: Fabric, nodes: int) -> float:
+    """llMaxBw (bytes/s): by GPU generation on one node, by CPU vendor across nodes."""
+    row = fabric.arch if nodes == 1 else "ampere" if fabric.cpu == AMD else "volta"
+    return tuning.ll_max_bw.get(row, tuning.ll_max_bw["volta"])[_index2(nodes)] * 1e9
+
+
+def net_overhead_s(tuning: NcclTuning, cpu: str, protocol: int) -> float:
+    """NCCL's cost of posting one network step (getNetOverhead, x3 for Simple)."""
+    vendor = cpu if cpu in tuning.net_overhead_us else INTEL
+    return tuning.net_overhead_us[vendor] * (3 if protocol == SIMPLE else 1) * 1e-6
+
+
+def tree_correction(tuning: NcclTuning, protocol: int, nbytes: int) -> float:
+    """treeCorrectionFactor: the tree's efficiency by size, 1 outside the table."""
+    log_size = int(math.log2(nbytes >> 6)) if nbytes >= 64 else -1
+    table = tuning.tree_correction[protocol]
+    return table[log_size] if 0 <= log_size < len(table) else 1.0
+
+
 def _bus_bandwidth(fabric: Fabric, nodes: int, algorithm: str) -> float:
     """Bytes/s of a node's links for this algorithm, in NCCL's bus-bandwidth convention.
 
@@ -235,8 +268,7 @@ def _algbw(
     ranks = nodes * f.ranks_per_node
     ch = f.channels
     i2 = _index2(nodes)
-    ll_row = f.arch if nodes == 1 else "volta"  # multi-node: Intel hosts' row
-    ll_max = t.ll_max_bw.get(ll_row, t.ll_max_bw["volta"])[i2] * 1e9
+    ll_max = ll_max_bw(t, f, nodes)
     arch = f.arch if f.arch in t.per_ch_max_tree else "ampere"
     if algorithm == NVLS_TREE:
         intra = 2 * t.nvls_efficiency_hopper * f.intra * (f.nvls_channels - 1) / f.nvls_channels
@@ -267,10 +299,7 @@ def _algbw(
             bus * (7 / 9 if nodes == 1 else 120 / 128),
             ch * t.per_ch_max_tree_ll128[arch][i2] * 1e9,
         )
-    log_size = int(math.log2(nbytes >> 6)) if nbytes >= 64 else -1
-    if 0 <= log_size < len(t.tree_correction[p]):
-        bus *= t.tree_correction[p][log_size]
-    return bus * 0.5
+    return bus * tree_correction(t, p, nbytes) * 0.5
 
 
 def _latency(
@@ -289,7 +318,7 @@ def _latency(
         steps = 2 * (ranks - 1) if coll == ALLREDUCE else ranks - 1
         inter_steps = 0 if nodes == 1 else (2 * (nodes - 1) if coll == ALLREDUCE else nodes - 1)
         if nodes > 1:
-            intra = max(intra, t.net_overhead_us * (3 if p == SIMPLE else 1))
+            intra = max(intra, net_overhead_s(t, f.cpu, p) * 1e6)
         lat += (steps - inter_steps) * intra + inter_steps * inter
         if p == SIMPLE and nodes > 1 and coll == ALLREDUCE:
             plateau = (
