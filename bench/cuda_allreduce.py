@@ -44,7 +44,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-SIZES = ("64K", "1M", "25M", "100M")
+# 8 B to 1 MiB: where the plan composes nothing (one rank per machine under auto) the
+# allreduce is NCCL's own Work, and must cost what NCCL's does (the same target).
+SIZES = ("8", "4K", "64K", "1M", "25M", "100M")
 IN_FLIGHT = 16
 IN_FLIGHT_SIZE = "25M"
 PROFILED_SIZE = "25M"
@@ -227,6 +229,8 @@ def worker(args: argparse.Namespace) -> None:
     results["paths"] = {
         name: subgroup_stats(g, dev.type) for name, g in groups.items() if name.startswith("fair")
     }
+    fairring = {name: g for name, g in groups.items() if name.startswith("fair")}
+    results["host_per_piece"] = {n: _host_per_piece(g, dev, scale) for n, g in fairring.items()}
     if args.profile is not None:
         timed = {name: g for name, g in groups.items() if name != "gloo"}
         size = common.parse_size(PROFILED_SIZE) // scale
@@ -239,6 +243,32 @@ def worker(args: argparse.Namespace) -> None:
         shape = f"{int(os.environ['NNODES'])}x{world // int(os.environ['NNODES'])}"
         _profile(cases, args.profile, shape, dev, barrier)
     common.write_worker_result(args.out, results)
+
+
+def _host_per_piece(group: Any, dev: Any, scale: int) -> float | None:
+    """Host seconds the calling thread spends issuing a 25 MiB allreduce, per piece,
+    with the device kept busy by a long kernel first (so nothing of it waits on the
+    device); None where the group's calls do not compose (NCCL's own)."""
+    import torch
+    import torch.distributed as dist
+
+    from fairring_pg.subgroups import subgroup_stats
+
+    t = torch.ones(common.parse_size(PROFILED_SIZE) // scale // 4, device=dev)
+    dist.all_reduce(t, group=group)
+    _sync(dev)
+    before = subgroup_stats(group, dev.type)
+    if before is None:
+        return None
+    if dev.type == "cuda":
+        torch.cuda._sleep(200_000_000)
+    start = time.perf_counter()
+    work = dist.all_reduce(t, group=group, async_op=True)
+    issued = time.perf_counter() - start
+    work.wait()
+    _sync(dev)
+    pieces = subgroup_stats(group, dev.type)["sliced_units"] - before["sliced_units"]
+    return issued / pieces if pieces else None
 
 
 def _device_time_by_kind(events: Any) -> dict[str, float]:
@@ -424,10 +454,19 @@ def render(shape: str, data: dict[str, Any]) -> str:
             f"{m['staging_bytes_per_rank'] / common.MIB:.1f} MiB staging"
         )
     for n, stats in data.get("paths", {}).items():
+        if stats is None:
+            lines.append(f"Path, {n}: the plan composes nothing: every allreduce NCCL's own")
+            continue
         lines.append(
-            f"Path, {n}: {stats['operations']} allreduces ({stats['composed_calls']} composed), "
-            f"{stats['direct_units']} direct units, {stats['sliced_units']} pieces"
+            f"Path, {n}: {stats['operations']} allreduces ({stats['composed_calls']} composed, "
+            f"{stats['nccl_calls']} NCCL's own), {stats['direct_units']} tails, "
+            f"{stats['sliced_units']} pieces, {stats['events_created']} events made"
         )
+    for n, seconds in data.get("host_per_piece", {}).items():
+        if seconds is not None:
+            lines.append(
+                f"Host time to issue, {n}: {seconds * 1e6:.1f} us per piece at {PROFILED_SIZE}"
+            )
     if judged:
         met = sum(v["met"] for v in judged.values())
         lines.append(f"Targets met at {shape}: {met} of {len(judged)}")

@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # The CUDA check, on a machine with one GPU and a CUDA build of torch (>= 2.11), no
 # network needed: installs fairring_pg from this checkout, starts MPS when it can, and
-# runs three parts:
+# runs four parts:
 #   tests   tests/test_cuda.py under MPS (M = 2, 3, 4 simulated machines x 1 rank on
-#           cuda:0, each with its own FAIRRING_MACHINE_ID and NCCL_HOSTID, and 2 x 2 with
-#           Gloo local groups), and the GPU-free logic tests (test_subgroup_logic.py);
+#           cuda:0, each with its own FAIRRING_MACHINE_ID and NCCL_HOSTID, 2 x 2 with
+#           Gloo local groups and 2 x 2 with NCCL ones, a rank its own NCCL host: the
+#           async delegated all-gather of a temporary, calls in flight, capture, what
+#           the composition cannot do against NCCL's own), and the GPU-free logic
+#           tests (test_subgroup_logic.py);
+#   blocking  the exact results, streams and ordering tests again under
+#           TORCH_NCCL_BLOCKING_WAIT=1 (no step may wait on the host);
 #   faults  the tests in which a rank dies or fails (marker cuda_fault), without MPS;
 #   bench   bench/cuda_allreduce.py at 2x1 and 4x1: fairring (FAIRRING_CUDA_ALLREDUCE=
 #           auto and lanes) against NCCL in the same processes, issue 26's targets with
@@ -14,7 +19,7 @@
 # Together they outlast one 10-minute device call (the tests part alone ran past 320 s on
 # an H100 in November 2026): run one part per call.
 #
-#   bash scripts/run_cuda_tests.sh                      # all three
+#   bash scripts/run_cuda_tests.sh                      # all four
 #   bash scripts/run_cuda_tests.sh --parts tests        # a comma list of the parts
 #   bash scripts/run_cuda_tests.sh --parts bench --shapes 4x1
 #   bash scripts/run_cuda_tests.sh --parts tests -- -k 2x1   # the rest goes to pytest
@@ -24,7 +29,7 @@ cd "$(dirname "$0")/.."
 
 out_dir=${OUT:-bench/results/tmp/cuda}
 mkdir -p "$out_dir"
-parts=tests,faults,bench
+parts=tests,blocking,faults,bench
 shapes=2x1,4x1
 while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -39,8 +44,8 @@ while [[ $# -gt 0 ]]; do
 done
 for part in ${parts//,/ }; do
     case "$part" in
-        tests|faults|bench) ;;
-        *) echo "run_cuda_tests.sh: unknown part '$part' (expected tests, faults, bench)" >&2; exit 2 ;;
+        tests|blocking|faults|bench) ;;
+        *) echo "run_cuda_tests.sh: unknown part '$part' (expected tests, blocking, faults, bench)" >&2; exit 2 ;;
     esac
 done
 wants() { [[ ",$parts," == *",$1,"* ]]; }
@@ -113,6 +118,17 @@ if wants tests; then
     python -m pytest -q -m "cuda and not cuda_fault" tests/test_cuda.py \
         tests/test_subgroup_logic.py -p no:cacheprovider --durations=15 "$@" 2>&1 \
         | tee "$out_dir/cuda_tests.log"
+    note_status "${PIPESTATUS[0]}"
+    set -e
+fi
+if wants blocking; then
+    echo "== tests under TORCH_NCCL_BLOCKING_WAIT=1 (MPS), $(date -u +%H:%M:%S)"
+    set +e
+    export NCCL_MAX_NCHANNELS=${user_nchannels:-4}
+    start_mps
+    TORCH_NCCL_BLOCKING_WAIT=1 python -m pytest -q -m "cuda and not cuda_fault" tests/test_cuda.py \
+        -k "2x1 or concurrent or same_memory or bucket_views or blocking or gather_of_a_temporary" \
+        -p no:cacheprovider --durations=10 "$@" 2>&1 | tee "$out_dir/cuda_blocking_tests.log"
     note_status "${PIPESTATUS[0]}"
     set -e
 fi

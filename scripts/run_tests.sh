@@ -32,6 +32,10 @@ bash scripts/build_core.sh python --with-tests
 # tests skip; a green run must still say what it did not run).
 python -m pytest -q -rs tests "$@"
 
+# Every plant (a known bug of the CUDA path, put back by a test-only switch) must be
+# caught by the tests that are there for it (tests/stream_mutants.py).
+bash scripts/stream_mutants.sh
+
 if [[ -n "$compat_work" ]]; then
     if ! wait "$prepare"; then
         echo "== compat check: installing torch ${COMPAT_TORCH:-2.11.0} failed:"

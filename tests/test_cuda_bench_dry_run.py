@@ -50,17 +50,22 @@ def test_cuda_benchmark_dry_run(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     data = json.loads((tmp_path / "cuda_allreduce_2x1.json").read_text())
     names = {"fairring-k2", "fairring-lanes-k2", "nccl"}
-    for size in ("64K", "1M", "25M", "100M"):
+    for size in ("8", "4K", "64K", "1M", "25M", "100M"):
         assert set(data["sizes"][size]) == names
         assert all(t > 0 for t in data["sizes"][size].values())
     assert set(data["in_flight"]) == names
     assert set(data["ddp_steps_per_s"]) == names
-    # One rank per machine: the default path never slices, lanes does (the 32 MiB probe).
-    assert data["paths"]["fairring-k2"]["sliced_units"] == 0
+    # One rank per machine: the default path's plan composes nothing (no sub-group path
+    # at all: the delegate's own allreduce), lanes slices (the 32 MiB probe).
+    assert data["paths"]["fairring-k2"] is None
     assert data["paths"]["fairring-lanes-k2"]["sliced_units"] > 0
+    assert data["host_per_piece"]["fairring-k2"] is None
+    assert data["host_per_piece"]["fairring-lanes-k2"] > 0
     # Issue 26's targets, for the default path's group: every size, in flight, DDP.
     targets = data["targets"]
     assert [t["case"] for t in targets] == [
+        "8",
+        "4K",
         "64K",
         "1M",
         "25M",
@@ -74,8 +79,8 @@ def test_cuda_benchmark_dry_run(tmp_path: Path) -> None:
     table = (tmp_path / "cuda_allreduce.md").read_text()
     assert "fairring-lanes-k2 speed vs nccl" in table and "16 x 25M in flight" in table
     met = sum(t["met"] for t in targets)
-    assert f"Targets met at 2x1: {met} of 6" in table
-    assert table.count("| PASS |") + table.count("| FAIL |") == 5  # DDP's is in its line
+    assert f"Targets met at 2x1: {met} of 8" in table
+    assert table.count("| PASS |") + table.count("| FAIL |") == 7  # DDP's is in its line
     profile = tmp_path / "profile"
     for case in ("25M", "in_flight"):
         for name in names:
@@ -98,6 +103,8 @@ def test_targets_are_judged_as_speed_against_nccl() -> None:
 
     data = {
         "sizes": {
+            "8": times(0.98, 9.0),  # 1.020: met
+            "4K": times(1.031, 9.0),  # 0.9699: missed, just
             "64K": times(1.0, 9.0),  # equal: 1.00, met
             "1M": times(1.03, 0.5),  # 0.971: met
             "25M": times(1.04, 0.5),  # 0.962: missed, whatever the lanes did
@@ -108,6 +115,8 @@ def test_targets_are_judged_as_speed_against_nccl() -> None:
     }
     got = {v["case"]: (round(v["speed"], 3), v["met"]) for v in bench.verdicts(data)}
     assert got == {
+        "8": (1.02, True),
+        "4K": (0.97, False),
         "64K": (1.0, True),
         "1M": (0.971, True),
         "25M": (0.962, False),

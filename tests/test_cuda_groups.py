@@ -306,3 +306,65 @@ def test_a_bad_node_fails_init_on_every_rank() -> None:
     for o in outcomes:
         message = o.error_message or ""
         assert o.status == "error" and "FAIRRING_NODE='a-kind-of-toaster'" in message, o.describe()
+
+
+# ------------------------------------------------ every communicator of a call fits
+
+
+@pytest.mark.parametrize(
+    ("sms", "sharing", "world", "lanes", "local", "want"),
+    [
+        # One process per GPU, NCCL's 64 CTAs for the world, 2 lanes and 2 local groups.
+        (80, 1, 64, 2, 8, 4),  # V100
+        (108, 1, 64, 2, 8, 11),  # A100
+        (132, 1, 64, 2, 8, 17),  # H100
+        (148, 1, 64, 2, 8, 21),  # B200
+        (132, 1, 64, 2, 1, 34),  # one rank per machine: the lanes alone
+        # Four simulated machines under MPS, NCCL_MAX_NCHANNELS=4: 33 SMs each.
+        (132, 4, 4, 2, 1, 14),
+        (132, 4, 64, 2, 1, -16),  # the world alone would fill a process's share
+    ],
+)
+def test_sub_group_ctas_leave_room_for_every_communicator(
+    sms: int, sharing: int, world: int, lanes: int, local: int, want: int
+) -> None:
+    ctas = cuda.co_resident_ctas(sms, sharing, world, lanes, local)
+    assert ctas == want
+    if ctas >= 1:
+        # At one CTA per SM: the world's, and every sub-group's, on the process's share.
+        subgroups = lanes + (2 if local > 1 else 0)
+        assert world + subgroups * ctas <= sms // sharing < world + subgroups * (ctas + 1)
+
+
+def test_world_ctas_follow_nccl_limits() -> None:
+    assert cuda.world_ctas({}) == 64
+    assert cuda.world_ctas({"NCCL_MAX_NCHANNELS": "4"}) == 4
+    assert cuda.world_ctas({"NCCL_MAX_CTAS": "16", "NCCL_MAX_NCHANNELS": "32"}) == 16
+    assert cuda.world_ctas({"NCCL_MAX_CTAS": "garbage"}) == 64
+
+
+def test_processes_per_gpu_counts_ranks_pinned_to_one_gpu() -> None:
+    one = cuda.GpuFacts("h0", True, True, (gpu(0),), sms=132)
+    assert cuda.processes_per_gpu([one] * 4) == 4  # simulated machines on one GPU
+    eight = [cuda.GpuFacts("h0", True, True, tuple(gpu(i) for i in range(8)))] * 8
+    assert cuda.processes_per_gpu(eight) == 1  # each sees all eight, uses its own
+    own = [cuda.GpuFacts("h0", True, True, (gpu(i),)) for i in range(8)]
+    assert cuda.processes_per_gpu(own) == 1
+
+
+def test_a_plan_whose_communicators_cannot_fit_composes_nothing() -> None:
+    from fairring_pg.model.cuda_plan import forced_plan
+
+    config = Config(lanes=2)
+    plan = forced_plan("0:compose:2:alltoall", 4, config, 1)
+    assert plan.composes
+    world = cuda.world_ctas()  # NCCL_MAX_CTAS / NCCL_MAX_NCHANNELS of this process, or 64
+    for sharing in (1, 2, 4, 8):
+        facts = [cuda.GpuFacts(f"h{i}", True, True, (gpu(0),), sms=132) for i in range(sharing)]
+        fitted, ctas = cuda._fit_on_the_gpu(plan, facts, lanes=2, local_size=1)
+        room = cuda.co_resident_ctas(132, sharing, world, 2, 1)
+        assert (fitted.composes, ctas) == ((True, room) if room >= 1 else (False, 0)), sharing
+        if room < 1:
+            assert "cannot hold" in fitted.rows[0].reason
+    # No GPU facts (the test vehicles): no cap, the plan as it was.
+    assert cuda._fit_on_the_gpu(plan, [cuda.GpuFacts("h", False, False)] * 4, 2, 1) == (plan, 0)

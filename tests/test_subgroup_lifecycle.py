@@ -229,3 +229,63 @@ def test_destroy_after_a_failure_aborts_at_once() -> None:
         assert r["after"]["shutdown"] == "aborted: failed", r
         assert r["after"]["aborted_groups"] == 5, r
         assert r["destroy_s"] < FAILED_GROUP_TIMEOUT_S / 10, r
+
+
+# ------------------------------------------- a failed call: GroupFailure's rules
+
+
+def failing_turn(rank: int, world: int) -> dict[str, Any]:
+    """Every rank's third composed call on a second fairring group fails as it is issued
+    (the fault point ``subgroups.issue`` at turn 2, armed on every rank, so that no rank
+    waits for another's missing call): the two before it complete exactly; it raises
+    its own error; every later allreduce of the group (composed, and one the plan gives
+    to the delegate) and its barrier raise that first error as a refusal; destroy does
+    not drain it."""
+    import fault_points
+
+    group = dist.new_group(backend="fairring")
+    backend = group._get_backend(torch.device("cpu"))
+    fault_points.arm("subgroups.issue", "throw", key=2)
+    ts = [value(rank, 4000) for _ in range(4)]
+    works = [dist.all_reduce(t, group=group, async_op=True) for t in ts[:2]]
+
+    def outcome(call: Any) -> str | None:
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - the message is the result
+            return str(exc)
+        return None
+
+    third = outcome(lambda: dist.all_reduce(ts[2], group=group))
+    for w in works:
+        w.wait()
+    exact = [torch.equal(t, expected_sum(world, 4000)) for t in ts[:2]]
+    later = outcome(lambda: dist.all_reduce(ts[3], group=group))
+    small = outcome(lambda: dist.all_reduce(torch.ones(3), group=group))
+    barrier = outcome(lambda: dist.barrier(group=group))
+    fired = fault_points.uses("subgroups.issue")
+    start = time.monotonic()
+    dist.destroy_process_group(group)
+    return {
+        "exact": exact,
+        "third": third,
+        "later": later,
+        "small": small,
+        "barrier": barrier,
+        "fired": fired,
+        "destroy_s": time.monotonic() - start,
+        "stats": backend.subgroup_stats("cpu"),
+    }
+
+
+def test_a_failed_call_fails_the_group_from_its_turn() -> None:
+    for r in run_ranks(failing_turn, 4, SHAPE, env=env(), timeout_s=120):
+        assert r["fired"] == 1, r
+        assert r["exact"] == [True, True], r
+        assert r["third"] is not None and "fault point subgroups.issue" in r["third"], r
+        assert "failed on rank" in r["third"], r
+        refusal = r["third"] + " (this process group failed earlier and cannot be used)"
+        assert r["later"] == refusal and r["small"] == refusal and r["barrier"] == refusal, r
+        # Failed: the sub-groups are aborted, not drained, and at once.
+        assert r["stats"]["shutdown"] == "aborted: failed", r
+        assert r["destroy_s"] < 2, r

@@ -3,6 +3,7 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 
+#include "faults/fault_points.h"
 #include "faults/plants.h"
 #include "ops/reduce_kind.h"
 #include "ops/tensor_fusion.h"
@@ -263,7 +264,7 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::run(
     c10::OptionalStreamGuard onDone;
     streams_->beginOp(std::move(after));
     Prepared prepared;
-    const int last = issue(plan, op, prepare, prepared);
+    const int last = issue(plan, op, prepare, prepared, turn);
     if (const auto doneStream = streams_->stream(last)) {
       onDone.reset_stream(*doneStream);
     }
@@ -299,7 +300,9 @@ int SubgroupAllreduce::issue(
     const CallPlan& plan,
     RedOp op,
     const std::function<Prepared()>& prepare,
-    Prepared& prepared) {
+    Prepared& prepared,
+    uint64_t turn) {
+  faults::hit("subgroups.issue", static_cast<int64_t>(turn)); // a test's failing call
   const int first = firstStream(plan);
   {
     // The copy of a view, of an int16 tensor or of coalesced tensors reads

@@ -180,7 +180,12 @@ class SubgroupAllreduce {
       c10d::OpType type,
       const std::function<Prepared()>& prepare);
   // Issues the call's units on their streams; returns the stream it is done on.
-  int issue(const CallPlan& plan, RedOp op, const std::function<Prepared()>& prepare, Prepared& prepared);
+  int issue(
+      const CallPlan& plan,
+      RedOp op,
+      const std::function<Prepared()>& prepare,
+      Prepared& prepared,
+      uint64_t turn);
   // The stream an operation's first step runs on (where prepare() copies).
   int firstStream(const CallPlan& plan) const;
   void countCall(const CallPlan& plan, size_t orderingWaits);
