@@ -254,7 +254,10 @@ def _host_per_piece(group: Any, dev: Any, scale: int) -> float | None:
 
     from fairring_pg.subgroups import subgroup_stats
 
-    t = torch.ones(common.parse_size(PROFILED_SIZE) // scale // 4, device=dev)
+    # The dry run's sizes are scaled down, but this one must still compose (above
+    # FAIRRING_DIRECT_BELOW).
+    size = common.parse_size(PROFILED_SIZE) if scale == 1 else 4 * common.MIB
+    t = torch.ones(size // 4, device=dev)
     dist.all_reduce(t, group=group)
     _sync(dev)
     before = subgroup_stats(group, dev.type)

@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include "faults/fault_points.h"
+#include "faults/planted_bugs.h"
 #include "faults/plants.h"
 #include "ops/reduce_kind.h"
 #include "ops/tensor_fusion.h"
@@ -172,9 +173,7 @@ void SubgroupAllreduce::orderAfter(const std::vector<at::Tensor>& tensors, const
   }
   std::lock_guard<std::mutex> lock(mu_);
   if (planted(Plant::kDelegatedHoldReleasedAtIssue) && streams_ && streams_->onDevice()) {
-    // What this method once did: synchronize() on a stream of the group's own.
-    c10::StreamGuard onOurs(*streams_->stream(0));
-    work->synchronize();
+    plants::releaseDelegateHoldAtIssue(*work, *streams_->stream(0));
   }
   inFlight_.add(std::move(ranges), std::make_shared<WorkDone>(work));
 }
