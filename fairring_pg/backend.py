@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fairring_pg import future_callbacks
+from fairring_pg import future_callbacks, measured
 from fairring_pg.config import Config, lane_staging_bytes, staging_slot_bytes
 from fairring_pg.cuda import (
     CudaDecision,
@@ -25,6 +25,7 @@ from fairring_pg.cuda import (
     decide_for_job,
     plan_for_job,
 )
+from fairring_pg.model.cpu_plan import CpuPlan, plan_cpu_allreduce
 from fairring_pg.model.cuda_plan import CudaPlan
 from fairring_pg.network import listen_address
 from fairring_pg.startup import publish_failure, wait_for
@@ -40,9 +41,10 @@ _core_factory: Callable[..., Any] | None = None
 # tests/native/), with its own world group and sub-groups. None means CUDA.
 _stand_in_accelerator: StandInAccelerator | None = None
 # What each group decided for CUDA tensors, by group name (``cuda_decision``), and what
-# each size of its CUDA allreduces runs (``cuda_plan``).
+# each size of its CUDA and CPU allreduces runs (``cuda_plan``, ``cpu_plan``).
 _cuda_decisions: dict[str, CudaDecision] = {}
 _cuda_plans: dict[str, CudaPlan] = {}
+_cpu_plans: dict[str, CpuPlan] = {}
 
 
 @dataclass
@@ -53,6 +55,9 @@ class _Agreed:
     topology: Topology
     cuda_decision: CudaDecision
     cuda_plan: CudaPlan
+    cpu_plan: CpuPlan
+    plan_shape: dict[str, Any]  # what FAIRRING_PLAN_FILE must have been saved under
+    known: list[dict[str, Any]]  # the measured choices FAIRRING_PLAN_FILE holds
     sub_group_ctas: int  # 0: not capped
     token: str
     factory: Callable[..., Any]
@@ -67,21 +72,25 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
     size = int(dist_backend_opts.group_size)
     timeout: timedelta = dist_backend_opts.timeout
 
-    agreed = _agree(store, rank, size, timeout)
+    group_id = str(dist_backend_opts.group_id)
+    agreed = _agree(store, rank, size, timeout, group_id)
     config, topology, opts = agreed.config, agreed.topology, agreed.opts
     address = listen_address(config, single_host=len(set(topology.hostnames)) == 1)
     _fill_options(opts, config, topology, address, agreed.token, timeout)
     _set_plan(opts, agreed.cuda_plan, topology)
-    _cuda_decisions[str(dist_backend_opts.group_id)] = agreed.cuda_decision
-    _cuda_plans[str(dist_backend_opts.group_id)] = agreed.cuda_plan
+    opts.set_cpu_plan(agreed.cpu_plan.core_rows())
+    _cuda_decisions[group_id] = agreed.cuda_decision
+    _cuda_plans[group_id] = agreed.cuda_plan
+    _cpu_plans[group_id] = agreed.cpu_plan
     cpu_delegate = make_gloo_delegate(store, rank, size, timeout, config, dist_backend_opts)
-    if opts.cpu_ring_from >= 0 and not config.test_cpu_subgroups:
+    if agreed.cpu_plan.uses_ring and not config.test_cpu_subgroups:
         # The ring's own Gloo group: on the delegate, the program's ring allreduces
         # would interleave with collectives issued from callbacks differently on
         # each rank.
         opts.ring_delegate = make_gloo_delegate(
             store, rank, size, timeout, config, dist_backend_opts, role="ring"
         )
+    _set_measured(agreed, opts, store, rank, size, timeout, dist_backend_opts)
     cuda_delegate = _cuda_side(agreed, store, rank, size, timeout, dist_backend_opts, cpu_delegate)
     if config.test_cpu_subgroups and _core_factory is None:
         make = gloo_maker(store, timeout, config, _global_ranks(dist_backend_opts, size))
@@ -107,7 +116,7 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
         ) from exc
 
 
-def _agree(store: Any, rank: int, size: int, timeout: timedelta) -> _Agreed:
+def _agree(store: Any, rank: int, size: int, timeout: timedelta, group_id: str) -> _Agreed:
     """Settings, topology, the CUDA decision and the job token, the same on every rank;
     a rank that fails here tells the others, which raise at once rather than at the init
     timeout."""
@@ -136,11 +145,28 @@ def _agree(store: Any, rank: int, size: int, timeout: timedelta) -> _Agreed:
             config.check_staging_fits(topology.num_machines, topology.local_size)
         # What each size of CUDA allreduce runs, the same on every rank (rank 0's).
         cuda_plan, ctas = plan_for_job(store, topology, config, timeout, gpu_facts)
+        # From job-wide values and the topology: the same on every rank.
+        cpu_plan = plan_cpu_allreduce(config, topology.num_machines, topology.local_size)
+        shape = measured.job_shape(topology, config, cpu_plan, cuda_plan)
+        known = measured.agree_on_known(store, rank, timeout, config, shape, group_id)
         token = job_token(store, rank, timeout)
     except Exception as exc:
         publish_failure(store, rank, exc)
         raise
-    return _Agreed(config, topology, cuda_decision, cuda_plan, ctas, token, factory, opts, ext)
+    return _Agreed(
+        config,
+        topology,
+        cuda_decision,
+        cuda_plan,
+        cpu_plan,
+        shape,
+        known,
+        ctas,
+        token,
+        factory,
+        opts,
+        ext,
+    )
 
 
 def _global_ranks(dist_backend_opts: Any, size: int) -> list[int]:
@@ -202,6 +228,36 @@ def _cuda_side(
     return cuda_delegate
 
 
+def _set_measured(
+    agreed: _Agreed,
+    opts: Any,
+    store: Any,
+    rank: int,
+    size: int,
+    timeout: timedelta,
+    dist_backend_opts: Any,
+) -> None:
+    """The measured choice's part of the options, where a plan measures some size: its
+    agreement group (a Gloo group of its own, so that its one allreduce per decision
+    never meets the program's collectives, or those of callbacks, in another order on
+    another rank), the plan file's decisions, and on rank 0 the hook that logs and
+    saves new ones."""
+    config = agreed.config
+    cpu_measures = agreed.cpu_plan.measures and not config.test_cpu_subgroups
+    if not (cpu_measures or agreed.cuda_plan.measures):
+        return
+    opts.measured_agreement = make_gloo_delegate(
+        store, rank, size, timeout, config, dist_backend_opts, role="measure"
+    )
+    opts.accelerator_delegate_name = agreed.cuda_decision.delegate
+    measured.set_known(opts, agreed.known)
+    if rank == 0:
+        path = config.plan_file
+        if path is not None:
+            path = measured.file_for_group(path, str(dist_backend_opts.group_id))
+        opts.on_measured = measured.Recorder(agreed.topology, agreed.plan_shape, path, agreed.known)
+
+
 # How long allreduces posted but never waited for may take to finish at exit.
 _EXIT_GRACE = timedelta(seconds=3)
 
@@ -245,7 +301,6 @@ def _fill_options(
     opts.job_token = token
     opts.timeout = timeout
     opts.pipeline_chunk = config.pipeline_chunk
-    opts.cpu_ring_from = config.cpu_ring_from(topology.num_machines, topology.local_size)
 
 
 def _set_plan(opts: Any, plan: CudaPlan, topology: Topology) -> None:
@@ -275,13 +330,23 @@ class _PlainOptions:
     timeout: timedelta
     timeline_path: str
     pipeline_chunk: int
-    cpu_ring_from: int
     ring_delegate: Any = None
+    measured_agreement: Any = None
+    accelerator_delegate_name: str = "nccl"
+    on_measured: Any = None
     cuda_unavailable: str
     accelerator_type: str
 
     def set_subgroup_plan(self, rows: list[Any], largest_piece: int, lane_staging: int) -> None:
         self.subgroup_plan = (rows, largest_piece, lane_staging)
+
+    def set_cpu_plan(self, rows: list[Any]) -> None:
+        self.cpu_plan = rows
+
+    def add_measured_known(
+        self, device: str, from_bytes: int, winner: int, seconds: Any, nbytes: Any
+    ) -> None:
+        self.measured_known = [*getattr(self, "measured_known", []), (device, from_bytes, winner)]
 
 
 def make_gloo_delegate(
@@ -319,6 +384,31 @@ def cuda_plan(group: Any = None) -> CudaPlan:
     fairring_pg.model.cuda_plan's rows, with their reasons; the same on every rank."""
     pg = dist.distributed_c10d._get_default_group() if group is None else group
     return _cuda_plans[pg.group_name]
+
+
+def cpu_plan(group: Any = None) -> CpuPlan:
+    """What each size of CPU allreduce runs in ``group`` (default: the default group):
+    fairring_pg.model.cpu_plan's rows, with their reasons; the same on every rank."""
+    pg = dist.distributed_c10d._get_default_group() if group is None else group
+    return _cpu_plans[pg.group_name]
+
+
+def measured_choices(group: Any = None) -> list[dict[str, Any]]:
+    """The measured choice's decisions in ``group`` (default: the default group) so far,
+    one per size class decided, CPU and CUDA (``fairring_pg.measured`` says what each
+    holds): the same on every rank, once every rank has made the class's decision
+    call."""
+    import torch
+
+    pg = dist.distributed_c10d._get_default_group() if group is None else group
+    choices: list[dict[str, Any]] = []
+    for device in ("cpu", "cuda"):
+        try:
+            backend = pg._get_backend(torch.device(device))
+        except RuntimeError:
+            continue  # no backend for that device in this group
+        choices += measured.decisions_of(backend, (device,))
+    return choices
 
 
 def make_nccl_delegate(

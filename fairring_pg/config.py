@@ -45,24 +45,30 @@ MAX_LANES = 16
 # one launch beats five. On an H100 the five steps took 1.08-1.48x NCCL's time at
 # 1 MiB in every run, and won at 25 MiB (bench/results/cuda/).
 DEFAULT_DIRECT_BELOW = 2 * MIB
-# Who runs an allreduce of CPU tensors. "auto": fairring's engine, except where its five
-# steps send as many bytes per rank as Gloo's ring (one rank per machine) and the
-# allreduce is large enough to be link-bound: there Gloo's ring, which fills a link with
-# one flow per host where the engine's all-to-all has several. At 4x1 on 1 Gbit/s links
-# the engine took 0.94-0.99x Gloo's speed from 1 MiB up and 1.2-7.9x below it
-# (bench/results/allreduce_sizes_netns_1gbit.md). "engine": always fairring's engine;
+# Who runs an allreduce of CPU tensors (fairring_pg.model.cpu_plan). "auto": fairring's
+# engine where the model is sure of it (one machine; several ranks per machine where the
+# engine's saving exceeds the model's error), else each size class timed both ways on its
+# first calls, the engine and Gloo's ring, every rank then running the faster (the
+# measured choice, src/measured/). "model": the model's verdict alone: the engine, but
+# with one rank per machine, where its five steps send as many bytes as Gloo's ring,
+# allreduces from CPU_RING_FROM go to the ring, which fills a link with one flow per host
+# where the engine's all-to-all has several (at 4x1 on 1 Gbit/s links the engine took
+# 0.94-0.99x Gloo's speed from 1 MiB up and 1.2-7.9x below it,
+# bench/results/allreduce_sizes_netns_1gbit.md). "engine": always fairring's engine;
 # "gloo": always Gloo's allreduce (for comparison).
-CPU_ALLREDUCE_PATHS = ("auto", "engine", "gloo")
+CPU_ALLREDUCE_PATHS = ("auto", "model", "engine", "gloo")
 CPU_RING_FROM = 1 * MIB
 
-# Which path the sub-group (CUDA) allreduce takes. "auto": the five steps only where
-# they move fewer bytes between machines than NCCL's ring (several machines of several
-# ranks); with one rank per machine they send as many bytes per rank as the ring
-# (2(M-1)/M of the tensor), and on an H100 at 4x1 they lost in flight (1.26x NCCL's
-# time) and in DDP (0.91x), so there every allreduce is NCCL's own on the world
-# communicator. "lanes": the five steps wherever there are several machines (to
-# measure them); "direct": NCCL's allreduce always.
-CUDA_ALLREDUCE_PATHS = ("auto", "lanes", "direct")
+# Which path the sub-group (CUDA) allreduce takes (fairring_pg.model.cuda_plan). "model":
+# the cost model's plan: the composition only where it predicts a win larger than its
+# error, with several ranks per machine (with one they send as many bytes per rank as the
+# ring, 2(M-1)/M of the tensor, and on an H100 at 4x1 they lost in flight, 1.26x NCCL's
+# time, and in DDP, 0.91x), else NCCL's own allreduce on the world communicator. "auto":
+# the same candidates, but every size the model would compose or calls within its error
+# timed both ways on its first calls, every rank then running the faster (the measured
+# choice). "lanes": the composition wherever there are several machines (to measure it);
+# "direct": NCCL's allreduce always.
+CUDA_ALLREDUCE_PATHS = ("auto", "model", "lanes", "direct")
 MAX_BYTES = TIB  # anything larger is a typo, not a configuration
 
 _SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?|\.\d+)\s*([kmg]?)(i?b)?$", re.IGNORECASE)
@@ -185,6 +191,19 @@ def _check_timeline(name: str, raw: str) -> str:
     return path
 
 
+def _check_plan_file(name: str, raw: str) -> str:
+    path = _non_empty(name, raw)
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise ValueError(
+            f"{name}={raw!r}: the directory {directory!r} does not exist; expected a file path "
+            "in an existing, writable directory (the file itself is made by the first job)"
+        )
+    if not os.access(directory, os.W_OK):
+        raise ValueError(f"{name}={raw!r}: the directory {directory!r} is not writable")
+    return path
+
+
 def _check_forced_plan(name: str, raw: str) -> str:
     from fairring_pg.model.cuda_plan import forced_rows
 
@@ -232,6 +251,9 @@ class Config:
     cuda_allreduce: str = _setting(
         "FAIRRING_CUDA_ALLREDUCE", _choice(CUDA_ALLREDUCE_PATHS), "auto", job_wide=True
     )
+    # The measured choice's decisions, saved by the job that made them and reused by a
+    # later job of the same shape (fairring_pg.measured); rank 0 reads and writes it.
+    plan_file: str | None = _setting("FAIRRING_PLAN_FILE", _check_plan_file, None, job_wide=True)
     pipeline_chunk: int = _setting(
         "FAIRRING_PIPELINE_CHUNK", parse_byte_size, DEFAULT_PIPELINE_CHUNK, job_wide=True
     )
@@ -277,9 +299,10 @@ class Config:
         return wanted
 
     def cpu_ring_from(self, num_machines: int, local_size: int) -> int:
-        """Bytes from which a CPU allreduce goes to Gloo's ring instead of fairring's
-        engine (FAIRRING_CPU_ALLREDUCE), or -1 for never. The same on every rank: the
-        variable is job-wide and the shape is the job's."""
+        """Bytes from which the model's rule (FAIRRING_CPU_ALLREDUCE=model, and what the
+        cost model predicts for auto) gives a CPU allreduce to Gloo's ring instead of
+        fairring's engine, or -1 for never. The same on every rank: the variable is
+        job-wide and the shape is the job's."""
         if self.cpu_allreduce == "gloo":
             return 0
         if self.cpu_allreduce == "engine" or local_size > 1 or num_machines == 1:

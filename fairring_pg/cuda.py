@@ -265,7 +265,9 @@ def plan_for_job(
                 for f in facts
             ]
             job = node_facts.merge(machines, topology.machine_of)
-            plan = plan_allreduce(job.gpu_node(L), M, config, local_size=L)
+            # auto measures what the model is not sure of; model keeps its verdict.
+            measured = config.cuda_allreduce == "auto"
+            plan = plan_allreduce(job.gpu_node(L), M, config, local_size=L, measured=measured)
             why = job.reason
         plan, ctas = _fit_on_the_gpu(plan, facts, config.lanes, L)
         store.set(_PLAN_KEY, json.dumps({"plan": plan.to_json(), "ctas": ctas}))

@@ -56,8 +56,33 @@ void bindOptions(py::module_& m) {
           py::arg("rows"), py::arg("largest_piece"), py::arg("lane_staging"),
           "The sub-group allreduce's plan: rows of (from_bytes, 'nccl' or 'compose', pieces, "
           "'alltoall' or 'reduce_scatter'), the largest piece and each lane's staging, in bytes.")
-      .def_readwrite("cpu_ring_from", &BackendOptions::cpuRingFrom)
+      .def(
+          "set_cpu_plan",
+          [](BackendOptions& o, const std::vector<std::tuple<size_t, std::string>>& rows) {
+            o.cpuPlan = fairring::cpuPlanRows(rows);
+          },
+          py::arg("rows"),
+          "What each size of CPU allreduce runs: rows of (from_bytes, 'engine', 'ring' or 'measure').")
       .def_readwrite("ring_delegate", &BackendOptions::ringDelegate)
+      .def_readwrite("measured_agreement", &BackendOptions::measuredAgreement)
+      .def_readwrite("accelerator_delegate_name", &BackendOptions::acceleratorDelegateName)
+      .def_readwrite("on_measured", &BackendOptions::onMeasured)
+      .def(
+          "add_measured_known",
+          [](BackendOptions& o, const std::string& device, size_t fromBytes, int winner,
+             const std::array<double, 2>& seconds, const std::array<double, 2>& bytes) {
+            TORCH_CHECK(winner == 0 || winner == 1, "fairring: a measured decision's winner is way 0 or 1");
+            fairring::MeasuredDecision d;
+            d.fromBytes = fromBytes;
+            d.winner = winner;
+            d.seconds = seconds;
+            d.bytes = bytes;
+            d.fromFile = true;
+            o.measuredKnown.emplace_back(device, d);
+          },
+          py::arg("device"), py::arg("from_bytes"), py::arg("winner"), py::arg("seconds"), py::arg("bytes"),
+          "A decision of the measured choice from FAIRRING_PLAN_FILE: the class of `device`'s "
+          "allreduces that starts at `from_bytes` runs way `winner` (0 or 1) from its first call.")
       .def_readwrite("cuda_subgroups", &BackendOptions::cudaSubgroups)
       .def_readwrite("cuda_unavailable", &BackendOptions::cudaUnavailable)
       .def_property(
@@ -95,6 +120,14 @@ void bindBackend(py::module_& m) {
           },
           "Operations of CPU tensors run so far on fairring's engines and on Gloo's ring "
           "(FAIRRING_CPU_ALLREDUCE), or None where CPU tensors take the sub-group path.")
+      .def(
+          "measured_choices",
+          [](const FairringBackend& backend, const std::string& device) {
+            return backend.measuredDecisions(c10::Device(device).type());
+          },
+          py::arg("device"),
+          "The measured choice's decisions for `device`'s allreduces so far, as JSON "
+          "(fairring_pg.measured reads them).")
       .def(
           "subgroup_stats",
           [](const FairringBackend& backend, const std::string& device) -> py::object {

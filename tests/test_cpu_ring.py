@@ -1,8 +1,9 @@
 """Which path a CPU allreduce takes (FAIRRING_CPU_ALLREDUCE), and that it is right there.
 
 With one rank per machine the engine's five steps send as many bytes per rank as Gloo's
-ring, and on a shaped link the ring is faster from about 1 MiB (docs/design.md, "One
-rank per machine"): there, by default, the program's allreduces of 1 MiB and more whose
+ring, and on a shaped link the ring was faster from about 1 MiB (docs/design.md, "One
+rank per machine"): there, under the model's rule (``model``; ``auto`` times both ways
+first, tests/test_measured_choice.py), the program's allreduces of 1 MiB and more whose
 dtype and op Gloo reduces go to Gloo's ring; smaller ones, those of other dtypes or ops,
 those issued from callbacks, and every allreduce where machines have several ranks
 stay on fairring's engine. Each case reads the backend's counters before and after, so
@@ -157,23 +158,26 @@ def one_rank_per_machine_cases() -> list[Case]:
 
 JOBS = {
     "2x1": CaseJob(
-        "CPU path choice, 2 machines x 1 rank",
+        "CPU path choice, 2 machines x 1 rank, the model's rule",
         run_case,
         one_rank_per_machine_cases(),
         ["m0", "m1"],
+        env=fairring_env(FAIRRING_CPU_ALLREDUCE="model"),
         timeout_s=300,
         pg_timeout_s=60,
     ),
     "3x1": CaseJob(
-        "CPU path choice, 3 machines x 1 rank",
+        "CPU path choice, 3 machines x 1 rank, the model's rule",
         run_case,
         [c for c in one_rank_per_machine_cases() if c.dtype in ("float32", "int64", "int16")],
         ["m0", "m1", "m2"],
+        env=fairring_env(FAIRRING_CPU_ALLREDUCE="model"),
         timeout_s=300,
         pg_timeout_s=60,
     ),
     "2x2": CaseJob(
-        "CPU path choice, 2 machines x 2 ranks (the engine saves bytes: never the ring)",
+        "CPU path choice, 2 machines x 2 ranks (the engine saves bytes: never the ring, "
+        "never measured)",
         run_case,
         [
             Case("plain-SUM-float32-2MiB", "plain", path="engine"),

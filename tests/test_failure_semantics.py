@@ -173,7 +173,8 @@ def _three_by_one(rank: int, world: int) -> dict[str, Any]:
 
 @memoised
 def _three_by_one_job() -> tuple[RankOutcome, ...]:
-    env = fairring_env(FAIRRING_CPU_ALLREDUCE="auto")
+    # The model's rule: the ring from 1 MiB (auto would time both ways first).
+    env = fairring_env(FAIRRING_CPU_ALLREDUCE="model")
     return tuple(
         launch(_three_by_one, 3, SHAPES["3x1"], env=env, timeout_s=JOB_TIMEOUT_S, abort_grace_s=30)
     )

@@ -131,7 +131,8 @@ def _ring_kill_job() -> tuple[RankOutcome, ...]:
             killed_peer,
             3,
             SHAPES["3x1"],
-            env=fairring_env(FAIRRING_CPU_ALLREDUCE="auto"),
+            # The model's rule: the ring from 1 MiB (auto would time both ways first).
+            env=fairring_env(FAIRRING_CPU_ALLREDUCE="model"),
             timeout_s=JOB_TIMEOUT_S,
             abort_grace_s=45,
             group_backend="fairring",

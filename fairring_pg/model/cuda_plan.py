@@ -1,4 +1,4 @@
-"""``FAIRRING_CUDA_ALLREDUCE=auto``'s decision, per call, as a table made once.
+"""``FAIRRING_CUDA_ALLREDUCE``'s decision, per call, as a table made once.
 
 From the job's node facts (fairring_pg.node_facts, merged across ranks), its shape (M
 machines of L ranks) and its configuration, the plan is a sorted table of rows
@@ -11,7 +11,9 @@ in: int16 travels as int32), applies the last row with ``from_bytes <= b``: ``nc
 one NCCL allreduce on the world group; ``compose``, at least ``pieces`` pieces (none
 larger than the plan's ``largest_piece``) through the steps of
 fairring_pg.model.composition with that rail ``exchange`` (src/subgroups/call_plan.h
-applies the same rule). Every rank uses the same table (rank 0
+applies the same rule); ``measure`` (``auto`` only), a size class of the measured choice
+(src/measured/): its first calls run both ways, NCCL's allreduce and that composition,
+timed, until every rank runs the faster. Every rank uses the same table (rank 0
 publishes it), so every rank takes the same path for the same call.
 
 A row composes only where the model predicts NCCL's own allreduce at least
@@ -19,7 +21,10 @@ A row composes only where the model predicts NCCL's own allreduce at least
 size range
 (with several in flight the composition gains more, NCCL runs them one after
 another); elsewhere, where the node is unknown, and with one rank per machine
-(measured: bench/results/cuda/), it is NCCL's.
+(measured: bench/results/cuda/), it is NCCL's. That is ``model``'s plan. ``auto``'s
+(``measured=True``) measures instead every grid size whose best composition the model
+predicts at least 1 / (1 + ``COMPOSE_MARGIN``) of NCCL's speed at both ends: those it
+would compose and those within its error.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from fairring_pg.model.composition import (
 from fairring_pg.model.nodes import GpuNode
 from fairring_pg.model.pipeline import schedule
 
-NCCL, COMPOSE = "nccl", "compose"
+NCCL, COMPOSE, MEASURE = "nccl", "compose", "measure"
 # Compose only where the model predicts NCCL's time at least (1 + this) x fairring's: a
 # predicted win larger than the model's measured error. Against the committed CPU
 # validation (bench/results/model_validation.json) the model overstates fairring's
@@ -71,9 +76,9 @@ _SMALLEST_PIECE = 256 << 10
 @dataclass(frozen=True)
 class PlanRow:
     from_bytes: int
-    path: str  # NCCL or COMPOSE
-    pieces: int = 0  # how many pieces a call is cut into, at least (COMPOSE only)
-    exchange: str = ""  # the rail exchange (COMPOSE only)
+    path: str  # NCCL, COMPOSE or MEASURE (NCCL's or this composition, as measured)
+    pieces: int = 0  # how many pieces a call is cut into, at least (COMPOSE, MEASURE)
+    exchange: str = ""  # the rail exchange (COMPOSE, MEASURE)
     reason: str = ""
 
     def same_choice(self, other: PlanRow) -> bool:
@@ -102,7 +107,9 @@ class CudaPlan:
         unit (NCCL's allreduce)."""
         row = self.row_for(nbytes)
         numel = nbytes // elem_size
-        if row.path != COMPOSE or numel < group_elements(elem_size, self.local_size, self.machines):
+        if row.path not in (COMPOSE, MEASURE) or numel < group_elements(
+            elem_size, self.local_size, self.machines
+        ):
             return [Unit(0, numel, True)] if numel else []
         return cut_pieces(
             numel, elem_size, row.pieces, self.largest_piece, self.local_size, self.machines
@@ -110,8 +117,13 @@ class CudaPlan:
 
     @property
     def composes(self) -> bool:
-        """Whether any call is composed (else no lane or local group is needed)."""
-        return any(row.path == COMPOSE for row in self.rows)
+        """Whether any call may be composed (else no lane or local group is needed)."""
+        return any(row.path in (COMPOSE, MEASURE) for row in self.rows)
+
+    @property
+    def measures(self) -> bool:
+        """Whether any size is left to the measured choice."""
+        return any(row.path == MEASURE for row in self.rows)
 
     def core_rows(self) -> list[tuple[int, str, int, str]]:
         """The rows as the C++ core takes them (SubgroupOptions::plan)."""
@@ -131,11 +143,11 @@ class CudaPlan:
         for i, row in enumerate(self.rows):
             upper = self.rows[i + 1].from_bytes if i + 1 < len(self.rows) else None
             span = f"{row.from_bytes} B .. {upper - 1 if upper else 'any'}"
-            what = (
-                f"compose, {row.pieces}+ pieces, rail {row.exchange}"
-                if row.path == COMPOSE
-                else "NCCL's allreduce"
-            )
+            composition = f"compose, {row.pieces}+ pieces, rail {row.exchange}"
+            what = {
+                COMPOSE: composition,
+                MEASURE: f"measured: NCCL's allreduce or {composition}",
+            }.get(row.path, "NCCL's allreduce")
             lines.append(f"  {span}: {what} ({row.reason})")
         return "\n".join(lines)
 
@@ -145,8 +157,8 @@ TEST_PLAN_VARIABLE = "FAIRRING_TEST_CUDA_PLAN"
 
 def forced_rows(text: str) -> tuple[PlanRow, ...]:
     """The rows of FAIRRING_TEST_CUDA_PLAN (tests): comma-separated
-    ``FROM:nccl`` or ``FROM:compose:PIECES:alltoall|reduce_scatter``, FROM in bytes (K/M
-    suffixes), the first 0, ascending. Raises ValueError naming the variable."""
+    ``FROM:nccl`` or ``FROM:compose|measure:PIECES:alltoall|reduce_scatter``, FROM in bytes
+    (K/M suffixes), the first 0, ascending. Raises ValueError naming the variable."""
     from fairring_pg.config import parse_byte_size
 
     rows: list[PlanRow] = []
@@ -162,15 +174,16 @@ def forced_rows(text: str) -> tuple[PlanRow, ...]:
             rows.append(PlanRow(start, NCCL, reason="forced (tests)"))
         elif (
             len(fields) == 4
-            and fields[1] == COMPOSE
+            and fields[1] in (COMPOSE, MEASURE)
             and fields[2].isdigit()
             and int(fields[2]) >= 1
             and fields[3] in (ALLTOALL, REDUCE_SCATTER)
         ):
-            rows.append(PlanRow(start, COMPOSE, int(fields[2]), fields[3], "forced (tests)"))
+            rows.append(PlanRow(start, fields[1], int(fields[2]), fields[3], "forced (tests)"))
         else:
             raise ValueError(
-                f"{where}: expected FROM:nccl or FROM:compose:PIECES:alltoall|reduce_scatter"
+                f"{where}: expected FROM:nccl or "
+                "FROM:compose|measure:PIECES:alltoall|reduce_scatter"
             )
     starts = [row.from_bytes for row in rows]
     if starts[0] != 0 or starts != sorted(set(starts)):
@@ -181,7 +194,7 @@ def forced_rows(text: str) -> tuple[PlanRow, ...]:
 def forced_plan(text: str, machines: int, config: Config, local_size: int) -> CudaPlan:
     """The plan FAIRRING_TEST_CUDA_PLAN gives, for M = ``machines`` of L = ``local_size``."""
     rows = forced_rows(text)
-    composes = any(row.path == COMPOSE for row in rows)
+    composes = any(row.path in (COMPOSE, MEASURE) for row in rows)
     largest = config.subgroup_slice_size(machines, local_size) if composes else 0
     if composes and (machines == 1 or local_size * machines == 1):
         rows = (PlanRow(0, NCCL, reason="one machine: nothing to compose"),)
@@ -200,13 +213,16 @@ def plan_allreduce(
     tuning: nccl.NcclTuning = nccl.NCCL_2_28,
     impl: Implementation = FAIRRING_PG,
     local_size: int | None = None,
+    measured: bool = False,
 ) -> CudaPlan:
     """The plan for M = ``machines`` of L = ``local_size`` ranks (``node.gpus`` when
-    not given); ``node`` None: the facts are unknown."""
+    not given); ``node`` None: the facts are unknown. ``measured``: ``auto``'s plan, in
+    which the sizes the model is not sure of (or would compose) are measured (MEASURE
+    rows); else the model's alone."""
     L = local_size if local_size is not None else node.gpus if node else 1
     if node is not None and node.gpus != L:
         raise ValueError(f"plan_allreduce: node has {node.gpus} GPUs but L = {L}")
-    return _plan(node, machines, L, config, tuning.version, impl)
+    return _plan(node, machines, L, config, tuning.version, impl, measured)
 
 
 @functools.lru_cache(maxsize=256)
@@ -217,6 +233,7 @@ def _plan(
     config: Config,
     version: str,
     impl: Implementation,
+    measured: bool = False,
 ) -> CudaPlan:
     tuning = nccl.TUNINGS[version]
     name = node.name if node else "unknown"
@@ -240,7 +257,7 @@ def _plan(
         return CudaPlan(M, L, name, tuple(rows), largest)
     if node is None:
         return only_nccl(M, L, name, "node facts unknown (FAIRRING_NODE, or detection)")
-    if mode == "auto" and L == 1:
+    if mode in ("auto", "model") and L == 1:
         return only_nccl(
             M,
             L,
@@ -267,11 +284,11 @@ def _plan(
         grid.insert(0, max(config.direct_below, PIECE_ALIGNMENT * L * M))
     for i, size in enumerate(grid):
         upper = grid[i + 1] - 1 if i + 1 < len(grid) else size
-        row = _decide(node, M, size, upper, largest, forced, tuning, impl, config.lanes)
+        row = _decide(node, M, size, upper, largest, forced, tuning, impl, config.lanes, measured)
         if not rows:
             row = dataclasses.replace(row, from_bytes=0)
-        if rows and rows[-1] is not below and rows[-1].same_choice(row):
-            continue  # the same choice as the sizes below: one row
+        if rows and rows[-1] is not below and rows[-1].same_choice(row) and row.path != MEASURE:
+            continue  # the same choice as the sizes below: one row (a measured size: a class)
         rows.append(row)
     return CudaPlan(M, L, name, tuple(rows), largest)
 
@@ -286,6 +303,7 @@ def _decide(
     tuning: nccl.NcclTuning,
     impl: Implementation,
     lanes: int,
+    measured: bool = False,
 ) -> PlanRow:
     theirs = nccl_time(tuning, world_fabric(node), M, size, nccl.ALLREDUCE)
     best: tuple[float, int, str] | None = None
@@ -323,6 +341,10 @@ def _decide(
         composed_seconds(node, M, upper, count, exchange, largest, tuning, impl, lanes)
     )
     worst = min(speedup, at_upper)
+    if measured and worst * (1 + COMPOSE_MARGIN) >= 1:
+        verdict = "it would compose" if composes(worst) else "within its error"
+        why = f"measured: the model predicts {worst:.2f}x NCCL's {nccl_name} ({verdict})"
+        return PlanRow(size, MEASURE, count, exchange, why)
     if composes(worst):
         return PlanRow(size, COMPOSE, count, exchange, f"predicted {worst:.2f}x NCCL's {nccl_name}")
     why = f"composing predicted {worst:.2f}x NCCL's {nccl_name}, under {1 + COMPOSE_MARGIN:.2f}x"

@@ -57,12 +57,17 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::run(
     c10d::OpType opType,
     const char* profilingTitle,
     const std::vector<at::Tensor>& inputs,
-    const Ring& ring) {
+    const Ring& ring,
+    const Observe& observe) {
   return runOn(
       [&](AllreduceEngine& engine) {
         return engine.enqueue(std::move(work), op, std::move(outputs), std::move(finish));
       },
-      opType, profilingTitle, inputs, ring);
+      opType, profilingTitle, inputs, ring, observe);
+}
+
+bool CpuAllreduce::issuedFromCallback() {
+  return OrderedCompletion::onWorkerThread() || insidePythonFutureCallback();
 }
 
 c10::intrusive_ptr<c10d::Work> CpuAllreduce::runOn(
@@ -70,7 +75,8 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::runOn(
     c10d::OpType opType,
     const char* profilingTitle,
     const std::vector<at::Tensor>& inputs,
-    const Ring& ring) {
+    const Ring& ring,
+    const Observe& observe) {
   bool fromCallback = OrderedCompletion::onWorkerThread();
   if (!fromCallback && insidePythonFutureCallback()) {
     // A callback run inline by then() on a future that was already complete:
@@ -81,6 +87,9 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::runOn(
   }
   const bool onRing = ring && !fromCallback;
   auto source = onRing ? issueOnRing(ring) : post(fromCallback ? callbackEngine() : engine_);
+  if (observe) {
+    observe(source);
+  }
   if (opType != c10d::OpType::BARRIER) {
     ++(onRing ? ringOps_ : engineOps_);
   }

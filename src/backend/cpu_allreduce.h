@@ -28,6 +28,10 @@ class CpuAllreduce {
  public:
   using Post = std::function<c10::intrusive_ptr<c10::ivalue::Future>(AllreduceEngine&)>;
   using Ring = std::function<c10::intrusive_ptr<c10::ivalue::Future>()>;
+  // Told of the future of the call's own way (the engine's or the ring's,
+  // before the wait for earlier calls that the caller's future adds): the
+  // measured choice times a trial call by it.
+  using Observe = std::function<void(const c10::intrusive_ptr<c10::ivalue::Future>&)>;
 
   // `engine` must outlive this object; `callbackOptions` and `store` start the
   // second engine.
@@ -48,7 +52,8 @@ class CpuAllreduce {
       c10d::OpType opType,
       const char* profilingTitle,
       const std::vector<at::Tensor>& inputs,
-      const Ring& ring = nullptr);
+      const Ring& ring = nullptr,
+      const Observe& observe = nullptr);
 
   // What run() does, for any operation of the engine: `post` issues it on the
   // engine this call belongs to (main, or callbacks') and returns its future.
@@ -63,7 +68,13 @@ class CpuAllreduce {
       c10d::OpType opType,
       const char* profilingTitle,
       const std::vector<at::Tensor>& inputs,
-      const Ring& ring = nullptr);
+      const Ring& ring = nullptr,
+      const Observe& observe = nullptr);
+
+  // Whether the calling thread issues from a callback of a fairring future
+  // (a completion thread's, or a Python callback run inline): such calls run
+  // on the callbacks' engine.
+  static bool issuedFromCallback();
 
   // Operations run so far: on the engines, on the ring, and ring calls a
   // failure gave up on while Gloo still ran them.

@@ -30,9 +30,16 @@ CpuPath::CpuPath(
     const EngineOptions& options,
     c10::intrusive_ptr<c10d::Backend> gloo,
     c10::intrusive_ptr<c10d::Backend> ring,
-    int64_t ringFrom)
-    : gloo_(std::move(gloo)), ring_(std::move(ring)), ringFrom_(ringFrom) {
-  TORCH_CHECK(ringFrom_ < 0 || ring_, "fairring: allreduces on the ring need a ring delegate");
+    std::vector<CpuPlanRow> plan,
+    std::unique_ptr<MeasuredChoice> measured)
+    : gloo_(std::move(gloo)), ring_(std::move(ring)), plan_(std::move(plan)), measured_(std::move(measured)) {
+  for (size_t row = 0; row < plan_.size(); ++row) {
+    TORCH_CHECK(
+        plan_[row].way == CpuWay::kEngine || ring_, "fairring: allreduces on the ring need a ring delegate");
+    TORCH_CHECK(
+        (plan_[row].way == CpuWay::kMeasured) == (measured_ && measured_->measures(row)),
+        "fairring: the CPU plan's measured rows and the measured choice's differ at row ", row);
+  }
   engine_ = std::make_unique<AllreduceEngine>(std::move(layout), options);
   engine_->start(*store);
   cpuAllreduce_ = std::make_unique<CpuAllreduce>(
@@ -59,10 +66,8 @@ c10::intrusive_ptr<c10d::Work> CpuPath::allreduce(std::vector<at::Tensor>& tenso
     // Reduce a dense copy, then write the result back into the caller's view.
     finish = [tensor, work]() mutable { tensor.copy_(work); };
   }
-  CpuAllreduce::Ring ring = ringFor(work, opts.reduceOp.op_, {tensor}, finish);
-  return cpuAllreduce_->run(
-      work, opts.reduceOp.op_, {tensor}, std::move(finish), c10d::OpType::ALLREDUCE, "fairring:all_reduce", tensors,
-      ring);
+  return runChosen(
+      work, opts.reduceOp.op_, {tensor}, std::move(finish), c10d::OpType::ALLREDUCE, "fairring:all_reduce", tensors);
 }
 
 c10::intrusive_ptr<c10d::Work> CpuPath::allreduceCoalesced(
@@ -77,23 +82,69 @@ c10::intrusive_ptr<c10d::Work> CpuPath::allreduceCoalesced(
         "; coalesced tensors must share a dtype");
   }
   Fusion fusion = fuse(tensors);
-  CpuAllreduce::Ring ring = ringFor(fusion.fused, opts.reduceOp.op_, tensors, fusion.scatterBack);
-  return cpuAllreduce_->run(
+  return runChosen(
       fusion.fused, opts.reduceOp.op_, tensors, std::move(fusion.scatterBack), c10d::OpType::ALLREDUCE_COALESCED,
-      "fairring:all_reduce_coalesced", tensors, ring);
+      "fairring:all_reduce_coalesced", tensors);
 }
 
-CpuAllreduce::Ring CpuPath::ringFor(
+CpuPath::Choice CpuPath::choose(const at::Tensor& work, c10d::ReduceOp::RedOpType op) {
+  // A call from a callback stays on the callbacks' engine (CpuAllreduce::runOn)
+  // and counts for no class: callbacks interleave with the program's calls
+  // differently on each rank.
+  if (!glooReduces(work.scalar_type(), op) || CpuAllreduce::issuedFromCallback()) {
+    return Choice{};
+  }
+  const size_t bytes = static_cast<size_t>(work.numel()) * work.element_size();
+  const size_t row = cpuRowOf(plan_, bytes);
+  switch (plan_[row].way) {
+    case CpuWay::kEngine:
+      return Choice{};
+    case CpuWay::kRing:
+      return Choice{true, std::nullopt};
+    case CpuWay::kMeasured:
+      break;
+  }
+  if (bytes == 0) {
+    return Choice{}; // nothing to time
+  }
+  const MeasuredChoice::Turn turn = measured_->next(row, bytes);
+  return Choice{turn.way == 1, turn};
+}
+
+c10::intrusive_ptr<c10d::Work> CpuPath::runChosen(
+    const at::Tensor& work,
+    c10d::ReduceOp::RedOpType op,
+    std::vector<at::Tensor> outputs,
+    std::function<void()> finish,
+    c10d::OpType opType,
+    const char* profilingTitle,
+    const std::vector<at::Tensor>& inputs) {
+  const Choice choice = choose(work, op);
+  CpuAllreduce::Ring ring = choice.ring ? ringOf(work, op, outputs, finish) : nullptr;
+  std::shared_ptr<TrialTimer> timer;
+  CpuAllreduce::Observe observe;
+  if (choice.turn && choice.turn->timed) {
+    timer = timers_.start(choice.turn->call, c10::Device(c10::kCPU));
+    measured_->keep(*choice.turn, timer);
+    observe = [timer](const c10::intrusive_ptr<c10::ivalue::Future>& source) { timer->watch(source); };
+  }
+  try {
+    return cpuAllreduce_->run(
+        work, op, std::move(outputs), std::move(finish), opType, profilingTitle, inputs, ring, observe);
+  } catch (const std::exception& e) {
+    if (timer) {
+      timer->raised(e.what());
+    }
+    throw;
+  }
+}
+
+CpuAllreduce::Ring CpuPath::ringOf(
     const at::Tensor& work,
     c10d::ReduceOp::RedOpType op,
     std::vector<at::Tensor> outputs,
     std::function<void()> finish) {
-  // Decided from what every rank shares (size, dtype, op, the job's shape), so
-  // that every rank sends the same allreduce the same way.
   const int64_t bytes = work.numel() * static_cast<int64_t>(work.element_size());
-  if (ringFrom_ < 0 || bytes < ringFrom_ || !glooReduces(work.scalar_type(), op)) {
-    return nullptr;
-  }
   return [this, work, op, bytes, outputs = std::move(outputs), finish = std::move(finish)]() {
     std::vector<at::Tensor> tensors{work};
     c10d::AllreduceOptions opts;
@@ -105,7 +156,7 @@ CpuAllreduce::Ring CpuPath::ringFor(
         // Gloo's message names the peer by address; say where it comes from.
         done->setError(std::make_exception_ptr(c10::DistBackendError(
             "fairring: an allreduce of " + std::to_string(bytes) +
-            " bytes on Gloo's ring (one rank per machine: FAIRRING_CPU_ALLREDUCE) failed: " +
+            " bytes on Gloo's ring (FAIRRING_CPU_ALLREDUCE) failed: " +
             f.tryRetrieveErrorMessage())));
         return;
       }
@@ -171,6 +222,9 @@ void CpuPath::awaitIssued(const c10d::BarrierOptions& opts) {
 }
 
 void CpuPath::stop(bool drain) {
+  if (measured_) {
+    measured_->stop();
+  }
   engine_->shutdown();
   cpuAllreduce_->shutdown();
   // A ring call the group's failure gave up on may still wait inside Gloo

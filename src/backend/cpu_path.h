@@ -6,15 +6,17 @@
 #include <optional>
 
 #include "backend/cpu_allreduce.h"
+#include "backend/cpu_plan.h"
 #include "backend/cpu_sharded.h"
 #include "backend/device_path.h"
+#include "measured/measured_choice.h"
 #include "pipeline/allreduce_engine.h"
 
 namespace fairring {
 
-// CPU tensors on fairring's own engine: allreduce (or Gloo's ring where the rule
-// says so: ringFor), reduce-scatter and all-gather in every form; every other
-// collective is Gloo's (the CPU delegate).
+// CPU tensors on fairring's own engine: allreduce (or Gloo's ring where the
+// plan, or the measured choice, says so: choose), reduce-scatter and all-gather
+// in every form; every other collective is Gloo's (the CPU delegate).
 class CpuPath : public DevicePath {
  public:
   // Starts the engine (connects to the peers through `store`).
@@ -26,7 +28,8 @@ class CpuPath : public DevicePath {
       const EngineOptions& options,
       c10::intrusive_ptr<c10d::Backend> gloo,
       c10::intrusive_ptr<c10d::Backend> ring,
-      int64_t ringFrom);
+      std::vector<CpuPlanRow> plan,
+      std::unique_ptr<MeasuredChoice> measured);
   ~CpuPath() override;
 
   c10::intrusive_ptr<c10d::Work> delegated(const std::vector<at::Tensor>& tensors, const Issue& issue) override;
@@ -60,14 +63,37 @@ class CpuPath : public DevicePath {
   void awaitIssued(const c10d::BarrierOptions& opts) override;
   void stop(bool drain) override;
 
+  const MeasuredChoice* measured() const override {
+    return measured_.get();
+  }
+
   CpuAllreduce::Stats stats() const {
     return cpuAllreduce_->stats();
   }
 
  private:
-  // The allreduce of `work` on Gloo's ring, where the rule says so
-  // (ringFrom) and Gloo reduces its dtype and op; else null.
-  CpuAllreduce::Ring ringFor(
+  // Where an allreduce of `work` runs: the ring or the engine, and the
+  // measured choice's turn where its row is measured.
+  struct Choice {
+    bool ring{false};
+    std::optional<MeasuredChoice::Turn> turn;
+  };
+  // From what every rank shares (size, dtype, op, whether a callback issued
+  // it, the plan, the call's number in its class), so that every rank sends
+  // the same allreduce the same way.
+  Choice choose(const at::Tensor& work, c10d::ReduceOp::RedOpType op);
+  // The allreduce of `work` (the caller's `outputs` written by `finish`) the
+  // way choose() says, timed where its turn is.
+  c10::intrusive_ptr<c10d::Work> runChosen(
+      const at::Tensor& work,
+      c10d::ReduceOp::RedOpType op,
+      std::vector<at::Tensor> outputs,
+      std::function<void()> finish,
+      c10d::OpType opType,
+      const char* profilingTitle,
+      const std::vector<at::Tensor>& inputs);
+  // The allreduce of `work` on Gloo's ring.
+  CpuAllreduce::Ring ringOf(
       const at::Tensor& work,
       c10d::ReduceOp::RedOpType op,
       std::vector<at::Tensor> outputs,
@@ -75,7 +101,9 @@ class CpuPath : public DevicePath {
 
   const c10::intrusive_ptr<c10d::Backend> gloo_;
   c10::intrusive_ptr<c10d::Backend> ring_;
-  const int64_t ringFrom_;
+  const std::vector<CpuPlanRow> plan_;
+  const std::unique_ptr<MeasuredChoice> measured_; // where a row is measured
+  TrialTimers timers_;
   std::unique_ptr<AllreduceEngine> engine_;
   std::unique_ptr<CpuAllreduce> cpuAllreduce_; // uses engine_: declared after it
   std::unique_ptr<CpuSharded> cpuSharded_; // uses cpuAllreduce_

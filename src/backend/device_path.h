@@ -11,6 +11,8 @@
 
 namespace fairring {
 
+class MeasuredChoice;
+
 // What runs the collectives on one kind of device's tensors, chosen once per
 // device when the group is made (FairringBackend): fairring's CPU engine
 // (cpu_path.h), the composition of sub-group collectives (composed_path.h), or
@@ -67,6 +69,11 @@ class DevicePath {
   // owns): `drain` lets what is in flight finish first (destroy), else it is
   // aborted. Idempotent; never throws.
   virtual void stop(bool drain) {}
+  // The measured choice of this device's allreduces (FAIRRING_*_ALLREDUCE=auto),
+  // where the path has one.
+  virtual const MeasuredChoice* measured() const {
+    return nullptr;
+  }
 };
 
 // What barrier() owes the collectives a path handed to its delegate: past

@@ -38,17 +38,51 @@ FairringBackend::FairringBackend(
   subgroupOptions.largestPieceBytes = options.largestPieceBytes;
   subgroupOptions.laneStagingBytes = options.laneStagingBytes;
   subgroupOptions.totalMemory = options.totalMemory;
-  acceleratorPath_ =
-      composedOrDelegate(options.cudaSubgroups, subgroupOptions, accelerator_, cuda_, options.cudaUnavailable);
+  acceleratorPath_ = composedOrDelegate(
+      options.cudaSubgroups, subgroupOptions, accelerator_, cuda_, options.cudaUnavailable, options);
   if (options.cpuSubgroups) {
-    cpuPath_ = composedOrDelegate(options.cpuSubgroups, subgroupOptions, c10::kCPU, cpu_, "");
+    cpuPath_ = composedOrDelegate(options.cpuSubgroups, subgroupOptions, c10::kCPU, cpu_, "", options);
     return;
   }
   EngineOptions engineOptions{
       options.sliceSize, options.stagingSlotBytes, options.totalMemory, options.timeout, options.listenAddress,
       options.jobToken, options.timelinePath, options.pipelineChunk};
+  std::vector<std::pair<size_t, bool>> cpuRows;
+  for (const CpuPlanRow& row : options.cpuPlan) {
+    cpuRows.emplace_back(row.fromBytes, row.way == CpuWay::kMeasured);
+  }
+  auto measured = measuredChoice("cpu", {"engine", "ring"}, std::move(cpuRows), options);
   cpuPath_ = std::make_unique<CpuPath>(
-      store, rank, size, std::move(layout), engineOptions, cpu_, options.ringDelegate, options.cpuRingFrom);
+      store, rank, size, std::move(layout), engineOptions, cpu_, options.ringDelegate, options.cpuPlan,
+      std::move(measured));
+}
+
+std::unique_ptr<MeasuredChoice> FairringBackend::measuredChoice(
+    const std::string& device,
+    std::array<std::string, 2> ways,
+    std::vector<std::pair<size_t, bool>> rows,
+    const BackendOptions& options) const {
+  bool any = false;
+  for (const auto& row : rows) {
+    any = any || row.second;
+  }
+  if (!any) {
+    return nullptr;
+  }
+  MeasuredOptions measured;
+  measured.device = device;
+  measured.ways = std::move(ways);
+  measured.rows = std::move(rows);
+  for (const auto& [knownDevice, decision] : options.measuredKnown) {
+    if (knownDevice == device) {
+      measured.known.push_back(decision);
+    }
+  }
+  measured.rank = getRank();
+  measured.timeout = options.timeout;
+  measured.agreement = options.measuredAgreement;
+  measured.onDecision = options.onMeasured;
+  return std::make_unique<MeasuredChoice>(std::move(measured));
 }
 
 std::unique_ptr<DevicePath> FairringBackend::composedOrDelegate(
@@ -56,15 +90,23 @@ std::unique_ptr<DevicePath> FairringBackend::composedOrDelegate(
     const SubgroupOptions& options,
     c10::DeviceType device,
     c10::intrusive_ptr<c10d::Backend> delegate,
-    const std::string& unavailable) {
+    const std::string& unavailable,
+    const BackendOptions& backendOptions) {
   bool composes = false;
+  std::vector<std::pair<size_t, bool>> rows;
   for (const PlanRow& row : options.plan) {
     composes = composes || row.path == PlanPath::kCompose;
+    rows.emplace_back(row.fromBytes, row.measured);
   }
   // A plan that composes nothing leaves the device to its delegate: no stream,
   // event or check of fairring's between the program and NCCL.
   if (subgroups && delegate && (composes || plants::planted(plants::Plant::kDirectThroughOurStreams))) {
-    return std::make_unique<ComposedPath>(std::make_unique<SubgroupAllreduce>(*subgroups, options, device), delegate);
+    const bool cpu = device == c10::kCPU;
+    auto measured = measuredChoice(
+        cpu ? "cpu" : c10::DeviceTypeName(device, /*lower_case=*/true),
+        {cpu ? "gloo" : backendOptions.acceleratorDelegateName, "composed"}, std::move(rows), backendOptions);
+    return std::make_unique<ComposedPath>(
+        std::make_unique<SubgroupAllreduce>(*subgroups, options, device), delegate, std::move(measured));
   }
   return std::make_unique<DelegatePath>(delegate, getRank(), unavailable);
 }
@@ -95,6 +137,21 @@ const SubgroupAllreduce* FairringBackend::subgroupAllreduce(c10::DeviceType devi
                                                   : nullptr;
   const auto* composed = dynamic_cast<const ComposedPath*>(path);
   return composed != nullptr ? &composed->composition() : nullptr;
+}
+
+std::vector<std::string> FairringBackend::measuredDecisions(c10::DeviceType device) const {
+  const DevicePath* path = device == accelerator_ ? acceleratorPath_.get()
+      : device == c10::kCPU                       ? cpuPath_.get()
+                                                  : nullptr;
+  const MeasuredChoice* measured = path != nullptr ? path->measured() : nullptr;
+  std::vector<std::string> out;
+  if (measured != nullptr) {
+    const std::string name = device == c10::kCPU ? "cpu" : c10::DeviceTypeName(device, /*lower_case=*/true);
+    for (const MeasuredDecision& d : measured->decisions()) {
+      out.push_back(decisionJson(name, measured->ways(), d));
+    }
+  }
+  return out;
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce(

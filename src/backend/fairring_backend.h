@@ -12,7 +12,9 @@
 #include <optional>
 
 #include "backend/cpu_allreduce.h"
+#include "backend/cpu_plan.h"
 #include "backend/device_path.h"
+#include "measured/measured_choice.h"
 #include "subgroups/subgroup_allreduce.h"
 
 // torch 2.14 added c10d::Backend::gather_single (a gather into one flat tensor). Its
@@ -39,13 +41,23 @@ struct BackendOptions {
   std::chrono::milliseconds timeout{0};
   std::string timelinePath; // this rank's trace file; empty: off
   size_t pipelineChunk{0}; // each local rank's part of the piece of a slice the five steps move at once
-  // CPU allreduces of this many bytes or more go to Gloo's ring (ringDelegate)
-  // instead of the engine; -1: none (fairring_pg.config.cpu_ring_from).
-  int64_t cpuRingFrom{-1};
+  // What each size of CPU allreduce runs: the engine, Gloo's ring
+  // (ringDelegate) or the measured choice between them
+  // (fairring_pg.model.cpu_plan, FAIRRING_CPU_ALLREDUCE).
+  std::vector<CpuPlanRow> cpuPlan{CpuPlanRow{}};
   // A Gloo group of its own for the ring: on the CPU delegate the program's
   // ring allreduces would interleave with collectives issued from callbacks
-  // differently on each rank. Set where cpuRingFrom >= 0.
+  // differently on each rank. Set where a row of cpuPlan is not the engine's.
   c10::intrusive_ptr<c10d::Backend> ringDelegate;
+  // The measured choice (src/measured/, FAIRRING_*_ALLREDUCE=auto): the Gloo
+  // group of its agreements (set where some row of a plan is measured), the
+  // decisions FAIRRING_PLAN_FILE held, by device ("cpu", "cuda"), what the
+  // accelerator's delegate is called in them, and who is told of each new
+  // one (fairring_pg.measured: the log and the file).
+  c10::intrusive_ptr<c10d::Backend> measuredAgreement;
+  std::vector<std::pair<std::string, MeasuredDecision>> measuredKnown;
+  std::string acceleratorDelegateName{"nccl"};
+  std::function<void(const std::string&, const std::string&)> onMeasured;
   // The sub-group allreduce (src/subgroups/): its plan (what each size runs,
   // fairring_pg.model.cuda_plan; where no row composes, the device's
   // collectives are all its delegate's own), the largest piece (fitted so
@@ -176,6 +188,9 @@ class FairringBackend : public c10d::Backend {
   // The sub-group allreduce of `device`'s tensors (null where that device's
   // path does not compose), for its counters.
   const SubgroupAllreduce* subgroupAllreduce(c10::DeviceType device) const;
+  // The measured choice's decisions for `device`'s allreduces so far (JSON,
+  // as fairring_pg.measured reads them); empty where it has none.
+  std::vector<std::string> measuredDecisions(c10::DeviceType device) const;
 
  private:
   // The path of a device whose collectives may be composed of `subgroups`
@@ -185,7 +200,15 @@ class FairringBackend : public c10d::Backend {
       const SubgroupOptions& options,
       c10::DeviceType device,
       c10::intrusive_ptr<c10d::Backend> delegate,
-      const std::string& unavailable);
+      const std::string& unavailable,
+      const BackendOptions& backendOptions);
+  // The measured choice of `device`'s allreduces between `ways`, over the
+  // plan's `rows` (from bytes, measured); null where no row is measured.
+  std::unique_ptr<MeasuredChoice> measuredChoice(
+      const std::string& device,
+      std::array<std::string, 2> ways,
+      std::vector<std::pair<size_t, bool>> rows,
+      const BackendOptions& options) const;
 
   // The path of the device of the first defined tensor of `sets` (tensors,
   // lists of them, lists of lists); the CPU's where none is defined.

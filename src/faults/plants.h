@@ -25,6 +25,8 @@ enum class Plant : uint8_t {
   kDelegatedHoldReleasedAtIssue, // the delegate's Work synchronized at issue (its hold emptied)
   kDirectThroughOurStreams, // a call that does not compose runs on fairring's streams
   kStepWaitsOnHost, // each step's collective waited for with wait() (blocks under blocking wait)
+  kMeasuredOwnTimes, // the measured choice decided from this rank's own times, with no agreement
+  kMeasuredFastestRank, // the measured choice combines the ranks' times by MIN, not MAX
   kCount,
 };
 

@@ -9,9 +9,10 @@ std::vector<PlanRow> planRows(const std::vector<std::tuple<size_t, std::string, 
   for (const auto& [fromBytes, path, pieces, exchange] : rows) {
     PlanRow row;
     row.fromBytes = fromBytes;
-    TORCH_CHECK(path == "nccl" || path == "compose", "fairring: a plan row's path is 'nccl' or 'compose', not '",
-                path, "'");
-    row.path = path == "compose" ? PlanPath::kCompose : PlanPath::kNccl;
+    TORCH_CHECK(path == "nccl" || path == "compose" || path == "measure",
+                "fairring: a plan row's path is 'nccl', 'compose' or 'measure', not '", path, "'");
+    row.path = path == "nccl" ? PlanPath::kNccl : PlanPath::kCompose;
+    row.measured = path == "measure";
     if (row.path == PlanPath::kCompose) {
       TORCH_CHECK(pieces >= 1, "fairring: a composing plan row needs at least one piece, not ", pieces);
       TORCH_CHECK(exchange == "alltoall" || exchange == "reduce_scatter",

@@ -24,6 +24,10 @@ struct PlanRow {
   PlanPath path{PlanPath::kNccl};
   int pieces{1}; // kCompose: at least this many
   RailExchange exchange{RailExchange::kAllToAll}; // kCompose only
+  // kCompose: a size class of the measured choice (FAIRRING_CUDA_ALLREDUCE=auto),
+  // whose calls compose as this row says or are the delegate's own, as its
+  // trials find faster (src/measured/).
+  bool measured{false};
 };
 
 // Every piece, chunk and shard of a composed call starts a multiple of this
@@ -52,6 +56,7 @@ struct Unit {
 
 struct CallPlan {
   size_t row{0}; // which row of the plan the call took
+  size_t bytes{0}; // the call's, in the dtype it is reduced in
   std::vector<Unit> units; // pieces in order, then the direct tail; or one direct unit
   RailExchange exchange{RailExchange::kAllToAll};
 };
@@ -77,6 +82,7 @@ inline CallPlan planCall(
     int numMachines) {
   CallPlan plan;
   const size_t bytes = static_cast<size_t>(numel) * elemSize;
+  plan.bytes = bytes;
   for (size_t i = 1; i < rows.size() && rows[i].fromBytes <= bytes; ++i) {
     plan.row = i;
   }
@@ -110,8 +116,10 @@ inline CallPlan planCall(
   return plan;
 }
 
-// The plan's rows from Python's (from_bytes, "nccl" | "compose", pieces,
-// "alltoall" | "reduce_scatter"); anything else is refused, naming it.
+// The plan's rows from Python's (from_bytes, "nccl" | "compose" | "measure",
+// pieces, "alltoall" | "reduce_scatter"); anything else is refused, naming it.
+// "measure" is a composing row whose calls the measured choice may give to the
+// delegate instead.
 std::vector<PlanRow> planRows(const std::vector<std::tuple<size_t, std::string, int, std::string>>& rows);
 
 } // namespace fairring

@@ -8,13 +8,15 @@
 
 namespace fairring {
 
-ComposedPath::ComposedPath(std::unique_ptr<SubgroupAllreduce> composition, c10::intrusive_ptr<c10d::Backend> delegate)
-    : composition_(std::move(composition)), delegate_(std::move(delegate)) {
+ComposedPath::ComposedPath(
+    std::unique_ptr<SubgroupAllreduce> composition,
+    c10::intrusive_ptr<c10d::Backend> delegate,
+    std::unique_ptr<MeasuredChoice> measured)
+    : composition_(std::move(composition)), delegate_(std::move(delegate)), measured_(std::move(measured)) {
   TORCH_CHECK(composition_ && delegate_, "fairring: a composed path needs its composition and a delegate");
 }
 
-ComposedPath::Route ComposedPath::routeOf(const std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op)
-    const {
+ComposedPath::Route ComposedPath::routeOf(const std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op) {
   Route route;
   if (tensors.empty()) {
     return route;
@@ -39,7 +41,35 @@ ComposedPath::Route ComposedPath::routeOf(const std::vector<at::Tensor>& tensors
   // program does on every rank): the delegate's own allreduce, which a CUDA
   // graph can hold, and fairring's streams cannot.
   route.compose = !route.byPlan && !isCapturing(currentStreamCapture(first.device()));
+  if (route.compose && measured_ && measured_->measures(plan.row)) {
+    // Every rank counts the same calls here: the program's own (on CUDA every
+    // collective is issued from the calling thread in program order), of a
+    // dtype and op both ways reduce, not captured (every rank of a program
+    // captures the same calls).
+    route.turn = measured_->next(plan.row, plan.bytes);
+    route.compose = route.turn->way == 1;
+  }
   return route;
+}
+
+c10::intrusive_ptr<c10d::Work> ComposedPath::timed(
+    const Route& route,
+    c10::Device device,
+    const std::function<c10::intrusive_ptr<c10d::Work>()>& issue) {
+  if (!route.turn || !route.turn->timed) {
+    return issue();
+  }
+  std::shared_ptr<TrialTimer> timer = timers_.start(route.turn->call, device);
+  measured_->keep(*route.turn, timer);
+  c10::intrusive_ptr<c10d::Work> work;
+  try {
+    work = issue();
+  } catch (const std::exception& e) {
+    timer->raised(e.what());
+    throw;
+  }
+  timer->watch(work);
+  return work;
 }
 
 c10::intrusive_ptr<c10d::Work> ComposedPath::allreduce(
@@ -47,14 +77,16 @@ c10::intrusive_ptr<c10d::Work> ComposedPath::allreduce(
     const c10d::AllreduceOptions& opts) {
   const auto op = opts.reduceOp.op_;
   const Route route = routeOf(tensors, op);
-  if (route.compose) {
-    return composition_->allreduce(tensors.front(), op);
-  }
-  if (route.byPlan && plants::planted(plants::Plant::kDirectThroughOurStreams) && tensors.front().numel() > 0) {
-    return composition_->allreduceOnOurStreams(tensors.front(), op);
-  }
-  composition_->countDelegated(route.row);
-  return delegated(tensors, [&](c10d::Backend& b) { return b.allreduce(tensors, opts); });
+  return timed(route, tensors.front().device(), [&]() {
+    if (route.compose) {
+      return composition_->allreduce(tensors.front(), op);
+    }
+    if (route.byPlan && plants::planted(plants::Plant::kDirectThroughOurStreams) && tensors.front().numel() > 0) {
+      return composition_->allreduceOnOurStreams(tensors.front(), op);
+    }
+    composition_->countDelegated(route.row);
+    return delegated(tensors, [&](c10d::Backend& b) { return b.allreduce(tensors, opts); });
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ComposedPath::allreduceCoalesced(
@@ -62,11 +94,13 @@ c10::intrusive_ptr<c10d::Work> ComposedPath::allreduceCoalesced(
     const c10d::AllreduceCoalescedOptions& opts) {
   const auto op = opts.reduceOp.op_;
   const Route route = routeOf(tensors, op);
-  if (route.compose) {
-    return composition_->allreduceCoalesced(tensors, op);
-  }
-  composition_->countDelegated(route.row);
-  return delegated(tensors, [&](c10d::Backend& b) { return b.allreduce_coalesced(tensors, opts); });
+  return timed(route, tensors.front().device(), [&]() {
+    if (route.compose) {
+      return composition_->allreduceCoalesced(tensors, op);
+    }
+    composition_->countDelegated(route.row);
+    return delegated(tensors, [&](c10d::Backend& b) { return b.allreduce_coalesced(tensors, opts); });
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ComposedPath::delegated(const std::vector<at::Tensor>& tensors, const Issue& issue) {
@@ -85,6 +119,9 @@ void ComposedPath::awaitIssued(const c10d::BarrierOptions& opts) {
 }
 
 void ComposedPath::stop(bool drain) {
+  if (measured_) {
+    measured_->stop();
+  }
   if (drain) {
     composition_->shutdown();
   } else {

@@ -1,0 +1,214 @@
+"""The measured choice's record (src/measured/, ``FAIRRING_*_ALLREDUCE=auto``): each
+decision said once in the log, readable from Python, and kept in ``FAIRRING_PLAN_FILE``
+for a later job of the same shape.
+
+A decision is a dict: ``device`` ("cpu", "cuda"), the size class (``from_bytes``,
+``to_bytes``: exclusive, None for no end), the two ``ways`` (``("engine", "ring")``,
+``("nccl", "composed")``), per way the slowest rank's mean ``seconds`` per timed call and
+those calls' mean ``bytes``, the ``winner``, the ``trial_calls`` it cost and its
+``source`` ("measured", or "plan file").
+
+The plan file: rank 0 of the group reads it when the group is made and publishes what it
+holds through the store, so every rank starts from the same decisions (a class decided
+there runs its winner from its first call, without trials); rank 0 writes the file again,
+whole, after each new decision. A file made by a job of another shape (machines, ranks,
+the plans' rows, the settings that change what either way does) is an error on every
+rank at ``init_process_group``, naming what differs: ignoring it would rerun the trials
+unnoticed, and saving this job's decisions would destroy the other job's. A group other
+than the default one keeps its own file (``plan.json`` -> ``plan.g3.json`` for group 3).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from datetime import timedelta
+from typing import Any
+
+from fairring_pg.config import Config
+from fairring_pg.model.cpu_plan import CpuPlan
+from fairring_pg.model.cuda_plan import CudaPlan
+from fairring_pg.startup import wait_for
+from fairring_pg.topology import Topology
+
+FORMAT = "fairring-plan-file/1"
+VARIABLE = "FAIRRING_PLAN_FILE"
+_KEY = "fairring/measured/known"
+_log = logging.getLogger("fairring_pg")
+# The settings that change what either way of a measured class does, or which classes
+# there are: a file made under other values does not fit.
+_SETTINGS = (
+    "slice_size",
+    "total_memory",
+    "slice_scaling",
+    "lanes",
+    "direct_below",
+    "cpu_allreduce",
+    "cuda_allreduce",
+    "pipeline_chunk",
+    "cuda_delegate",
+    "test_cpu_subgroups",
+    "test_local_gloo",
+)
+
+
+def file_for_group(path: str, group_name: str) -> str:
+    """The plan file of group ``group_name``: ``path`` for the default group ("0"),
+    else the group's name before the extension (plan.json -> plan.g3.json)."""
+    if group_name == "0":
+        return path
+    root, ext = os.path.splitext(path)
+    return f"{root}.g{group_name}{ext}"
+
+
+def job_shape(
+    topology: Topology, config: Config, cpu_plan: CpuPlan, cuda_plan: CudaPlan
+) -> dict[str, Any]:
+    """What a plan file must have been saved under to fit this job."""
+    return {
+        "world_size": topology.world_size,
+        "machines": topology.num_machines,
+        "local_size": topology.local_size,
+        "cpu_rows": [list(row) for row in cpu_plan.core_rows()],
+        "cuda_rows": [list(row) for row in cuda_plan.core_rows()],
+        "settings": {name: getattr(config, name) for name in _SETTINGS},
+    }
+
+
+def _misfit(path: str, saved: Any, shape: dict[str, Any]) -> str | None:
+    """Why the file's content ``saved`` does not fit ``shape``, or None."""
+    if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+        return f"it is not a plan file of this version (expected format {FORMAT!r})"
+    theirs = saved.get("shape", {})
+    for field, mine in shape.items():
+        if field == "settings":
+            for name, value in mine.items():
+                if theirs.get("settings", {}).get(name) != value:
+                    other = theirs.get("settings", {}).get(name)
+                    return f"it was saved with {name}={other!r}, this job has {value!r}"
+        elif theirs.get(field) != mine:
+            return f"its {field} is {theirs.get(field)!r}, this job's is {mine!r}"
+    return None
+
+
+def read_known(path: str, shape: dict[str, Any]) -> list[dict[str, Any]]:
+    """The decisions the plan file at ``path`` holds (none if it does not exist yet).
+    Raises ValueError, naming the variable and what differs, where it does not fit."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        return []
+    try:
+        saved = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{VARIABLE}={path!r} is not a plan file: {exc}") from None
+    why = _misfit(path, saved, shape)
+    if why is not None:
+        raise ValueError(
+            f"{VARIABLE}={path!r} holds the decisions of another job: {why}; expected a file "
+            "saved by a job of the same shape (name another file, or delete this one to "
+            "measure again)"
+        )
+    return list(saved.get("decisions", []))
+
+
+def agree_on_known(
+    store: Any, rank: int, timeout: timedelta, config: Config, shape: dict[str, Any], group: str
+) -> list[dict[str, Any]]:
+    """The plan file's decisions, the same on every rank: rank 0 reads the file and
+    publishes them, or the reason it does not fit, which every rank then raises."""
+    if config.plan_file is None:
+        return []
+    if rank == 0:
+        try:
+            published: dict[str, Any] = {
+                "known": read_known(file_for_group(config.plan_file, group), shape)
+            }
+        except ValueError as exc:
+            published = {"error": str(exc)}
+        store.set(_KEY, json.dumps(published))
+    wait_for(store, [_KEY], timeout, "waiting for rank 0's reading of FAIRRING_PLAN_FILE")
+    published = json.loads(store.get(_KEY))
+    if "error" in published:
+        raise ValueError(published["error"])
+    return list(published["known"])
+
+
+def describe(decision: dict[str, Any], machines: int, local_size: int) -> str:
+    """One log line for a decision."""
+    ways, seconds, size = decision["ways"], decision["seconds"], decision["bytes"]
+    end = decision["to_bytes"]
+    span = (
+        f"{decision['from_bytes']} B and up"
+        if end is None
+        else (f"{decision['from_bytes']}-{end - 1} B")
+    )
+    times = ", ".join(
+        f"{way} {s * 1e3:.3f} ms ({b / 2**20:.3g} MiB)"
+        for way, s, b in zip(ways, seconds, size, strict=True)
+    )
+    return (
+        f"fairring: measured {decision['device']} allreduces of {span} at {machines} x "
+        f"{local_size}: {times} per call (the slowest rank's mean of "
+        f"{decision['timed_calls']} each); {decision['winner']} from call "
+        f"{decision['trial_calls']} on"
+    )
+
+
+class Recorder:
+    """Rank 0's hook for new decisions (src/measured/'s onDecision): says each once in
+    the log and keeps the plan file, if any, up to date."""
+
+    def __init__(
+        self, topology: Topology, shape: dict[str, Any], path: str | None, known: list[Any]
+    ) -> None:
+        self._machines, self._local = topology.num_machines, topology.local_size
+        self._shape = shape
+        self._path = path
+        self._decisions = {(d["device"], d["from_bytes"]): d for d in known}
+
+    def __call__(self, device: str, decision_json: str) -> None:
+        decision = json.loads(decision_json)
+        _log.info(describe(decision, self._machines, self._local))
+        self._decisions[(device, decision["from_bytes"])] = {
+            **decision,
+            "source": "plan file",
+            "trial_calls": 0,
+            "timed_calls": 0,
+        }
+        if self._path is not None:
+            self._save()
+
+    def _save(self) -> None:
+        assert self._path is not None
+        content = {
+            "format": FORMAT,
+            "shape": self._shape,
+            "decisions": [self._decisions[key] for key in sorted(self._decisions)],
+        }
+        directory = os.path.dirname(os.path.abspath(self._path))
+        fd, tmp = tempfile.mkstemp(prefix=".fairring-plan-", dir=directory)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(content, f, indent=1, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, self._path)  # a reader sees the old file or the new, never half
+
+
+def set_known(opts: Any, known: list[dict[str, Any]]) -> None:
+    """Hand the plan file's decisions to the core."""
+    for d in known:
+        opts.add_measured_known(
+            d["device"],
+            int(d["from_bytes"]),
+            list(d["ways"]).index(d["winner"]),
+            [float(s) for s in d["seconds"]],
+            [float(b) for b in d["bytes"]],
+        )
+
+
+def decisions_of(backend: Any, devices: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The decisions the core's ``backend`` has for ``devices``' allreduces so far."""
+    return [json.loads(d) for device in devices for d in backend.measured_choices(device)]

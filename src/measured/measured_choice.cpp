@@ -1,0 +1,215 @@
+#include "measured/measured_choice.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <sstream>
+
+#include "backend/without_gil.h"
+#include "faults/fault_points.h"
+#include "faults/plants.h"
+#include "faults/trial_clock.h"
+
+namespace fairring {
+
+namespace {
+
+// The agreement's figures: per way the sum of this rank's timed seconds, then
+// 1 + the rank that could not time its calls (0: none), all combined by MAX.
+constexpr int64_t kFigures = 3;
+
+} // namespace
+
+MeasuredChoice::MeasuredChoice(MeasuredOptions options) : options_(std::move(options)) {
+  const auto& rows = options_.rows;
+  classOfRow_.assign(rows.size(), -1);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (!rows[i].second) {
+      continue;
+    }
+    Class c;
+    c.fromBytes = rows[i].first;
+    c.toBytes = i + 1 < rows.size() ? rows[i + 1].first : 0;
+    for (const MeasuredDecision& known : options_.known) {
+      if (known.fromBytes == c.fromBytes) {
+        c.decision = known;
+        c.decision.toBytes = c.toBytes;
+        c.decision.fromFile = true;
+        c.state = State::kDecided;
+      }
+    }
+    classOfRow_[i] = static_cast<int>(classes_.size());
+    classes_.push_back(std::move(c));
+  }
+  TORCH_CHECK(
+      classes_.empty() || options_.agreement, "fairring: the measured choice of ", options_.device,
+      " allreduces needs its agreement group");
+}
+
+bool MeasuredChoice::measures(size_t row) const {
+  return row < classOfRow_.size() && classOfRow_[row] >= 0;
+}
+
+MeasuredChoice::Turn MeasuredChoice::next(size_t row, size_t bytes) {
+  TORCH_CHECK(measures(row), "fairring: row ", row, " of the ", options_.device, " plan is not measured");
+  std::unique_lock<std::mutex> lock(mu_);
+  Class& c = classes_[static_cast<size_t>(classOfRow_[row])];
+  // Another thread's call is deciding this class: its calls after it wait.
+  decided_.wait(lock, [&] { return c.state != State::kDeciding; });
+  Turn turn{row, c.calls++, 0, false, bytes};
+  switch (c.state) {
+    case State::kDecided:
+      turn.way = c.decision.winner;
+      return turn;
+    case State::kFailed:
+      throw c10::DistBackendError(c.failure);
+    case State::kDeciding:
+    case State::kTrying:
+      break;
+  }
+  if (turn.call < kDecisionCall) {
+    const TrialCall trial = trialCall(turn.call);
+    turn.way = trial.way;
+    turn.timed = trial.timed;
+    return turn;
+  }
+  c.state = State::kDeciding;
+  const std::vector<Timed> timed = std::move(c.timed);
+  c.timed.clear();
+  lock.unlock();
+  const Outcome outcome = decide(c.fromBytes, c.toBytes, timed);
+  lock.lock();
+  if (outcome.decision) {
+    c.decision = *outcome.decision;
+    c.state = State::kDecided;
+  } else {
+    c.failure = outcome.failure;
+    c.state = State::kFailed;
+  }
+  decided_.notify_all();
+  lock.unlock();
+  if (!outcome.decision) {
+    throw c10::DistBackendError(outcome.failure);
+  }
+  if (options_.onDecision) {
+    try {
+      options_.onDecision(options_.device, decisionJson(options_.device, options_.ways, *outcome.decision));
+    } catch (const std::exception& e) {
+      // Logging and saving are this rank's business: the calls go on alike.
+      TORCH_WARN("fairring: recording the measured choice on rank ", options_.rank, " failed: ", e.what());
+    }
+  }
+  turn.way = outcome.decision->winner;
+  return turn;
+}
+
+void MeasuredChoice::keep(const Turn& turn, std::shared_ptr<TrialTimer> timer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  classes_[static_cast<size_t>(classOfRow_[turn.row])].timed.push_back(Timed{turn.way, turn.bytes, std::move(timer)});
+}
+
+MeasuredChoice::Outcome MeasuredChoice::decide(size_t fromBytes, size_t toBytes, const std::vector<Timed>& timed) {
+  // Every wait below may take long (a peer's trial calls, the other ranks'
+  // arrival): a Python callback another thread runs must not wait for us.
+  WithoutGil released;
+  const auto deadline = TrialTimer::Clock::now() + options_.timeout;
+  const auto stop = [this] { return stopped_.load(); };
+  std::array<double, 2> seconds{};
+  std::array<double, 2> bytes{};
+  std::array<int, 2> counted{};
+  std::string mine; // why this rank cannot time its calls
+  for (const Timed& t : timed) {
+    const TrialTime time = t.timer->read(deadline, stop);
+    std::optional<double> s = time.seconds;
+    if (time.done) {
+      if (auto injected = faults::trialSeconds(options_.ways[t.way], fromBytes)) {
+        s = injected; // tests: what the test clock says this call took
+      }
+    }
+    if (!s) {
+      mine = time.error;
+      break;
+    }
+    seconds[t.way] += *s;
+    bytes[t.way] += static_cast<double>(t.bytes);
+    ++counted[t.way];
+  }
+  if (mine.empty() && (counted[0] != kTimedCalls || counted[1] != kTimedCalls)) {
+    mine = "it timed " + std::to_string(counted[0]) + " and " + std::to_string(counted[1]) + " calls, not " +
+        std::to_string(kTimedCalls) + " of each way";
+  }
+  // Tests: this rank reaches the agreement late.
+  faults::hit("measured.decide", static_cast<int64_t>(fromBytes));
+  at::Tensor figures = at::empty({kFigures}, at::kDouble);
+  double* f = figures.data_ptr<double>();
+  f[0] = seconds[0];
+  f[1] = seconds[1];
+  f[2] = mine.empty() ? 0.0 : options_.rank + 1.0;
+  const std::string what = "fairring: the measured choice of " + options_.device + " allreduces of " +
+      range(fromBytes, toBytes) + " (" + options_.ways[0] + " or " + options_.ways[1] + ") failed";
+  if (!plants::planted(plants::Plant::kMeasuredOwnTimes)) {
+    try {
+      std::vector<at::Tensor> tensors{figures};
+      c10d::AllreduceOptions opts;
+      opts.reduceOp = plants::planted(plants::Plant::kMeasuredFastestRank) ? c10d::ReduceOp::MIN : c10d::ReduceOp::MAX;
+      options_.agreement->allreduce(tensors, opts)->wait(options_.timeout);
+    } catch (const std::exception& e) {
+      return Outcome{std::nullopt, what + " on rank " + std::to_string(options_.rank) +
+                         ": agreeing with the other ranks failed: " + e.what()};
+    }
+  }
+  if (f[2] > 0) {
+    const int failed = static_cast<int>(f[2]) - 1;
+    return Outcome{std::nullopt, what + " on every rank: rank " + std::to_string(failed) +
+                       " could not time its trial calls" + (failed == options_.rank ? " (" + mine + ")" : "")};
+  }
+  MeasuredDecision d;
+  d.fromBytes = fromBytes;
+  d.toBytes = toBytes;
+  for (int w = 0; w < 2; ++w) {
+    d.seconds[w] = f[w] / kTimedCalls;
+    d.bytes[w] = bytes[w] / kTimedCalls;
+  }
+  // Per byte, where a class holds calls of several sizes; way 0 wins a tie.
+  d.winner = f[1] * bytes[0] < f[0] * bytes[1] ? 1 : 0;
+  return Outcome{d, ""};
+}
+
+std::vector<MeasuredDecision> MeasuredChoice::decisions() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<MeasuredDecision> out;
+  for (const Class& c : classes_) {
+    if (c.state == State::kDecided) {
+      out.push_back(c.decision);
+    }
+  }
+  return out;
+}
+
+void MeasuredChoice::stop() {
+  stopped_.store(true);
+}
+
+std::string MeasuredChoice::range(size_t fromBytes, size_t toBytes) const {
+  return toBytes == 0 ? std::to_string(fromBytes) + " bytes and more"
+                      : std::to_string(fromBytes) + " to " + std::to_string(toBytes - 1) + " bytes";
+}
+
+std::string decisionJson(const std::string& device, const std::array<std::string, 2>& ways, const MeasuredDecision& d) {
+  std::ostringstream out;
+  out.precision(9);
+  out << "{\"device\": \"" << device << "\", \"from_bytes\": " << d.fromBytes << ", \"to_bytes\": ";
+  if (d.toBytes == 0) {
+    out << "null";
+  } else {
+    out << d.toBytes;
+  }
+  out << ", \"ways\": [\"" << ways[0] << "\", \"" << ways[1] << "\"], \"seconds\": [" << d.seconds[0] << ", "
+      << d.seconds[1] << "], \"bytes\": [" << d.bytes[0] << ", " << d.bytes[1] << "], \"winner\": \""
+      << ways[d.winner] << "\", \"trial_calls\": " << (d.fromFile ? 0 : kDecisionCall)
+      << ", \"timed_calls\": " << (d.fromFile ? 0 : kTimedCalls) << ", \"source\": \""
+      << (d.fromFile ? "plan file" : "measured") << "\"}";
+  return out.str();
+}
+
+} // namespace fairring

@@ -1,0 +1,146 @@
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "measured/trial_order.h"
+#include "measured/trial_timer.h"
+
+namespace fairring {
+
+// One size class's decision: the way its calls run from kDecisionCall on.
+struct MeasuredDecision {
+  size_t fromBytes{0};
+  size_t toBytes{0}; // exclusive; 0: no upper end
+  int winner{0}; // 0 or 1, as MeasuredOptions::ways
+  // Per way: the slowest rank's mean seconds per timed call, and those calls'
+  // mean bytes (the same calls on every rank).
+  std::array<double, 2> seconds{};
+  std::array<double, 2> bytes{};
+  bool fromFile{false}; // FAIRRING_PLAN_FILE's, not measured in this job
+};
+
+struct MeasuredOptions {
+  std::string device; // "cpu", "cuda": what the decisions say
+  std::array<std::string, 2> ways; // way 0 wins ties: ("engine", "ring"), ("nccl", "composed")
+  // The device's plan: where each row starts, and whether its calls are
+  // measured (a class of their own each) or run the way the plan says.
+  std::vector<std::pair<size_t, bool>> rows;
+  // FAIRRING_PLAN_FILE's decisions (rank 0 read the file and every rank the
+  // same copy): those classes run their winner from their first call.
+  std::vector<MeasuredDecision> known;
+  int rank{0};
+  std::chrono::milliseconds timeout{0};
+  // A Gloo group of fairring's own for the agreements alone: on any group the
+  // program or its callbacks also use, an agreement could meet their
+  // collectives in another order on another rank.
+  c10::intrusive_ptr<c10d::Backend> agreement;
+  // Told of every decision made in this job, on every rank, on the deciding
+  // thread with no lock held (fairring_pg.measured logs it once and saves the
+  // file): (device, the decision as JSON).
+  std::function<void(const std::string&, const std::string&)> onDecision;
+};
+
+// FAIRRING_*_ALLREDUCE=auto's measured choice between two ways of running an
+// allreduce (docs/design.md, "The measured choice"), for one device's calls.
+// Each measured row of the plan is a size class; its calls take turns by their
+// number in the class (trial_order.h), so alike on every rank; at the decision
+// call each rank waits for its own timings, the ranks combine them in one MAX
+// allreduce on the agreement group (the slowest rank's times count), and every
+// rank runs the faster way from that call on. Every call is one way on every
+// rank, so exact throughout.
+//
+// Why it cannot deadlock: the agreement is issued at the same call of the
+// class on every rank, from the calling thread, in program order, on a group
+// nothing else uses; what a rank waits for before it (its own trial calls)
+// was issued by every rank before that call, so completes without anything
+// this rank issues later. Waits hold no lock (and not the GIL) and end at the
+// group's timeout or when the group stops.
+class MeasuredChoice {
+ public:
+  struct Turn {
+    size_t row{0};
+    int64_t call{0}; // the call's number in its class
+    int way{0};
+    bool timed{false};
+    size_t bytes{0};
+  };
+
+  explicit MeasuredChoice(MeasuredOptions options);
+
+  MeasuredChoice(const MeasuredChoice&) = delete;
+  MeasuredChoice& operator=(const MeasuredChoice&) = delete;
+
+  // Whether the calls of plan row `row` are measured.
+  bool measures(size_t row) const;
+  // The way the next call of measured row `row` (of `bytes` bytes) runs: a
+  // trial, or the class's winner. Only calls every rank counts alike may ask
+  // (the program's own, of a kind both ways run). At the class's decision call
+  // it decides first, and throws, on every rank alike, where that failed, as
+  // every later call of the class then does.
+  Turn next(size_t row, size_t bytes);
+  // A timed turn's timer, once its call was issued (or raised).
+  void keep(const Turn& turn, std::shared_ptr<TrialTimer> timer);
+
+  std::vector<MeasuredDecision> decisions() const;
+  const std::array<std::string, 2>& ways() const {
+    return options_.ways;
+  }
+  // destroy or abort: a decision's waits end (failing the class).
+  void stop();
+
+ private:
+  // A class's life, one value.
+  enum class State : uint8_t {
+    kTrying, // calls 0 .. kDecisionCall-1: the trials, in trial_order's order
+    kDeciding, // the decision call waits for its timings and the other ranks
+    kDecided, // every call runs the winner
+    kFailed, // the ranks could not decide: every call raises why
+  };
+  struct Timed {
+    int way{0};
+    size_t bytes{0};
+    std::shared_ptr<TrialTimer> timer;
+  };
+  struct Class {
+    size_t fromBytes{0};
+    size_t toBytes{0};
+    State state{State::kTrying};
+    int64_t calls{0};
+    std::vector<Timed> timed;
+    MeasuredDecision decision;
+    std::string failure;
+  };
+  struct Outcome {
+    std::optional<MeasuredDecision> decision;
+    std::string failure;
+  };
+
+  // Waits for this rank's timings and agrees with the other ranks.
+  Outcome decide(size_t fromBytes, size_t toBytes, const std::vector<Timed>& timed);
+  std::string range(size_t fromBytes, size_t toBytes) const;
+
+  const MeasuredOptions options_;
+  std::vector<int> classOfRow_; // -1: not measured
+  mutable std::mutex mu_;
+  std::condition_variable decided_; // a class left kDeciding
+  std::vector<Class> classes_;
+  std::atomic<bool> stopped_{false};
+};
+
+// A decision as the hook and the plan file read it (JSON).
+std::string decisionJson(const std::string& device, const std::array<std::string, 2>& ways, const MeasuredDecision& d);
+
+} // namespace fairring

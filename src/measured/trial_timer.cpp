@@ -1,0 +1,146 @@
+#include "measured/trial_timer.h"
+
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
+#include "faults/fault_points.h"
+#include "subgroups/done_point.h"
+
+namespace fairring {
+
+namespace {
+
+// Polls of a wait: short enough to end soon after a stop, long enough to cost nothing.
+constexpr std::chrono::milliseconds kPoll{5};
+
+TrialTime gaveUp(bool stopped) {
+  return TrialTime{
+      false, std::nullopt,
+      stopped ? "the process group was stopped" : "the call did not end within the process group's timeout"};
+}
+
+// The clock, from issue to the call's future's completion.
+class HostTimer : public TrialTimer, public std::enable_shared_from_this<HostTimer> {
+ public:
+  explicit HostTimer(int64_t call) : call_(call), start_(Clock::now()) {}
+
+  void watch(const c10::intrusive_ptr<c10d::Work>& work) override {
+    watch(work->getFuture());
+  }
+  void watch(const c10::intrusive_ptr<c10::ivalue::Future>& future) override {
+    future->addCallback([self = shared_from_this()](c10::ivalue::Future& f) {
+      self->finish(f.hasError() ? f.tryRetrieveErrorMessage() : std::string());
+    });
+  }
+  void raised(const std::string& what) override {
+    finish("the call raised: " + what);
+  }
+
+  TrialTime read(Clock::time_point deadline, const Stop& stop) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!done_) {
+      if (stop() || Clock::now() >= deadline) {
+        return gaveUp(stop());
+      }
+      ended_.wait_for(lock, kPoll);
+    }
+    if (!error_.empty()) {
+      return TrialTime{true, std::nullopt, error_};
+    }
+    return TrialTime{true, std::chrono::duration<double>(end_ - start_).count(), ""};
+  }
+
+ private:
+  void finish(std::string error) {
+    // Tests: this rank's trial call ends late (its decision must wait for it).
+    faults::hit("measured.trial_done", call_);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (done_) {
+      return;
+    }
+    end_ = Clock::now();
+    error_ = std::move(error);
+    done_ = true;
+    ended_.notify_all();
+  }
+
+  const int64_t call_;
+  const Clock::time_point start_;
+  std::mutex mu_;
+  std::condition_variable ended_;
+  bool done_{false};
+  Clock::time_point end_;
+  std::string error_;
+};
+
+// Timing events: the start on the caller's stream at issue, the end on the
+// timers' own stream once it has waited for the call's end (its Work's
+// future, which carries that end as events: the host never waits).
+class DeviceTimer : public TrialTimer {
+ public:
+  DeviceTimer(c10::Device device, c10::Stream timing)
+      : timing_(timing), start_(device.type(), c10::EventFlag::BACKEND_DEFAULT),
+        end_(device.type(), c10::EventFlag::BACKEND_DEFAULT) {
+    start_.record(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+  }
+
+  void watch(const c10::intrusive_ptr<c10d::Work>& work) override {
+    WorkDone(work).block(timing_);
+    end_.record(timing_);
+    recorded_ = true;
+  }
+  void watch(const c10::intrusive_ptr<c10::ivalue::Future>& future) override {
+    TORCH_CHECK(false, "fairring: a device's trial call is timed from its Work");
+  }
+  void raised(const std::string& what) override {
+    error_ = "the call raised: " + what;
+  }
+
+  TrialTime read(Clock::time_point deadline, const Stop& stop) override {
+    if (!recorded_) {
+      return TrialTime{true, std::nullopt, error_.empty() ? "the call was never issued" : error_};
+    }
+    // Asked only now: a query per call would cost the calls a driver call each.
+    while (!end_.query()) {
+      if (stop() || Clock::now() >= deadline) {
+        return gaveUp(stop());
+      }
+      std::this_thread::sleep_for(kPoll);
+    }
+    try {
+      return TrialTime{true, start_.elapsedTime(end_) / 1000.0, ""};
+    } catch (const std::exception& e) {
+      return TrialTime{true, std::nullopt, std::string("the device cannot time events: ") + e.what()};
+    }
+  }
+
+ private:
+  const c10::Stream timing_;
+  c10::Event start_;
+  c10::Event end_;
+  bool recorded_{false};
+  std::string error_;
+};
+
+} // namespace
+
+std::shared_ptr<TrialTimer> TrialTimers::start(int64_t call, c10::Device device) {
+  if (device.is_cpu()) {
+    return std::make_shared<HostTimer>(call);
+  }
+  c10::impl::VirtualGuardImpl impl(device.type());
+  if (!device.has_index()) {
+    device = impl.getDevice();
+  }
+  auto it = timing_.find(device.index());
+  if (it == timing_.end()) {
+    it = timing_.emplace(device.index(), impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false)).first;
+  }
+  return std::make_shared<DeviceTimer>(device, it->second);
+}
+
+} // namespace fairring

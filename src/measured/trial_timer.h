@@ -1,0 +1,62 @@
+#pragma once
+
+#include <ATen/core/ivalue.h>
+#include <c10/core/Device.h>
+#include <c10/core/Stream.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+
+namespace fairring {
+
+// What one timed trial call took on this rank, once it is done.
+struct TrialTime {
+  bool done{false}; // the call finished (well or not) before the wait gave up
+  std::optional<double> seconds; // empty: it failed, or could not be timed (error says why)
+  std::string error;
+};
+
+// How long one timed trial call of the measured choice takes on this rank:
+// started just before the call is issued, told what to watch once it is, and
+// read only at its class's decision (so timing costs the calls nothing: no
+// host wait, no query). A call on the host (CPU tensors) is timed with the
+// clock, from its issue to its future's completion; one on a device with
+// timing events, from the caller's stream at issue to the call's end, which a
+// stream of the timer's own waits for (the caller's streams never do).
+class TrialTimer {
+ public:
+  using Clock = std::chrono::steady_clock;
+  using Stop = std::function<bool()>;
+
+  virtual ~TrialTimer() = default;
+  // The call was issued: `work` is its Work (its future marks its end).
+  virtual void watch(const c10::intrusive_ptr<c10d::Work>& work) = 0;
+  // The call was issued: `future` completes when it ends (host calls only).
+  virtual void watch(const c10::intrusive_ptr<c10::ivalue::Future>& future) = 0;
+  // The call raised instead of being issued.
+  virtual void raised(const std::string& what) = 0;
+  // Waits, holding no lock and polling, until the call is done, `deadline`
+  // passes or `stop` says so.
+  virtual TrialTime read(Clock::time_point deadline, const Stop& stop) = 0;
+};
+
+// Makes the timers of one device's calls: the clock on CPU, events on an
+// accelerator (and the one stream that records their ends, made at the first).
+class TrialTimers {
+ public:
+  // A timer for trial call `call` of its class, on `device` (the call's
+  // tensors'); `call` is the key of the test-only fault point
+  // "measured.trial_done", which makes that call end late.
+  std::shared_ptr<TrialTimer> start(int64_t call, c10::Device device);
+
+ private:
+  std::map<c10::DeviceIndex, c10::Stream> timing_; // per device index
+};
+
+} // namespace fairring
