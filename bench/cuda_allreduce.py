@@ -21,7 +21,12 @@ communicator buffers, outside torch's allocator) beside its staging.
 A fairring group is made per FAIRRING_CUDA_ALLREDUCE path in ``--paths`` (default
 ``auto,lanes``: at one rank per machine, NCCL's allreduce on the world communicator,
 and the five steps on the lanes), and per lane count in ``--lanes`` (to choose
-FAIRRING_LANES). Every figure of the ``auto`` group is judged against issue 26's targets
+FAIRRING_LANES). ``measured`` is a group under ``auto`` whose plan
+(FAIRRING_TEST_CUDA_PLAN) measures each size of 64 KiB and more against the
+composition of the model's kind (the trials of issue 39): its trials run before the
+timing, each call timed alone, and the decisions record the times the GPU's timing
+events gave each way (the slowest rank's) and the winner. Every figure of the ``auto``
+group is judged against issue 26's targets
 (NCCL's time / fairring's, i.e. fairring's speed as a fraction of NCCL's, at least 0.97
 at every size, in flight and in DDP steps/s) and printed PASS or FAIL; a miss does not
 change the exit status (it is a finding for the profile to explain). ``--profile DIR``
@@ -57,7 +62,15 @@ SMALL_RUN_BYTES = 4 * common.MIB
 # user must at least not lose by switching. Goal with many allreduces in flight: 1.2.
 TARGET_SPEED = 0.97
 IN_FLIGHT_GOAL = 1.2
-PATHS = ("auto", "lanes", "direct")
+PATHS = ("auto", "lanes", "direct", "measured")
+# The sizes the measured group trials, each a class of its own (64 KiB and up), and the
+# composition each is timed against: pieces, rail exchange.
+MEASURED = {
+    "64K": (1, "alltoall"),
+    "1M": (1, "alltoall"),
+    "25M": (2, "alltoall"),
+    "100M": (4, "alltoall"),
+}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -92,6 +105,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if path not in PATHS:
             p.error(f"--paths: {path!r} is not one of {', '.join(PATHS)}")
     return args
+
+
+def measured_plan(scale: int) -> str:
+    """FAIRRING_TEST_CUDA_PLAN for the measured group: NCCL's below the first measured
+    size, then a measured class from each of MEASURED's sizes (divided by ``scale``)."""
+    rows = ["0:nccl"]
+    for text, (pieces, exchange) in MEASURED.items():
+        rows.append(f"{common.parse_size(text) // scale}:measure:{pieces}:{exchange}")
+    return ",".join(rows)
 
 
 def variant_name(path: str, lanes: int | None) -> str:
@@ -149,9 +171,15 @@ def worker(args: argparse.Namespace) -> None:
     dist.all_reduce(probe, group=nccl)
     groups: dict[str, Any] = {}
     memory: dict[str, Any] = {}
+    scale = 64 if args.cpu_dry_run else 1
     for path, lanes in [(path, lanes) for path in paths for lanes in lane_counts]:
         name = variant_name(path, lanes)
         env = {"FAIRRING_CUDA_ALLREDUCE": path}
+        if path == "measured":
+            env = {
+                "FAIRRING_CUDA_ALLREDUCE": "auto",
+                "FAIRRING_TEST_CUDA_PLAN": measured_plan(scale),
+            }
         if lanes is not None:
             env["FAIRRING_LANES"] = str(lanes)
         group = common.fairring_group(**env)
@@ -189,8 +217,10 @@ def worker(args: argparse.Namespace) -> None:
 
         return run
 
-    results: dict[str, Any] = {"sizes": {}, "memory": memory}
-    scale = 64 if args.cpu_dry_run else 1
+    results: dict[str, Any] = {"sizes": {}, "memory": memory, "measured": {}}
+    for name, group in groups.items():
+        if name.startswith("fairring-measured"):
+            results["measured"][name] = _trials(group, dev, scale, barrier)
     for text in SIZES:
         reps = max(1, SMALL_RUN_BYTES // common.parse_size(text))
         size = common.parse_size(text) // scale
@@ -243,6 +273,34 @@ def worker(args: argparse.Namespace) -> None:
         shape = f"{int(os.environ['NNODES'])}x{world // int(os.environ['NNODES'])}"
         _profile(cases, args.profile, shape, dev, barrier)
     common.write_worker_result(args.out, results)
+
+
+def _trials(group: Any, dev: Any, scale: int, barrier: Any) -> dict[str, Any]:
+    """The measured group's trials, size by size: each of a class's trial calls and its
+    decision call timed alone on the host (the slowest rank's), and the decision, whose
+    times the device's timing events gave."""
+    import torch
+    import torch.distributed as dist
+
+    from fairring_pg.backend import measured_choices
+    from fairring_pg.measured import TRIAL_CALLS
+
+    out: dict[str, Any] = {}
+    for text in MEASURED:
+        size = common.parse_size(text) // scale
+        t = torch.ones(size // 4, device=dev)
+        calls = []
+        for _ in range(TRIAL_CALLS + 1):
+            barrier()
+            start = time.perf_counter()
+            dist.all_reduce(t, group=group)
+            _sync(dev)
+            calls.append(time.perf_counter() - start)
+        slowest = torch.tensor(calls, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        decided = [d for d in measured_choices(group) if d["from_bytes"] == size]
+        out[text] = {"trial_s": slowest.tolist(), "decision": decided[0] if decided else None}
+    return out
 
 
 def _host_per_piece(group: Any, dev: Any, scale: int) -> float | None:
@@ -465,6 +523,21 @@ def render(shape: str, data: dict[str, Any]) -> str:
             f"{stats['nccl_calls']} NCCL's own), {stats['direct_units']} tails, "
             f"{stats['sliced_units']} pieces, {stats['events_created']} events made"
         )
+    for n, per_size in data.get("measured", {}).items():
+        for text, trial in per_size.items():
+            d = trial["decision"]
+            if d is None:
+                lines.append(f"Measured choice, {n}, {text}: no decision")
+                continue
+            seen = ", ".join(
+                f"{way} {s * 1e3:.3f} ms" for way, s in zip(d["ways"], d["seconds"], strict=True)
+            )
+            lines.append(
+                f"Measured choice, {n}, {text}: {seen} per timed call (the slowest rank's; "
+                f"timing events on a GPU, the clock on CPU) -> {d['winner']}; its "
+                f"{len(trial['trial_s'])} trial and "
+                f"decision calls took {sum(trial['trial_s']) * 1e3:.1f} ms"
+            )
     for n, seconds in data.get("host_per_piece", {}).items():
         if seconds is not None:
             lines.append(

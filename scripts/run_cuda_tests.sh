@@ -13,8 +13,10 @@
 #   faults  the tests in which a rank dies or fails (marker cuda_fault), without MPS;
 #   bench   bench/cuda_allreduce.py at 2x1 and 4x1: fairring (FAIRRING_CUDA_ALLREDUCE=
 #           auto and lanes) against NCCL in the same processes, issue 26's targets with
-#           PASS/FAIL, and torch.profiler traces of the 25 MiB and in-flight cases with a
-#           summary of where the time goes (profile/profile_<shape>.txt).
+#           PASS/FAIL, the measured choice's trials (a group whose plan measures 64 KiB,
+#           1, 25 and 100 MiB: each trial call's time, the times the timing events gave
+#           each way, the winner), and torch.profiler traces of the 25 MiB and in-flight
+#           cases with a summary of where the time goes (profile/profile_<shape>.txt).
 # Figures, traces and logs go to $OUT (the device tool's folder) or bench/results/tmp/cuda.
 # Together they outlast one 10-minute device call (the tests part alone ran past 320 s on
 # an H100 in November 2026): run one part per call.
@@ -152,7 +154,7 @@ if wants bench; then
     if [[ -n $user_nchannels ]]; then export NCCL_MAX_NCHANNELS=$user_nchannels; else unset NCCL_MAX_NCHANNELS; fi
     start_mps
     # Against NCCL only: Gloo moves CUDA tensors through the host and is not a target.
-    python bench/cuda_allreduce.py --shapes "$shapes" --paths auto,lanes --no-gloo \
+    python bench/cuda_allreduce.py --shapes "$shapes" --paths auto,lanes,measured --no-gloo \
         --timeout 300 --out "$out_dir" --profile "$out_dir/profile" \
         2>&1 | tee "$out_dir/cuda_bench.log" || status=1
 fi

@@ -28,7 +28,7 @@ def test_cuda_benchmark_dry_run(tmp_path: Path) -> None:
             "--shapes",
             "2x1",
             "--paths",
-            "auto,lanes",
+            "auto,lanes,measured",
             "--lanes",
             "2",
             "--profile",
@@ -49,7 +49,7 @@ def test_cuda_benchmark_dry_run(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     data = json.loads((tmp_path / "cuda_allreduce_2x1.json").read_text())
-    names = {"fairring-k2", "fairring-lanes-k2", "nccl"}
+    names = {"fairring-k2", "fairring-lanes-k2", "fairring-measured-k2", "nccl"}
     for size in ("8", "4K", "64K", "1M", "25M", "100M"):
         assert set(data["sizes"][size]) == names
         assert all(t > 0 for t in data["sizes"][size].values())
@@ -61,6 +61,15 @@ def test_cuda_benchmark_dry_run(tmp_path: Path) -> None:
     assert data["paths"]["fairring-lanes-k2"]["sliced_units"] > 0
     assert data["host_per_piece"]["fairring-k2"] is None
     assert data["host_per_piece"]["fairring-lanes-k2"] > 0
+    # The measured group: each measured size's trial calls timed, and a decision with
+    # both ways' times (the slowest rank's) and a winner, the same class as the size's.
+    trials = data["measured"]["fairring-measured-k2"]
+    assert list(trials) == ["64K", "1M", "25M", "100M"]
+    for text, trial in trials.items():
+        assert len(trial["trial_s"]) == 11 and all(t > 0 for t in trial["trial_s"]), text
+        decision = trial["decision"]
+        assert decision["ways"] == ["gloo", "composed"] and decision["trial_calls"] == 10, text
+        assert decision["winner"] in decision["ways"] and min(decision["seconds"]) > 0, text
     # Issue 26's targets, for the default path's group: every size, in flight, DDP.
     targets = data["targets"]
     assert [t["case"] for t in targets] == [
@@ -78,6 +87,7 @@ def test_cuda_benchmark_dry_run(tmp_path: Path) -> None:
         assert t["met"] == (t["speed"] >= 0.97)
     table = (tmp_path / "cuda_allreduce.md").read_text()
     assert "fairring-lanes-k2 speed vs nccl" in table and "16 x 25M in flight" in table
+    assert table.count("Measured choice, fairring-measured-k2") == 4
     met = sum(t["met"] for t in targets)
     assert f"Targets met at 2x1: {met} of 8" in table
     assert table.count("| PASS |") + table.count("| FAIL |") == 7  # DDP's is in its line
@@ -88,7 +98,7 @@ def test_cuda_benchmark_dry_run(tmp_path: Path) -> None:
             trace = json.loads(gzip.decompress(path.read_bytes()))
             assert trace["traceEvents"], (case, name)
     summary = (profile / "profile_2x1.txt").read_text()
-    assert summary.count("== ") == 6 and "c10d::allreduce_" in summary
+    assert summary.count("== ") == 2 * len(names) and "c10d::allreduce_" in summary
 
 
 def test_targets_are_judged_as_speed_against_nccl() -> None:

@@ -195,7 +195,9 @@ def forced_plan(text: str, machines: int, config: Config, local_size: int) -> Cu
     """The plan FAIRRING_TEST_CUDA_PLAN gives, for M = ``machines`` of L = ``local_size``."""
     rows = forced_rows(text)
     composes = any(row.path in (COMPOSE, MEASURE) for row in rows)
-    largest = config.subgroup_slice_size(machines, local_size) if composes else 0
+    # Pieces that fit the lanes' staging, whatever FAIRRING_CUDA_ALLREDUCE would compose.
+    lanes = dataclasses.replace(config, cuda_allreduce="lanes")
+    largest = lanes.subgroup_slice_size(machines, local_size) if composes else 0
     if composes and (machines == 1 or local_size * machines == 1):
         rows = (PlanRow(0, NCCL, reason="one machine: nothing to compose"),)
         largest = 0
