@@ -255,7 +255,9 @@ def _set_measured(
         path = config.plan_file
         if path is not None:
             path = measured.file_for_group(path, str(dist_backend_opts.group_id))
-        opts.on_measured = measured.Recorder(agreed.topology, agreed.plan_shape, path, agreed.known)
+        opts.set_on_measured(
+            measured.Recorder(agreed.topology, agreed.plan_shape, path, agreed.known)
+        )
 
 
 # How long allreduces posted but never waited for may take to finish at exit.
@@ -333,7 +335,6 @@ class _PlainOptions:
     ring_delegate: Any = None
     measured_agreement: Any = None
     accelerator_delegate_name: str = "nccl"
-    on_measured: Any = None
     cuda_unavailable: str
     accelerator_type: str
 
@@ -342,6 +343,9 @@ class _PlainOptions:
 
     def set_cpu_plan(self, rows: list[Any]) -> None:
         self.cpu_plan = rows
+
+    def set_on_measured(self, hook: Any) -> None:
+        self.on_measured = hook
 
     def add_measured_known(
         self, device: str, from_bytes: int, winner: int, seconds: Any, nbytes: Any

@@ -23,7 +23,7 @@ from typing import Any
 from fairring_pg.config import Config
 from fairring_pg.model import calibration, nccl
 from fairring_pg.model.cpu import CpuCluster, predict_cpu
-from fairring_pg.model.cuda_plan import CudaPlan
+from fairring_pg.model.cuda_plan import CudaPlan, plan_allreduce
 from fairring_pg.model.gpu import GpuPrediction, predict_gpu
 from fairring_pg.model.nodes import IB_EFFICIENCY, NODE_TYPES, GpuNode
 from fairring_pg.model.sensitivity import Turn, nearest, turning_points
@@ -98,8 +98,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     gpu.add_argument(
         "--show-plan",
         action="store_true",
-        help="also print the plan FAIRRING_CUDA_ALLREDUCE=auto would use at --machines: "
-        "per size, NCCL's allreduce or how many pieces with which rail exchange",
+        help="also print the plan FAIRRING_CUDA_ALLREDUCE=model would use at --machines "
+        "(per size, NCCL's allreduce or how many pieces with which rail exchange), and the "
+        "sizes auto measures instead of deciding",
     )
     gpu.add_argument(
         "--plot",
@@ -291,6 +292,10 @@ def run_gpu(args: argparse.Namespace, config: Config) -> dict[str, Any]:
         "speedup": chosen.speedup,
         "rows": rows,
         "plan": json.loads(chosen.plan.to_json()),
+        # What auto runs: the same candidates, the sizes the model is not sure of measured.
+        "measured_plan": json.loads(
+            plan_allreduce(node, highlight, config, tuning, measured=True).to_json()
+        ),
         "assumptions": chosen.assumptions + list(node.sources),
     }
 
@@ -432,7 +437,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = run_gpu(args, config)
             text = show_gpu(result)
             if args.show_plan:
+                text += "FAIRRING_CUDA_ALLREDUCE=model (the predictions above):\n"
                 text += CudaPlan.from_json(json.dumps(result["plan"])).describe() + "\n"
+                text += "FAIRRING_CUDA_ALLREDUCE=auto (measured: timed both ways on the cluster):\n"
+                text += CudaPlan.from_json(json.dumps(result["measured_plan"])).describe() + "\n"
             if args.plot:
                 plot(args.plot, args.size_bytes, args.in_flight, config, _TUNINGS[args.nccl])
                 result["plot"] = args.plot

@@ -18,6 +18,18 @@
 
 namespace py = pybind11;
 using fairring::BackendOptions;
+
+namespace fairring {
+namespace {
+bool pythonFinalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+} // namespace
+} // namespace fairring
 using fairring::FairringBackend;
 using fairring::Subgroups;
 
@@ -66,7 +78,32 @@ void bindOptions(py::module_& m) {
       .def_readwrite("ring_delegate", &BackendOptions::ringDelegate)
       .def_readwrite("measured_agreement", &BackendOptions::measuredAgreement)
       .def_readwrite("accelerator_delegate_name", &BackendOptions::acceleratorDelegateName)
-      .def_readwrite("on_measured", &BackendOptions::onMeasured)
+      .def(
+          "set_on_measured",
+          [](BackendOptions& o, py::function hook) {
+            // Not pybind's own std::function wrapper, which takes the GIL to let go of the
+            // callable: a backend torch destroys only after the interpreter ended must
+            // leave it to the process instead.
+            auto held = std::shared_ptr<py::object>(new py::object(std::move(hook)), [](py::object* f) {
+              if (Py_IsInitialized() != 0 && !fairring::pythonFinalizing()) {
+                py::gil_scoped_acquire gil;
+                delete f;
+              } else {
+                (void)f->release();
+                delete f;
+              }
+            });
+            o.onMeasured = [held](const std::string& device, const std::string& decision) {
+              py::gil_scoped_acquire gil;
+              try {
+                (*held)(device, decision);
+              } catch (py::error_already_set& e) {
+                throw std::runtime_error(e.what()); // made and dropped under the GIL
+              }
+            };
+          },
+          py::arg("hook"),
+          "Who is told of each decision of the measured choice: hook(device, decision as JSON).")
       .def(
           "add_measured_known",
           [](BackendOptions& o, const std::string& device, size_t fromBytes, int winner,

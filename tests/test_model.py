@@ -790,6 +790,8 @@ def test_plan_shows_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _run(capsys, "--node", "a100-4x200g", "--machines", "8", "--show-plan")
     made = plan_allreduce(A100, 8, Config())
     assert code == 0 and made.describe() in out
+    # ... and the sizes auto measures instead (FAIRRING_CUDA_ALLREDUCE=auto).
+    assert plan_allreduce(A100, 8, Config(), measured=True).describe() in out
     code, out, _ = _run(capsys, "--node", "a100-4x200g", "--machines", "8", "--json")
     assert CudaPlan.from_json(json.dumps(json.loads(out)["plan"])) == made
 

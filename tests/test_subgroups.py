@@ -571,10 +571,17 @@ def test_config_variables_are_validated() -> None:
         with pytest.raises(ValueError, match=name):
             Config.from_env({name: "yes"})
     assert Config().cuda_allreduce == "auto"
-    for raw, want in (("auto", "auto"), (" Lanes ", "lanes"), ("DIRECT", "direct")):
+    for raw, want in (
+        ("auto", "auto"),
+        ("Model", "model"),
+        (" Lanes ", "lanes"),
+        ("DIRECT", "direct"),
+    ):
         assert Config.from_env({"FAIRRING_CUDA_ALLREDUCE": raw}).cuda_allreduce == want
     for raw in ("", "ring", "nccl", "1"):
-        with pytest.raises(ValueError, match="FAIRRING_CUDA_ALLREDUCE=.*auto, lanes, direct"):
+        with pytest.raises(
+            ValueError, match="FAIRRING_CUDA_ALLREDUCE=.*auto, model, lanes, direct"
+        ):
             Config.from_env({"FAIRRING_CUDA_ALLREDUCE": raw})
 
 

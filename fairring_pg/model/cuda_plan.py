@@ -345,7 +345,7 @@ def _decide(
     worst = min(speedup, at_upper)
     if measured and worst * (1 + COMPOSE_MARGIN) >= 1:
         verdict = "it would compose" if composes(worst) else "within its error"
-        why = f"measured: the model predicts {worst:.2f}x NCCL's {nccl_name} ({verdict})"
+        why = f"the model predicts {worst:.2f}x NCCL's {nccl_name} ({verdict})"
         return PlanRow(size, MEASURE, count, exchange, why)
     if composes(worst):
         return PlanRow(size, COMPOSE, count, exchange, f"predicted {worst:.2f}x NCCL's {nccl_name}")
