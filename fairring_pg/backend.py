@@ -244,7 +244,12 @@ def _set_measured(
     saves new ones."""
     config = agreed.config
     cpu_measures = agreed.cpu_plan.measures and not config.test_cpu_subgroups
-    if not (cpu_measures or agreed.cuda_plan.measures):
+    # The CUDA plan is run where sub-groups are made (or by CPU tensors, in tests).
+    kinds = cuda_subgroup_kinds(
+        agreed.topology, agreed.cuda_decision.delegate, config.test_local_gloo
+    )
+    composed = kinds is not None or config.test_cpu_subgroups or _stand_in_accelerator is not None
+    if not (cpu_measures or (agreed.cuda_plan.measures and composed)):
         return
     opts.measured_agreement = make_gloo_delegate(
         store, rank, size, timeout, config, dist_backend_opts, role="measure"

@@ -278,7 +278,8 @@ def plan_of_group(rank: int, world: int) -> str:
 
 def test_every_rank_runs_rank_zeros_plan_from_the_node_named() -> None:
     """FAIRRING_NODE names the machines; rank 0 plans and every rank runs that plan, the
-    one the model gives for those facts at 3 machines x 2 ranks."""
+    one the model gives for those facts at 3 machines x 2 ranks (auto's: the sizes it
+    would compose, or is not sure of, measured)."""
     from fairring_pg import node_facts
     from fairring_pg.model.cuda_plan import CudaPlan, plan_allreduce
 
@@ -289,9 +290,9 @@ def test_every_rank_runs_rank_zeros_plan_from_the_node_named() -> None:
     plan = CudaPlan.from_json(got[0])
     facts = node_facts.from_env(env)
     job = node_facts.merge([facts] * 6, [0, 0, 1, 1, 2, 2])
-    want = plan_allreduce(job.gpu_node(2), 3, Config.from_env({}), local_size=2)
+    want = plan_allreduce(job.gpu_node(2), 3, Config.from_env({}), local_size=2, measured=True)
     assert plan == want
-    assert plan.composes, plan.describe()  # this node composes at 3 machines: a real plan
+    assert plan.measures, plan.describe()  # this node is worth measuring at 3 machines
 
 
 def test_a_bad_node_fails_init_on_every_rank() -> None:
