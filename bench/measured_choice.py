@@ -163,8 +163,8 @@ def render(data: dict[str, Any]) -> tuple[str, Any]:
         "Times are per allreduce, medians over iterations of the slowest rank; `auto` is "
         "timed after its trials. *vs better*: the better of the engine's and Gloo's time "
         f"over auto's (target at least {TARGET}x; best of: fastest iterations). *chose*: "
-        "the winner, and the times it saw (engine / ring, the slowest rank's mean per "
-        "timed call). *trials*: the class's 10 trial calls and the decision call, each "
+        "the winner, and the times it saw (engine / ring: a call at the slowest rank's "
+        "median speed). *trials*: the class's 10 trial calls and the decision call, each "
         "timed alone; *extra*: their time less as many calls at auto's median.\n\n",
     ]
     panels = {}

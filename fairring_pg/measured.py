@@ -4,8 +4,8 @@ for a later job of the same shape.
 
 A decision is a dict: ``device`` ("cpu", "cuda"), the size class (``from_bytes``,
 ``to_bytes``: exclusive, None for no end), the two ``ways`` (``("engine", "ring")``,
-``("nccl", "composed")``), per way the slowest rank's mean ``seconds`` per timed call and
-those calls' mean ``bytes``, the ``winner``, the ``trial_calls`` it cost and its
+``("nccl", "composed")``), per way the slowest rank's ``seconds`` for a timed call at its
+median speed and those calls' mean ``bytes``, the ``winner``, the ``trial_calls`` it cost and its
 ``source`` ("measured", or "plan file").
 
 The plan file: rank 0 of the group reads it when the group is made and publishes what it
@@ -155,7 +155,7 @@ def describe(decision: dict[str, Any], machines: int, local_size: int) -> str:
     )
     return (
         f"fairring: measured {decision['device']} allreduces of {span} at {machines} x "
-        f"{local_size}: {times} per call (the slowest rank's mean of "
+        f"{local_size}: {times} per call (the slowest rank's median of "
         f"{decision['timed_calls']} each); {decision['winner']} from call "
         f"{decision['trial_calls']} on"
     )

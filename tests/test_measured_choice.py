@@ -12,7 +12,7 @@ module's ``measured.set_trial_seconds``), so that they say which way wins on eac
   the winner, each call exact; the ranks' decisions are the same and hold the slowest
   rank's times (ranks whose own timings disagree: the slowest rank's verdict); a rank that
   reaches the decision 1.5 s late holds the others there, and nothing hangs; a rank whose
-  last trial call ends 1.5 s late (the real clock) is waited for, and that time counts;
+  trial calls end 1.5 s late (the real clock) is waited for, and their time counts;
   calls from callbacks and calls Gloo cannot reduce count for no class; each decision is
   logged once;
 - NCCL's own allreduce against the composition, the CUDA side's logic on the CPU sub-group
@@ -172,8 +172,11 @@ class Trial:
     # the slowest rank's mean seconds per way, as the decision must hold them
     seconds: tuple[float, float] | None = None
     late_decision_rank: int = -1  # reaches the agreement LATE_MS late
-    late_trial: tuple[int, int] = (-1, -1)  # (rank, call): that trial call ends LATE_MS late
+    late_trial: tuple[int, tuple[int, ...]] = (-1, ())  # rank, calls: they end LATE_MS late
     beside: bool = False  # calls that count for no class between the program's
+    # every call issued before any is waited for: the decision call comes while trial
+    # calls may still run
+    asynchronous: bool = False
     calls: int = 12
 
 
@@ -208,7 +211,8 @@ def _set_clock(rank: int, case: Trial) -> None:
     if case.late_decision_rank == rank:
         fault_points.arm("measured.decide", "delay", delay_ms=LATE_MS, key=case.nbytes)
     if case.late_trial[0] == rank:
-        fault_points.arm("measured.trial_done", "delay", delay_ms=LATE_MS, key=case.late_trial[1])
+        for call in case.late_trial[1]:
+            fault_points.arm("measured.trial_done", "delay", delay_ms=LATE_MS, key=call)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,19 +254,25 @@ def run_trial(rank: int, world: int, case: Trial | LogCheck, side: Side) -> str 
     problems: list[str] = []
     ran: list[int] = []
     took: list[float] = []
+    pending = []
     for call in range(case.calls):
         before = side.counts()
         t = _values(rank, n, call)
         start = time.monotonic()
-        dist.all_reduce(t)
+        work = dist.all_reduce(t, async_op=True)
+        if not case.asynchronous:
+            work.wait()
         took.append(time.monotonic() - start)
-        after = side.counts()
-        if not torch.equal(t, _expected(world, n, call)):
-            problems.append(f"call {call}: wrong values")
+        after = side.counts()  # counted as issued
+        pending.append((work, t))
         delta = (after[0] - before[0], after[1] - before[1])
         ran.append(-1 if delta not in ((1, 0), (0, 1)) else delta.index(1))
         if case.beside:
             problems += _beside(rank, world, n, call, side)
+    for call, (work, t) in enumerate(pending):
+        work.wait()
+        if not torch.equal(t, _expected(world, n, call)):
+            problems.append(f"call {call}: wrong values")
     want = schedule(case.winner == side.ways[1], case.calls)
     if ran != want:
         problems.append(f"ways {ran}, expected {want} (0: {side.ways[0]}, 1: {side.ways[1]})")
@@ -280,8 +290,9 @@ def run_trial(rank: int, world: int, case: Trial | LogCheck, side: Side) -> str 
         problems.append(
             f"seconds {decision['seconds']}, expected the slowest rank's {case.seconds}"
         )
-    if case.late_trial[0] >= 0 and decision["seconds"][0] < LATE_MS / 1000 / 4:
-        problems.append(f"the late call did not count: {decision['seconds']}")
+    # Two of four calls late: the median (the mean of the middle two) holds one of them.
+    if case.late_trial[0] >= 0 and decision["seconds"][0] < LATE_MS / 1000 / 2:
+        problems.append(f"the late calls did not count: {decision['seconds']}")
     if case.late_decision_rank >= 0 and rank != case.late_decision_rank and took[10] < 1.0:
         problems.append(
             f"the decision call took {took[10]:.2f} s: it did not wait for the late rank"
@@ -359,8 +370,9 @@ ENGINE_CASES = [
         _every(("engine", 1.0), ("ring", 2.0)),
         late_decision_rank=1,
     ),
-    # The real clock: rank 0's last trial call (call 9, the engine's) ends 1.5 s late.
-    Trial("late_trial_counts", MIB, "ring", late_trial=(0, 9)),
+    # The real clock: rank 0's engine trial calls 6 and 9 (of 2, 5, 6, 9) end 1.5 s late,
+    # every call issued at once: the decision (call 10) comes while they still run.
+    Trial("late_trial_counts", MIB, "ring", late_trial=(0, (6, 9)), asynchronous=True),
     Trial(
         "beside_the_class", 16 * KIB, "ring", _every(("engine", 2.0), ("ring", 1.0)), beside=True
     ),

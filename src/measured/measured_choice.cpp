@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <sstream>
 
 #include "backend/without_gil.h"
@@ -14,9 +15,19 @@ namespace fairring {
 
 namespace {
 
-// The agreement's figures: per way the sum of this rank's timed seconds, then
-// 1 + the rank that could not time its calls (0: none), all combined by MAX.
+// The agreement's figures: per way this rank's time of a call at its median
+// speed, then 1 + the rank that could not time its calls (0: none), all combined
+// by MAX.
 constexpr int64_t kFigures = 3;
+
+double median(std::vector<double> values) {
+  if (values.empty()) {
+    return 0.0;
+  }
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return n % 2 == 1 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
+}
 
 } // namespace
 
@@ -114,7 +125,7 @@ MeasuredChoice::Outcome MeasuredChoice::decide(size_t fromBytes, size_t toBytes,
   WithoutGil released;
   const auto deadline = TrialTimer::Clock::now() + options_.timeout;
   const auto stop = [this] { return stopped_.load(); };
-  std::array<double, 2> seconds{};
+  std::array<std::vector<double>, 2> perByte; // each timed call's seconds per byte
   std::array<double, 2> bytes{};
   std::array<int, 2> counted{};
   std::string mine; // why this rank cannot time its calls
@@ -130,7 +141,7 @@ MeasuredChoice::Outcome MeasuredChoice::decide(size_t fromBytes, size_t toBytes,
       mine = time.error;
       break;
     }
-    seconds[t.way] += *s;
+    perByte[t.way].push_back(*s / static_cast<double>(std::max<size_t>(1, t.bytes)));
     bytes[t.way] += static_cast<double>(t.bytes);
     ++counted[t.way];
   }
@@ -140,10 +151,15 @@ MeasuredChoice::Outcome MeasuredChoice::decide(size_t fromBytes, size_t toBytes,
   }
   // Tests: this rank reaches the agreement late.
   faults::hit("measured.decide", static_cast<int64_t>(fromBytes));
-  at::Tensor figures = at::empty({kFigures}, at::kDouble);
+  at::Tensor figures = at::zeros({kFigures}, at::kDouble);
   double* f = figures.data_ptr<double>();
-  f[0] = seconds[0];
-  f[1] = seconds[1];
+  if (mine.empty()) {
+    for (int w = 0; w < 2; ++w) {
+      // A call's time at this way's median speed: one slow spell of a shared host
+      // moves a median of four calls less than their mean.
+      f[w] = median(perByte[w]) * bytes[w] / kTimedCalls;
+    }
+  }
   f[2] = mine.empty() ? 0.0 : options_.rank + 1.0;
   const std::string what = "fairring: the measured choice of " + options_.device + " allreduces of " +
       range(fromBytes, toBytes) + " (" + options_.ways[0] + " or " + options_.ways[1] + ") failed";
@@ -167,10 +183,11 @@ MeasuredChoice::Outcome MeasuredChoice::decide(size_t fromBytes, size_t toBytes,
   d.fromBytes = fromBytes;
   d.toBytes = toBytes;
   for (int w = 0; w < 2; ++w) {
-    d.seconds[w] = f[w] / kTimedCalls;
+    d.seconds[w] = f[w];
     d.bytes[w] = bytes[w] / kTimedCalls;
   }
-  // Per byte, where a class holds calls of several sizes; way 0 wins a tie.
+  // Per byte, where a class holds calls of several sizes (the same calls, so the same
+  // bytes, on every rank); way 0 wins a tie.
   d.winner = f[1] * bytes[0] < f[0] * bytes[1] ? 1 : 0;
   return Outcome{d, ""};
 }

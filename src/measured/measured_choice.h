@@ -25,8 +25,8 @@ struct MeasuredDecision {
   size_t fromBytes{0};
   size_t toBytes{0}; // exclusive; 0: no upper end
   int winner{0}; // 0 or 1, as MeasuredOptions::ways
-  // Per way: the slowest rank's mean seconds per timed call, and those calls'
-  // mean bytes (the same calls on every rank).
+  // Per way: the slowest rank's seconds for a timed call at its median speed
+  // (of its kTimedCalls), and those calls' mean bytes (the same calls on every rank).
   std::array<double, 2> seconds{};
   std::array<double, 2> bytes{};
   bool fromFile{false}; // FAIRRING_PLAN_FILE's, not measured in this job
@@ -57,8 +57,8 @@ struct MeasuredOptions {
 // allreduce (docs/design.md, "The measured choice"), for one device's calls.
 // Each measured row of the plan is a size class; its calls take turns by their
 // number in the class (trial_order.h), so alike on every rank; at the decision
-// call each rank waits for its own timings, the ranks combine them in one MAX
-// allreduce on the agreement group (the slowest rank's times count), and every
+// call each rank waits for its own timings (each way's median), the ranks combine
+// them in one MAX allreduce on the agreement group (the slowest rank's count), and every
 // rank runs the faster way from that call on. Every call is one way on every
 // rank, so exact throughout.
 //
