@@ -203,7 +203,7 @@ def render(data: dict[str, Any]) -> tuple[str, Any]:
         "timed after its trials. *vs better*: the better of the engine's and Gloo's time "
         f"over auto's (target at least {TARGET}x; best of: fastest iterations). *chose*: "
         "the winner, and the times it saw (engine / ring: a call at the slowest rank's "
-        "median speed). *trials*: the first iterations of auto, which hold the class's 10 "
+        "median speed). *trials*: the first iterations of auto, which hold the class's 12 "
         "trial calls and its decision call (calls: how many they ran); *extra*: their time "
         "less as many calls at auto's median after them.\n\n",
     ]

@@ -35,8 +35,9 @@ from fairring_pg.topology import Topology
 
 FORMAT = "fairring-plan-file/1"
 # The calls of trials each measured class costs (src/measured/trial_order.h's
-# kDecisionCall): each way's first, untimed, then four timed each; the next call decides.
-TRIAL_CALLS = 10
+# kDecisionCall): blocks of three calls of one way, A B B A, the first of each untimed;
+# the next call decides.
+TRIAL_CALLS = 12
 VARIABLE = "FAIRRING_PLAN_FILE"
 _KEY = "fairring/measured/known"
 _log = logging.getLogger("fairring_pg")

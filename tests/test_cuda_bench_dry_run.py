@@ -66,9 +66,9 @@ def test_cuda_benchmark_dry_run(tmp_path: Path) -> None:
     trials = data["measured"]["fairring-measured-k2"]
     assert list(trials) == ["64K", "1M", "25M", "100M"]
     for text, trial in trials.items():
-        assert len(trial["trial_s"]) == 11 and all(t > 0 for t in trial["trial_s"]), text
+        assert len(trial["trial_s"]) == 13 and all(t > 0 for t in trial["trial_s"]), text
         decision = trial["decision"]
-        assert decision["ways"] == ["gloo", "composed"] and decision["trial_calls"] == 10, text
+        assert decision["ways"] == ["gloo", "composed"] and decision["trial_calls"] == 12, text
         assert decision["winner"] in decision["ways"] and min(decision["seconds"]) > 0, text
     # Issue 26's targets, for the default path's group: every size, in flight, DDP.
     targets = data["targets"]

@@ -75,15 +75,16 @@ def schedule(winner: int, calls: int) -> list[int]:
 # --------------------------------------------------------------------- without processes
 
 
-def test_the_trial_order_is_warm_ups_then_abba_blocks() -> None:
+def test_the_trial_order_is_abba_blocks_each_first_call_untimed() -> None:
     m = _testing().measured
     calls = [m.trial_call(i) for i in range(m.decision_call)]
-    assert calls[:2] == [(0, False), (1, False)], "each way's first call connects, untimed"
-    timed = [way for way, is_timed in calls[2:]]
-    assert all(is_timed for _, is_timed in calls[2:])
-    assert timed == [0, 1, 1, 0, 0, 1, 1, 0]
-    assert timed.count(0) == timed.count(1) == m.timed_calls
-    assert m.decision_call == 2 + 2 * m.timed_calls == measured.TRIAL_CALLS
+    # Blocks of three calls of one way, A B B A; the first of each block (a way's very
+    # first call among them: it connects) is not timed.
+    assert [way for way, _ in calls] == [0] * 3 + [1] * 6 + [0] * 3
+    assert [timed for _, timed in calls] == [False, True, True] * 4
+    timed = [way for way, is_timed in calls if is_timed]
+    assert timed.count(0) == timed.count(1) == m.timed_calls == 4
+    assert m.decision_call == measured.TRIAL_CALLS == 12
 
 
 def test_the_cpu_plan_measures_where_the_model_is_not_sure() -> None:
@@ -177,7 +178,7 @@ class Trial:
     # every call issued before any is waited for: the decision call comes while trial
     # calls may still run
     asynchronous: bool = False
-    calls: int = 12
+    calls: int = 14
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,7 +285,7 @@ def run_trial(rank: int, world: int, case: Trial | LogCheck, side: Side) -> str 
     if len(mine) != 1:
         return "; ".join([*problems, f"decisions for the class: {mine}"])
     decision = mine[0]
-    if decision["winner"] != case.winner or decision["trial_calls"] != 10:
+    if decision["winner"] != case.winner or decision["trial_calls"] != measured.TRIAL_CALLS:
         problems.append(f"decided {decision}, expected {case.winner}")
     if case.seconds is not None and decision["seconds"] != pytest.approx(case.seconds):
         problems.append(
@@ -293,10 +294,9 @@ def run_trial(rank: int, world: int, case: Trial | LogCheck, side: Side) -> str 
     # Two of four calls late: the median (the mean of the middle two) holds one of them.
     if case.late_trial[0] >= 0 and decision["seconds"][0] < LATE_MS / 1000 / 2:
         problems.append(f"the late calls did not count: {decision['seconds']}")
-    if case.late_decision_rank >= 0 and rank != case.late_decision_rank and took[10] < 1.0:
-        problems.append(
-            f"the decision call took {took[10]:.2f} s: it did not wait for the late rank"
-        )
+    decision_call = took[measured.TRIAL_CALLS]
+    if case.late_decision_rank >= 0 and rank != case.late_decision_rank and decision_call < 1.0:
+        problems.append(f"the decision call took {decision_call:.2f} s: it did not wait")
     _testing().measured.clear_trial_seconds()
     fault_points.disarm()
     return "; ".join(problems) or None
@@ -336,7 +336,8 @@ def _check_the_log(rank: int) -> str | None:
         return f"{len(lines)} lines for {len(decided)} decisions: {lines}"
     for d in decided:
         span = f"allreduces of {d['from_bytes']}-{d['to_bytes'] - 1} B"
-        if not any(span in line and f"{d['winner']} from call 10" in line for line in lines):
+        said = f"{d['winner']} from call {measured.TRIAL_CALLS}"
+        if not any(span in line and said in line for line in lines):
             return f"no line says {span} -> {d['winner']}: {lines}"
     return None
 
@@ -370,9 +371,9 @@ ENGINE_CASES = [
         _every(("engine", 1.0), ("ring", 2.0)),
         late_decision_rank=1,
     ),
-    # The real clock: rank 0's engine trial calls 6 and 9 (of 2, 5, 6, 9) end 1.5 s late,
-    # every call issued at once: the decision (call 10) comes while they still run.
-    Trial("late_trial_counts", MIB, "ring", late_trial=(0, (6, 9)), asynchronous=True),
+    # The real clock: rank 0's engine trial calls 2 and 11 (of 1, 2, 10, 11) end 1.5 s
+    # late, every call issued at once: the decision (call 12) comes while they still run.
+    Trial("late_trial_counts", MIB, "ring", late_trial=(0, (2, 11)), asynchronous=True),
     Trial(
         "beside_the_class", 16 * KIB, "ring", _every(("engine", 2.0), ("ring", 1.0)), beside=True
     ),
@@ -461,7 +462,7 @@ def _plan_file_job(rank: int, world: int, step: str) -> dict[str, Any]:
     m.set_trial_seconds("ring", -1, 1.0)
     n = 64 * KIB // 4
     ran = []
-    calls = 11 if step == "save" else 3
+    calls = measured.TRIAL_CALLS + 1 if step == "save" else 3
     for call in range(calls):
         before = ENGINE_SIDE.counts()
         t = _values(rank, n, call)
@@ -472,7 +473,7 @@ def _plan_file_job(rank: int, world: int, step: str) -> dict[str, Any]:
     if step == "reuse":
         m.set_trial_seconds("engine", -1, 1.0)
         m.set_trial_seconds("ring", -1, 2.0)
-        for call in range(11):
+        for call in range(measured.TRIAL_CALLS + 1):
             t = _values(rank, 128 * KIB // 4, call)
             dist.all_reduce(t)
     return {"ring_calls": ran, "choices": measured_choices()}
@@ -482,7 +483,7 @@ def test_the_plan_file_is_saved_reused_and_refused_for_another_shape(tmp_path: P
     path = tmp_path / "plan.json"
     env = fairring_env(FAIRRING_PLAN_FILE=str(path), FAIRRING_CPU_ALLREDUCE="auto")
     first = run_ranks(_plan_file_job, 2, TWO_BY_ONE, env=env, timeout_s=180, step="save")
-    assert first[0]["ring_calls"] == [0, 1, 0, 1, 1, 0, 0, 1, 1, 0, 1]
+    assert first[0]["ring_calls"] == [0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0, 1]
     saved = json.loads(path.read_text())
     assert saved["format"] == measured.FORMAT
     assert [(d["device"], d["from_bytes"], d["winner"]) for d in saved["decisions"]] == [

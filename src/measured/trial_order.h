@@ -8,19 +8,21 @@ namespace fairring {
 // measured choice"), by their number in the class alone, so that every rank
 // runs each call the same way: never by timing, which differs between ranks.
 //
-//   calls 0, 1    way 0, way 1: not timed (each way connects then)
-//   calls 2..9    A B B A A B B A: timed, kTimedCalls each; the ABBA order
-//                 gives each way the same share of a drifting load and of a
-//                 program that alternates two sizes in one class
-//   call 10       the decision (kDecisionCall): every rank waits for its own
-//                 timings, the ranks agree on the slowest rank's, and this
-//                 call and every later one run the faster way
+//   calls 0..11   four blocks of three calls, ways A B B A: in each block the
+//                 first call is not timed (it absorbs the switch from the other
+//                 way: connections made on the way's first call, a link's
+//                 queues and buffers left by the other way), the other two are;
+//                 the ABBA order gives each way the same share of a drifting load
+//   call 12       the decision (kDecisionCall): every rank waits for its own
+//                 timings, the ranks agree on the slowest rank's, and this call
+//                 and every later one run the faster way
 //
-// So a class costs kDecisionCall calls of trials, at most kDecisionCall / 2 of
-// them on the slower way.
-constexpr int kWarmupCalls = 1; // per way
-constexpr int kTimedCalls = 4; // per way
-constexpr int64_t kDecisionCall = 2 * (kWarmupCalls + kTimedCalls);
+// So a class costs kDecisionCall calls of trials, kDecisionCall / 2 of them on
+// the slower way, kTimedCalls of each way timed.
+constexpr int kBlockCalls = 3; // per block: one untimed, then timed
+constexpr int kBlocks = 4; // A B B A
+constexpr int kTimedCalls = kBlocks / 2 * (kBlockCalls - 1); // per way: 4
+constexpr int64_t kDecisionCall = kBlocks * kBlockCalls; // 12
 
 struct TrialCall {
   int way{0}; // 0 or 1
@@ -29,11 +31,8 @@ struct TrialCall {
 
 // The way and timing of trial call `call` (0 <= call < kDecisionCall).
 constexpr TrialCall trialCall(int64_t call) {
-  if (call < 2 * kWarmupCalls) {
-    return TrialCall{static_cast<int>(call % 2), false};
-  }
-  const int64_t k = (call - 2 * kWarmupCalls) % 4;
-  return TrialCall{k == 1 || k == 2 ? 1 : 0, true};
+  const int64_t block = (call / kBlockCalls) % kBlocks;
+  return TrialCall{block == 1 || block == 2 ? 1 : 0, call % kBlockCalls != 0};
 }
 
 } // namespace fairring
