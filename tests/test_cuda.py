@@ -862,7 +862,7 @@ def like_nccl(rank: int, world: int) -> list[dict[str, Any]]:
     return out
 
 
-def test_cuda_what_the_composition_cannot_do_is_ncclS() -> None:
+def test_cuda_what_the_composition_cannot_do_is_left_to_nccl() -> None:
     results = run_ranks(
         like_nccl, 2, machine_ids(2), backend="fairring", env=JOB_ENV, timeout_s=TIMEOUT_S
     )
