@@ -101,8 +101,44 @@ def build_cuda_cases(full: bool = True) -> list[Case]:
     return cases
 
 
+# Bytes per element as the composition reduces it (int16 travels as int32).
+_ELEM = {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "int16": 4, "float16": 2}
+_ELEM.update(bfloat16=2, int8=1, uint8=1, bool=1)
+_NCCL_GROUP: list[Any] = []
+
+
+def _delegated(case: Case, world: int) -> bool:
+    """A plain call too small for one group of L·M x 16 bytes: NCCL's own allreduce."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    group = local * (world // local) * max(1, 16 // _ELEM[case.dtype])
+    return case.kind == "plain" and case.numel < group
+
+
+def _like_nccl(rank: int, world: int, case: Case, dev: torch.device) -> str | None:
+    """The call on fairring and on a plain NCCL group of the same ranks (made at the
+    first such case, on every rank alike): the same outcome, bit for bit, or the same
+    error (int16, which NCCL does not reduce)."""
+    if not _NCCL_GROUP:
+        _NCCL_GROUP.append(dist.new_group(backend="nccl"))
+    ends = []
+    for group in (None, _NCCL_GROUP[0]):
+        tensor = make_input(rank, case, case.numel, world).to(dev)
+        try:
+            dist.all_reduce(tensor, op=reduce_op(case.op), group=group)
+            ends.append(("ok", tensor.cpu()))
+        except Exception as exc:  # noqa: BLE001 - compared with NCCL's own
+            ends.append(("error", type(exc).__name__))
+    if ends[0][0] != ends[1][0]:
+        return f"fairring {ends[0]}, NCCL {ends[1]}"
+    if ends[0][0] == "ok" and not torch.equal(ends[0][1], ends[1][1]):
+        return f"fairring's values differ from NCCL's: {ends[0][1][:4]} vs {ends[1][1][:4]}"
+    return None
+
+
 def run_cuda_case(rank: int, world: int, case: Case) -> str | None:
     dev = _device()
+    if _delegated(case, world):
+        return _like_nccl(rank, world, case, dev)
     if case.kind in ("plain",) + VIEW_KINDS:
         shape, view_of = _view_of(case.kind, case.numel)
         bases = [_make_base(r, case, world, shape) for r in range(world)]
