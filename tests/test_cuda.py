@@ -115,11 +115,14 @@ def _delegated(case: Case, world: int) -> bool:
 
 
 def _like_nccl(rank: int, world: int, case: Case, dev: torch.device) -> str | None:
-    """The call on fairring and on a plain NCCL group of the same ranks (made at the
-    first such case, on every rank alike): the same outcome, bit for bit, or the same
-    error (int16, which NCCL does not reduce)."""
+    """The call on fairring and on a plain group of its delegate's backend (NCCL; Gloo
+    where ranks share the GPU), of the same ranks, made at the first such case on every
+    rank alike: the same outcome, bit for bit, or the same error (int16, which NCCL does
+    not reduce)."""
+    from fairring_pg.backend import cuda_decision
+
     if not _NCCL_GROUP:
-        _NCCL_GROUP.append(dist.new_group(backend="nccl"))
+        _NCCL_GROUP.append(dist.new_group(backend=cuda_decision().delegate))
     ends = []
     for group in (None, _NCCL_GROUP[0]):
         tensor = make_input(rank, case, case.numel, world).to(dev)
