@@ -96,7 +96,7 @@ void AllreduceEngine::start(c10d::Store& store) {
     mesh_->close();
     throw c10::DistBackendError(status.message());
   }
-  faults::hit("engine.start");
+  faults::hit(faults::kEngineStart);
   Actions actions;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -458,7 +458,7 @@ void AllreduceEngine::reduce(Turn& t, std::function<void()> task) {
   tasks_.post([this, seq, s, g, task = std::move(task)] {
     std::string error;
     try {
-      faults::hit("engine.reduce", static_cast<int64_t>(seq));
+      faults::hit(faults::kEngineReduce, static_cast<int64_t>(seq));
       task();
     } catch (const std::exception& e) {
       error = e.what();

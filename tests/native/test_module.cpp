@@ -10,4 +10,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bindEngine(m);
   bindSubgroupLogic(m);
   bindCaptureAndDrain(m);
+  bindGroupFailure(m);
 }

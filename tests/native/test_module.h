@@ -10,3 +10,5 @@ void bindEngine(pybind11::module_& m);
 // The sub-group path's pure logic (subgroup_bindings.cpp).
 void bindSubgroupLogic(pybind11::module_& m);
 void bindCaptureAndDrain(pybind11::module_& m);
+// GroupFailure on its own (failure_bindings.cpp).
+void bindGroupFailure(pybind11::module_& m);
