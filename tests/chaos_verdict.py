@@ -108,7 +108,7 @@ def judge(job: Job, outcomes: list[Any], files: dict[str, float]) -> Verdict:
             problems.append(" | ".join(head[:2]) if head else f"rank {o.rank}: {o.status}")
     survivors = {o.rank: o.value for o in outcomes if o.rank not in dead and o.ok}
     if len(survivors) < job.world - len(dead):
-        return Verdict(problems, "survivor failed")
+        return Verdict(problems, "FAILED")
     destroy = max(v["destroy_s"] for v in survivors.values())
     destroy_bound = DESTROY_BOUND_S if fault.kind == "freeze" else DESTROY_FAST_S
     for rank, v in survivors.items():

@@ -30,8 +30,9 @@ inline constexpr const char* kMeshSendFirst = "mesh.send.first"; // key: the pee
 inline constexpr const char* kMeshReadClose = "mesh.read.close"; // key: the peer; before a body is read
 inline constexpr const char* kEngineStart = "engine.start"; // no key; between connecting and the watchdog
 inline constexpr const char* kEngineReduce = "engine.reduce"; // key: the turn; a reduction, before it runs
-inline constexpr std::array<std::string_view, 5> kPoints{
-    kMeshConnect, kMeshSendFirst, kMeshReadClose, kEngineStart, kEngineReduce};
+inline constexpr const char* kEngineAbort = "engine.abort"; // key: the peer; its abort read, not yet acted on
+inline constexpr std::array<std::string_view, 6> kPoints{
+    kMeshConnect, kMeshSendFirst, kMeshReadClose, kEngineStart, kEngineReduce, kEngineAbort};
 
 struct Fault {
   Action action{Action::kDelay};

@@ -18,7 +18,7 @@ namespace {
 
 using fairring::GroupFailure;
 
-GroupFailure::Clock::time_point at(int64_t ms) {
+GroupFailure::Clock::time_point atMs(int64_t ms) {
   return GroupFailure::Clock::time_point(std::chrono::milliseconds(ms));
 }
 
@@ -56,13 +56,13 @@ void bindGroupFailure(py::module_& m) {
           py::arg("stopping"), "(reason, from_seq) to send now, or None.")
       .def("connected", [](GroupFailure& f) { return asTuple(f.connected()); }, "The abort held meanwhile, or None.")
       .def(
-          "aborts_queued", [](GroupFailure& f, int count, int64_t ms) { f.abortsQueued(count, at(ms)); },
+          "aborts_queued", [](GroupFailure& f, int count, int64_t ms) { f.abortsQueued(count, atMs(ms)); },
           py::arg("count"), py::arg("at_ms"))
       .def("abort_left", &GroupFailure::abortLeft)
       .def(
-          "may_close", [](const GroupFailure& f, int64_t ms) { return f.mayClose(at(ms)); }, py::arg("at_ms"))
+          "may_close", [](const GroupFailure& f, int64_t ms) { return f.mayClose(atMs(ms)); }, py::arg("at_ms"))
       .def(
-          "aborts_deadline", [](const GroupFailure& f, int64_t ms) { return msOf(f.abortsDeadline(at(ms))); },
+          "aborts_deadline", [](const GroupFailure& f, int64_t ms) { return msOf(f.abortsDeadline(atMs(ms))); },
           py::arg("at_ms"))
       .def_static("forwarded", &GroupFailure::forwarded, py::arg("reason"), py::arg("me"), py::arg("peer"));
 }
