@@ -11,6 +11,7 @@ and a machine-mate's watcher thread can read without the store.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import random
 import signal
@@ -41,18 +42,14 @@ def _threads() -> list[str]:
     return sorted(names)
 
 
-def _sockets() -> int:
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-    return count
-
-
 def resources() -> dict[str, Any]:
-    from reliability_helpers import listening_sockets
+    from reliability_helpers import _socket_inodes, listening_sockets
 
-    return {"threads": _threads(), "sockets": _sockets(), "listening": listening_sockets()}
+    return {
+        "threads": _threads(),
+        "sockets": sorted(_socket_inodes()),
+        "listening": listening_sockets(),
+    }
 
 
 def settled_resources(before: dict[str, Any]) -> dict[str, Any]:
@@ -61,10 +58,10 @@ def settled_resources(before: dict[str, Any]) -> dict[str, Any]:
     deadline = time.monotonic() + _SETTLE_S
     while True:
         now = resources()
-        extra = [t for t in now["threads"] if t.startswith("fairring")]
-        if len(extra) <= len([t for t in before["threads"] if t.startswith("fairring")]):
-            if now["sockets"] <= before["sockets"] or time.monotonic() > deadline:
-                return now
+        ours = [t for t in now["threads"] if t.startswith("fairring")]
+        settled = len(ours) <= len([t for t in before["threads"] if t.startswith("fairring")])
+        if settled and not set(now["sockets"]) - set(before["sockets"]):
+            return now
         if time.monotonic() > deadline:
             return now
         time.sleep(0.05)
@@ -367,7 +364,6 @@ def chaos_rank(rank: int, world: int, job: Job, job_dir: str) -> dict[str, Any]:
     (directory / f"rank{rank}.pid").write_text(str(os.getpid()))
     store = default_store()
     fault = job.fault
-    before = resources()
     at_fault = rank == fault.rank
     if fault.kind == "kill" and fault.mates_die and rank in job.mates(fault.rank):
         _watch_for_mates_death(directory)
@@ -379,8 +375,10 @@ def chaos_rank(rank: int, world: int, job: Job, job_dir: str) -> dict[str, Any]:
         _arm("mesh.send.first", "delay", fault.held_abort_ms, times=8)
         armed.append("mesh.send.first")
     timeout = timedelta(seconds=job.group_timeout_s)
-    group = dist.new_group(backend="fairring", timeout=timeout)
+    # Gloo's group first: what is left once fairring's group is gone is fairring's.
     gloo = dist.new_group(backend="gloo", timeout=timeout) if job.mirror_gloo else None
+    before = resources()
+    group = dist.new_group(backend="fairring", timeout=timeout)
     hook = next((c.form for c in job.calls if c.kind == "ddp"), None)
     models: dict[str, _Model] = {}
     runners = [_Runner(job, rank, group, "fairring", models)]
@@ -430,22 +428,28 @@ def chaos_rank(rank: int, world: int, job: Job, job_dir: str) -> dict[str, Any]:
         while pending and waits.random() < 0.4:
             pending.pop(waits.randrange(len(pending))).finish()
     waits.shuffle(pending)
-    for p in pending:
-        p.finish()
+    for item in pending:
+        item.finish()
     stats = {}
     with contextlib.suppress(Exception):
         stats = group._get_backend(torch.device("cpu")).cpu_allreduce_stats()
+    records = [r for runner in runners for r in runner.records]
     t0 = time.monotonic()
     dist.destroy_process_group(group)
     destroy_s = time.monotonic() - t0
+    # Whatever still holds the group (DDP, a work, a runner) keeps its sockets: let go
+    # of all of it, so that only what fairring itself leaves is counted.
+    pending.clear()
+    models.pop("fairring", None)
+    del runners[0], group
+    gc.collect()
+    after = settled_resources(before)
     if gloo is not None:
         dist.destroy_process_group(gloo)
-    models.clear()
-    after = settled_resources(before)
     fired = {point: _fired(point) for point in set(armed)}
     _release_frozen(store, job, rank, directory)
     return {
-        "records": [r for runner in runners for r in runner.records],
+        "records": records,
         "setup_errors": setup_errors,
         "destroy_s": destroy_s,
         "before": before,
