@@ -54,12 +54,13 @@ def resources() -> dict[str, Any]:
 
 def settled_resources(before: dict[str, Any]) -> dict[str, Any]:
     """What this process holds once threads on their way out are gone (or after
-    _SETTLE_S): a completion thread that has just run a callback exits after it."""
+    _SETTLE_S): a completion thread that has just run a callback exits after it.
+    Threads are counted, not named: one that started just before ``before`` may not
+    have named itself yet."""
     deadline = time.monotonic() + _SETTLE_S
     while True:
         now = resources()
-        ours = [t for t in now["threads"] if t.startswith("fairring")]
-        settled = len(ours) <= len([t for t in before["threads"] if t.startswith("fairring")])
+        settled = len(now["threads"]) <= len(before["threads"])
         if settled and not set(now["sockets"]) - set(before["sockets"]):
             return now
         if time.monotonic() > deadline:
@@ -113,7 +114,9 @@ class _Model:
 
             self.ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
         elif hook == "chained":
-            self.ddp.register_comm_hook(group, _chained_hook)
+            # Unannotated: DDP compares annotations with dist.GradBucket, and this module's
+            # are strings (postponed).
+            self.ddp.register_comm_hook(group, lambda state, bucket: _chained_hook(state, bucket))
         self.tolerance = (5e-3, 5e-2) if hook == "fp16" else (1e-6, 1e-6)
 
     def _batch(self, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,7 +144,7 @@ class _Model:
         return None
 
 
-def _chained_hook(group: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+def _chained_hook(group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """An allreduce, then in its callback a second one that blocks (as PowerSGD does):
     the number of ranks, which the sum is divided by."""
 
@@ -364,11 +367,10 @@ def chaos_rank(rank: int, world: int, job: Job, job_dir: str) -> dict[str, Any]:
     (directory / f"rank{rank}.pid").write_text(str(os.getpid()))
     store = default_store()
     fault = job.fault
-    at_fault = rank == fault.rank
     if fault.kind == "kill" and fault.mates_die and rank in job.mates(fault.rank):
         _watch_for_mates_death(directory)
     armed: list[str] = []
-    if at_fault and fault.kind == "delay" and fault.turn < 0:
+    if rank == fault.rank and fault.kind == "delay" and fault.turn < 0:
         _arm(fault.point, "delay", fault.delay_ms, fault.times, fault.peer)
         armed.append(fault.point)
     if fault.kind == "bad_call" and fault.held_abort_ms and rank == (fault.rank + 1) % world:
@@ -379,14 +381,38 @@ def chaos_rank(rank: int, world: int, job: Job, job_dir: str) -> dict[str, Any]:
     gloo = dist.new_group(backend="gloo", timeout=timeout) if job.mirror_gloo else None
     before = resources()
     group = dist.new_group(backend="fairring", timeout=timeout)
+    # Everything that holds the group (DDP, works, runners) lives in _program's frame
+    # and is gone once it returns: what is left after destroy is fairring's own.
+    out = _program(job, rank, group, gloo, directory, store, armed)
+    t0 = time.monotonic()
+    dist.destroy_process_group(group)
+    out["destroy_s"] = time.monotonic() - t0
+    del group
+    gc.collect()
+    out["after"] = settled_resources(before)
+    out["before"] = before
+    if gloo is not None:
+        dist.destroy_process_group(gloo)
+    out["fired"] = {point: _fired(point) for point in set(armed)}
+    _release_frozen(store, job, rank, directory)
+    return out
+
+
+def _program(
+    job: Job, rank: int, group: Any, gloo: Any, directory: Path, store: Any, armed: list[str]
+) -> dict[str, Any]:
+    """The program on ``group`` (and ``gloo``), the fault where it falls; every call's
+    record, DDP's set-up errors and the group's ring statistics."""
+    fault = job.fault
+    at_fault = rank == fault.rank
     hook = next((c.form for c in job.calls if c.kind == "ddp"), None)
     models: dict[str, _Model] = {}
     runners = [_Runner(job, rank, group, "fairring", models)]
     if gloo is not None:
         runners.append(_Runner(job, rank, gloo, "gloo", models))
     setup_errors = []
-    for runner in runners:
-        if hook is not None:
+    if hook is not None:
+        for runner in runners:
             models[runner.name] = _Model(job, runner.group, hook)
             # DDP's second iteration broadcasts its rebuilt buckets: before the program,
             # so that no program step issues a collective another rank may skip.
@@ -405,11 +431,8 @@ def chaos_rank(rank: int, world: int, job: Job, job_dir: str) -> dict[str, Any]:
             if fault.kind == "delay":
                 _arm(fault.point, "delay", fault.delay_ms, fault.times, fault.peer)
                 armed.append(fault.point)
-        bad = (
-            fault.variant
-            if fault.kind == "bad_call" and at_fault and call.index == fault.turn
-            else ""
-        )
+        wrong = fault.kind == "bad_call" and at_fault and call.index == fault.turn
+        bad = fault.variant if wrong else ""
         sync = call.kind in ("barrier", "ddp")
         if sync and call.index == fault.turn:
             store.set(f"chaos/posted/{rank}/{call.index}", "1")
@@ -430,31 +453,12 @@ def chaos_rank(rank: int, world: int, job: Job, job_dir: str) -> dict[str, Any]:
     waits.shuffle(pending)
     for item in pending:
         item.finish()
-    stats = {}
+    stats = None
     with contextlib.suppress(Exception):
         stats = group._get_backend(torch.device("cpu")).cpu_allreduce_stats()
-    records = [r for runner in runners for r in runner.records]
-    t0 = time.monotonic()
-    dist.destroy_process_group(group)
-    destroy_s = time.monotonic() - t0
-    # Whatever still holds the group (DDP, a work, a runner) keeps its sockets: let go
-    # of all of it, so that only what fairring itself leaves is counted.
-    pending.clear()
-    models.pop("fairring", None)
-    del runners[0], group
-    gc.collect()
-    after = settled_resources(before)
-    if gloo is not None:
-        dist.destroy_process_group(gloo)
-    fired = {point: _fired(point) for point in set(armed)}
-    _release_frozen(store, job, rank, directory)
     return {
-        "records": records,
+        "records": [r for runner in runners for r in runner.records],
         "setup_errors": setup_errors,
-        "destroy_s": destroy_s,
-        "before": before,
-        "after": after,
-        "fired": fired,
         "ring_abandoned": int(stats.get("ring_abandoned", 0)) if stats else 0,
     }
 

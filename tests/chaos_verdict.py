@@ -149,9 +149,8 @@ def judge(job: Job, outcomes: list[Any], files: dict[str, float]) -> Verdict:
 def _left_behind(rank: int, v: dict[str, Any]) -> list[str]:
     before, after = v["before"], v["after"]
     out = []
-    ours = [t for t in after["threads"] if t.startswith("fairring")]
-    if len(ours) > len([t for t in before["threads"] if t.startswith("fairring")]):
-        out.append(f"rank {rank}: fairring threads left: {before['threads']} -> {after['threads']}")
+    if len(after["threads"]) > len(before["threads"]):
+        out.append(f"rank {rank}: threads left: {before['threads']} -> {after['threads']}")
     if ports := sorted(set(after["listening"]) - set(before["listening"])):
         out.append(f"rank {rank}: ports left listening: {ports}")
     # A ring call the group gave up on leaves its Gloo group to the process (documented).
