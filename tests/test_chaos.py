@@ -256,9 +256,9 @@ BREAKS: list[tuple[str, str, Callable[[Job, list[Any], dict[str, float]], Any], 
     ),
     (
         "kill",
-        "Gloo did not raise",
-        lambda j, o, f: [_set(o, 1, i, "gloo", error=None) for i in range(5)],
-        "Gloo, the yardstick, did not raise",
+        "slower than Gloo, which was fast",
+        lambda j, o, f: _all(o, 1, "fairring", T0 + 0.02 + 0.12),
+        "Gloo's slowest 0.040 s",
     ),
     (
         "kill",
@@ -294,6 +294,12 @@ BREAKS: list[tuple[str, str, Callable[[Job, list[Any], dict[str, float]], Any], 
         "freeze",
         "no timeout in the message",
         lambda j, o, f: _set(o, 3, 3, error="rank 1 failed"),
+        "without naming the fault",
+    ),
+    (
+        "freeze",
+        "no rank named",
+        lambda j, o, f: _set(o, 3, 3, error="fairring: allreduce #3 timed out"),
         "without naming the fault",
     ),
     (
@@ -334,6 +340,17 @@ def test_every_rule_fails_an_outcome_that_breaks_it(
     verdict = judge(job, outcomes, files)
     assert verdict.outcome == "FAILED", verdict
     assert any(says in p for p in verdict.problems), verdict.problems
+
+
+def test_a_ring_call_given_up_leaves_its_gloo_group_as_documented() -> None:
+    job, outcomes, files = _clean()
+    after = outcomes[0].value["after"]
+    after["listening"].append(("127.0.0.1", 4000))
+    after["sockets"].append(13)
+    after["threads"].append("gloo_tcp_loop")
+    assert judge(job, outcomes, files).problems  # not excused
+    outcomes[0].value["ring_abandoned"] = 1
+    assert judge(job, outcomes, files).problems == []
 
 
 # ------------------------------------------------------------------- the plans
