@@ -481,3 +481,97 @@ def test_mismatch_leaves_other_groups_working() -> None:
     bad = [o for o in outcomes if not o.ok]
     assert not bad, "\n".join(o.describe() for o in bad)
     assert all(o.value["default_group_after"]["ok"] for o in outcomes)
+
+
+# ------------------------------------------------------- mismatch on Gloo's ring
+
+# One rank per machine: an allreduce of 1 MiB or more runs on Gloo's ring
+# (FAIRRING_CPU_ALLREDUCE=auto), which reduces whatever each rank gives it. Its turn on
+# the engine announces the call, so ranks that disagree fail as on the engine (found by
+# scripts/chaos.py, seed 74: an op that differed completed, silently, on every rank).
+RING_NUMEL = 1 << 18  # 1 MiB of float32
+RING_ODD_RANK = 2
+RING_MISMATCHES: dict[str, tuple[dict[str, Any], tuple[str | tuple[str, ...], ...]]] = {
+    "op": ({"op": dist.ReduceOp.MAX}, ("ReduceOp.SUM", "ReduceOp.MAX")),
+    "dtype": ({"dtype": torch.int32}, (("of Float", "float32"), ("of Int", "int32"))),
+    "size": ({"numel": RING_NUMEL + 1}, ("262144 elements", "262145 elements")),
+    # Below 1 MiB the odd rank runs it on the engine while the others take the ring.
+    "path": ({"numel": 1000}, ("262144 elements", "1000 elements")),
+}
+
+
+def _ring_mismatch_case(rank: int, world: int, kind: str) -> dict[str, Any]:
+    change, _ = RING_MISMATCHES[kind]
+    timeout = timedelta(seconds=MISMATCH_GROUP_TIMEOUT_S)
+    group = dist.new_group(backend="fairring", timeout=timeout)
+    earlier = torch.full((RING_NUMEL,), float(rank + 1))
+    dist.all_reduce(earlier, group=group)
+    ring_calls = group._get_backend(torch.device("cpu")).cpu_allreduce_stats()["ring"]
+    numel, dtype, op = RING_NUMEL, torch.float32, dist.ReduceOp.SUM
+    if rank == RING_ODD_RANK:
+        numel = change.get("numel", numel)
+        dtype = change.get("dtype", dtype)
+        op = change.get("op", op)
+    t0 = time.monotonic()
+    message = None
+    try:
+        dist.all_reduce(torch.ones(numel, dtype=dtype), op=op, group=group)
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        message = str(exc)
+    elapsed = time.monotonic() - t0
+    after_s, after_message = call_after_error(group)
+    want = torch.full((RING_NUMEL,), float(sum(range(1, world + 1))))
+    return {
+        "message": message,
+        "elapsed_s": elapsed,
+        "after_s": after_s,
+        "after_message": after_message,
+        "earlier_intact": torch.equal(earlier, want),
+        "ring_calls": ring_calls,
+    }
+
+
+def _ring_mismatched(rank: int, world: int) -> dict[str, dict[str, Any]]:
+    results: dict[str, dict[str, Any]] = {}
+    for kind in RING_MISMATCHES:
+        try:
+            results[kind] = _ring_mismatch_case(rank, world, kind)
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            results[kind] = {"unexpected": f"{type(exc).__name__}: {exc}"}
+    return results
+
+
+@memoised
+def _ring_mismatch_job() -> tuple[RankOutcome, ...]:
+    env = fairring_env(FAIRRING_CPU_ALLREDUCE="auto")
+    return tuple(launch(_ring_mismatched, 3, SHAPES["3x1"], env=env, timeout_s=JOB_TIMEOUT_S))
+
+
+@pytest.mark.parametrize("kind", list(RING_MISMATCHES))
+def test_a_mismatch_on_the_ring_raises_on_every_rank_naming_both(kind: str) -> None:
+    outcomes = _ring_mismatch_job()
+    bad = [o for o in outcomes if not o.ok]
+    assert not bad, "\n".join(o.describe() for o in bad)
+    _, descriptions = RING_MISMATCHES[kind]
+    problems = []
+    for o in outcomes:
+        v = o.value[kind]
+        if "unexpected" in v:
+            problems.append(f"rank {o.rank}: unexpected error: {v['unexpected']}")
+            continue
+        if v["ring_calls"] != 1:
+            problems.append(f"rank {o.rank}: the earlier allreduce was not on the ring")
+        if not v["earlier_intact"]:
+            problems.append(f"rank {o.rank}: the earlier allreduce on the ring was not exact")
+        if v["message"] is None:
+            problems.append(f"rank {o.rank}: the mismatched allreduce completed")
+            continue
+        for word in ("differs between ranks", f"rank {RING_ODD_RANK}", *descriptions):
+            spellings = (word,) if isinstance(word, str) else word
+            if not any(w in v["message"] for w in spellings):
+                problems.append(f"rank {o.rank}: error lacks {spellings}: {v['message']}")
+        if v["elapsed_s"] > MISMATCH_DETECT_S:
+            problems.append(f"rank {o.rank}: raised only after {v['elapsed_s']:.1f} s")
+        if v["after_message"] is None or v["after_s"] > 1.0:
+            problems.append(f"rank {o.rank}: the next call: {v['after_message']!r}")
+    assert not problems, "\n".join(problems)

@@ -58,11 +58,12 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::run(
     const char* profilingTitle,
     const std::vector<at::Tensor>& inputs,
     const Ring& ring) {
+  const RingCall call{work.numel(), work.scalar_type(), op};
   return runOn(
       [&](AllreduceEngine& engine) {
         return engine.enqueue(std::move(work), op, std::move(outputs), std::move(finish));
       },
-      opType, profilingTitle, inputs, ring);
+      opType, profilingTitle, inputs, ring, call);
 }
 
 c10::intrusive_ptr<c10d::Work> CpuAllreduce::runOn(
@@ -70,7 +71,8 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::runOn(
     c10d::OpType opType,
     const char* profilingTitle,
     const std::vector<at::Tensor>& inputs,
-    const Ring& ring) {
+    const Ring& ring,
+    const RingCall& ringCall) {
   bool fromCallback = OrderedCompletion::onWorkerThread();
   if (!fromCallback && insidePythonFutureCallback()) {
     // A callback run inline by then() on a future that was already complete:
@@ -80,7 +82,7 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::runOn(
     completion_.awaitMarkedCallbacks();
   }
   const bool onRing = ring && !fromCallback;
-  auto source = onRing ? issueOnRing(ring) : post(fromCallback ? callbackEngine() : engine_);
+  auto source = onRing ? issueOnRing(ring, ringCall) : post(fromCallback ? callbackEngine() : engine_);
   if (opType != c10d::OpType::BARRIER) {
     ++(onRing ? ringOps_ : engineOps_);
   }
@@ -105,39 +107,49 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::runOn(
   return result;
 }
 
-c10::intrusive_ptr<c10::ivalue::Future> CpuAllreduce::issueOnRing(const Ring& ring) {
-  // Settled once: by the ring, or by a failure of the group at or before its
-  // turn, whichever comes first (then Gloo runs it on, for nobody).
-  auto done = tensorListFuture();
-  auto settled = std::make_shared<std::atomic<bool>>(false);
-  const uint64_t seq =
-      engine_.takeTurn([done, settled, abandoned = ringAbandoned_](const std::string& message) {
-        if (!settled->exchange(true)) {
-          ++*abandoned;
-          done->setError(std::make_exception_ptr(c10::DistBackendError(message)));
-        }
-      });
+c10::intrusive_ptr<c10::ivalue::Future> CpuAllreduce::issueOnRing(const Ring& ring, const RingCall& call) {
+  // The call's turn on the engine announces it (every rank checks that the
+  // others announced the same); Gloo's ring runs it meanwhile. Settled once: by
+  // the first error of either, or once both are done (the ring's value), so a
+  // call the ranks disagree on raises even where Gloo ran it to the end.
+  uint64_t seq = 0;
+  auto announced = engine_.announce(call.numel, call.dtype, call.op, seq);
   c10::intrusive_ptr<c10::ivalue::Future> source;
   try {
     source = ring();
   } catch (const std::exception& e) {
-    engine_.turnFailed(seq, e.what());
-    throw;
+    throw c10::DistBackendError(engine_.turnFailed(seq, e.what()));
   }
-  source->addCallback([engine = &engine_, seq, done, settled](c10::ivalue::Future& f) {
-    if (f.hasError()) {
-      // Its turn failed on this rank: it fails the group from there on.
-      engine->turnFailed(seq, f.tryRetrieveErrorMessage());
-    } else {
-      engine->turnDone(seq);
+  auto done = tensorListFuture();
+  auto settled = std::make_shared<std::atomic<bool>>(false);
+  auto left = std::make_shared<std::atomic<int>>(2);
+  auto succeeded = [done, settled, left, source] {
+    if (left->fetch_sub(1) == 1 && !settled->exchange(true)) {
+      done->markCompleted(source->value());
     }
-    if (settled->exchange(true)) {
+  };
+  source->addCallback([engine = &engine_, seq, done, settled, succeeded](c10::ivalue::Future& f) {
+    if (!f.hasError()) {
+      succeeded();
       return;
     }
-    if (f.hasError()) {
+    // Its turn failed on this rank: it fails the group from there on, with
+    // the lost peer named where the engine saw one go.
+    const std::string failed = engine->turnFailed(seq, f.tryRetrieveErrorMessage());
+    if (!settled->exchange(true)) {
+      done->setError(std::make_exception_ptr(c10::DistBackendError(failed)));
+    }
+  });
+  announced->addCallback([done, settled, succeeded, source, abandoned = ringAbandoned_](c10::ivalue::Future& f) {
+    if (!f.hasError()) {
+      succeeded();
+      return;
+    }
+    if (!settled->exchange(true)) {
+      if (!source->completed()) {
+        ++*abandoned; // Gloo runs it on, for nobody
+      }
       done->setError(f.exception_ptr());
-    } else {
-      done->markCompleted(f.value());
     }
   });
   return done;
