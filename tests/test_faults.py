@@ -148,24 +148,23 @@ def _ring_kill_job() -> tuple[RankOutcome, ...]:
             victim=1,
             big_numel=BIG_NUMEL,
             group_timeout_s=GROUP_TIMEOUT_S,
-            victim_joins=False,
             yardstick=True,
         )
     )
 
 
 def test_killed_peer_on_the_ring_raises_promptly() -> None:
-    # One rank per machine: the 32 MiB allreduce is Gloo's ring (FAIRRING_CPU_ALLREDUCE),
-    # and so is its error, which fairring says came from there; every survivor raises
-    # within the bound, naming the lost rank, and the next call (the engine's) raises at
-    # once with the same reason; destroy is prompt.
+    # One rank per machine: the 32 MiB allreduce is Gloo's ring (FAIRRING_CPU_ALLREDUCE).
+    # Rank 1 dies a few ms into it: Gloo's ring fails it (or, had rank 1 died before
+    # announcing it, its turn on the engine); either way every survivor raises within
+    # the bound naming the lost rank, which Gloo's own error names by address only, the
+    # next call (the engine's) raises at once with the same reason, and destroy is prompt.
     survivors = surviving(_ring_kill_job(), 1)
     bound = kill_bound(_gloo_worst(survivors), None)
     culprit = "rank 1 (host m1)"
     for o in survivors:
         v = o.value
         assert v["message"] is not None, f"rank {o.rank}: the allreduce completed without rank 1"
-        assert "on Gloo's ring" in v["message"], f"rank {o.rank}: {v['message']}"
         assert culprit in v["message"], f"rank {o.rank}: does not name {culprit}: {v['message']}"
         assert v["detect_s"] <= bound, f"rank {o.rank}: {v['detect_s']:.3f} s (bound {bound:.3f} s)"
         after = v["after_message"]

@@ -43,7 +43,8 @@ CpuAllreduce::CpuAllreduce(
         return std::move(callbackOptions);
       }()),
       store_(std::move(store)),
-      completion_(callbackOptions_.timeout) {}
+      completion_(callbackOptions_.timeout),
+      rings_(engine) {}
 
 CpuAllreduce::~CpuAllreduce() {
   shutdown();
@@ -82,7 +83,8 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::runOn(
     completion_.awaitMarkedCallbacks();
   }
   const bool onRing = ring && !fromCallback;
-  auto source = onRing ? issueOnRing(ring, ringCall) : post(fromCallback ? callbackEngine() : engine_);
+  auto source = onRing ? rings_.issue(ring, ringCall.numel, ringCall.dtype, ringCall.op)
+                        : post(fromCallback ? callbackEngine() : engine_);
   if (opType != c10d::OpType::BARRIER) {
     ++(onRing ? ringOps_ : engineOps_);
   }
@@ -107,56 +109,8 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::runOn(
   return result;
 }
 
-c10::intrusive_ptr<c10::ivalue::Future> CpuAllreduce::issueOnRing(const Ring& ring, const RingCall& call) {
-  // The call's turn on the engine announces it (every rank checks that the
-  // others announced the same); Gloo's ring runs it meanwhile. Settled once: by
-  // the first error of either, or once both are done (the ring's value), so a
-  // call the ranks disagree on raises even where Gloo ran it to the end.
-  uint64_t seq = 0;
-  auto announced = engine_.announce(call.numel, call.dtype, call.op, seq);
-  c10::intrusive_ptr<c10::ivalue::Future> source;
-  try {
-    source = ring();
-  } catch (const std::exception& e) {
-    throw c10::DistBackendError(engine_.turnFailed(seq, e.what()));
-  }
-  auto done = tensorListFuture();
-  auto settled = std::make_shared<std::atomic<bool>>(false);
-  auto left = std::make_shared<std::atomic<int>>(2);
-  auto succeeded = [done, settled, left, source] {
-    if (left->fetch_sub(1) == 1 && !settled->exchange(true)) {
-      done->markCompleted(source->value());
-    }
-  };
-  source->addCallback([engine = &engine_, seq, done, settled, succeeded](c10::ivalue::Future& f) {
-    if (!f.hasError()) {
-      succeeded();
-      return;
-    }
-    // Its turn failed on this rank: it fails the group from there on, with
-    // the lost peer named where the engine saw one go.
-    const std::string failed = engine->turnFailed(seq, f.tryRetrieveErrorMessage());
-    if (!settled->exchange(true)) {
-      done->setError(std::make_exception_ptr(c10::DistBackendError(failed)));
-    }
-  });
-  announced->addCallback([done, settled, succeeded, source, abandoned = ringAbandoned_](c10::ivalue::Future& f) {
-    if (!f.hasError()) {
-      succeeded();
-      return;
-    }
-    if (!settled->exchange(true)) {
-      if (!source->completed()) {
-        ++*abandoned; // Gloo runs it on, for nobody
-      }
-      done->setError(f.exception_ptr());
-    }
-  });
-  return done;
-}
-
 CpuAllreduce::Stats CpuAllreduce::stats() const {
-  return Stats{engineOps_.load(), ringOps_.load(), ringAbandoned_->load()};
+  return Stats{engineOps_.load(), ringOps_.load(), rings_.abandoned()};
 }
 
 void CpuAllreduce::barrier() {
@@ -223,6 +177,7 @@ void CpuAllreduce::shutdown() {
       e->shutdown();
     }
   }
+  rings_.shutdown(); // after the main engine's: what it failed has been told
   completion_.stop(kStopGrace);
 }
 

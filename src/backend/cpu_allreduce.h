@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/ring_calls.h"
 #include "pipeline/allreduce_engine.h"
 #include "pipeline/ordered_completion.h"
 
@@ -94,7 +95,6 @@ class CpuAllreduce {
 
  private:
   AllreduceEngine& callbackEngine();
-  c10::intrusive_ptr<c10::ivalue::Future> issueOnRing(const Ring& ring, const RingCall& call);
 
   const int rank_;
   AllreduceEngine& engine_;
@@ -111,7 +111,7 @@ class CpuAllreduce {
   bool stopped_{false};
   std::atomic<uint64_t> engineOps_{0};
   std::atomic<uint64_t> ringOps_{0};
-  std::shared_ptr<std::atomic<uint64_t>> ringAbandoned_{std::make_shared<std::atomic<uint64_t>>(0)};
+  RingCalls rings_;
 };
 
 } // namespace fairring

@@ -276,11 +276,30 @@ c10::intrusive_ptr<AllreduceEngine::Future> AllreduceEngine::announce(
   return future;
 }
 
+void AllreduceEngine::watchTurn(uint64_t seq, std::function<void(const std::string&)> fail) {
+  std::string failed;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failure_.fails(seq)) {
+      outsideTurns_[seq] = std::move(fail);
+      return;
+    }
+    failed = failure_.refusal();
+  }
+  fail(failed);
+}
+
+void AllreduceEngine::turnDone(uint64_t seq) {
+  std::lock_guard<std::mutex> lock(mu_);
+  outsideTurns_.erase(seq);
+}
+
 std::string AllreduceEngine::turnFailed(uint64_t seq, const std::string& message) {
   Actions actions;
   std::string reason = message;
   {
     std::unique_lock<std::mutex> lock(mu_);
+    outsideTurns_.erase(seq);
     // Gloo names a lost peer by its address only. A peer that died closed this
     // rank's own connections to it at the same moment: give their readers the
     // time a failed send gives them to reach that close, and name the rank.

@@ -108,6 +108,11 @@ class AllreduceEngine : private StepContext {
   // at or before its turn. Throws the group's failure if that turn has failed
   // already; `seq` is the turn.
   c10::intrusive_ptr<Future> announce(int64_t numel, at::ScalarType dtype, c10d::ReduceOp::RedOpType op, uint64_t& seq);
+  // The call at turn `seq` runs outside the engine now (on Gloo's ring):
+  // `fail` runs (on an engine thread, or here if that turn has failed already)
+  // if the group fails at or before it before turnDone() or turnFailed().
+  void watchTurn(uint64_t seq, std::function<void(const std::string&)> fail);
+  void turnDone(uint64_t seq);
   // The ring call at turn `seq` failed: the group fails from there on. Returns
   // what the call should raise: `message`, with the lost peer named where one
   // closed its connections to this rank (waiting up to
@@ -224,6 +229,8 @@ class AllreduceEngine : private StepContext {
   std::vector<std::unique_ptr<Operation>> graveyard_;
   std::deque<std::pair<uint64_t, int64_t>> waitingForSlot_;
   std::map<std::pair<uint64_t, int64_t>, std::vector<Parked>> parked_;
+  // Calls running outside the engine (watchTurn), not yet done: how to fail them.
+  std::map<uint64_t, std::function<void(const std::string&)>> outsideTurns_;
   Outboxes outboxes_;
   StagingPool staging_;
   std::thread watchdog_;

@@ -35,6 +35,10 @@ void AllreduceEngine::failLocked(const std::string& message, Actions& actions, u
     graveyard_.push_back(std::move(it->second));
     it = ops_.erase(it);
   }
+  for (auto it = outsideTurns_.lower_bound(fromSeq); it != outsideTurns_.end();) {
+    actions.push_back([fail = std::move(it->second), message] { fail(message); });
+    it = outsideTurns_.erase(it);
+  }
   for (auto it = parked_.lower_bound({fromSeq, 0}); it != parked_.end();) {
     for (const Parked& p : it->second) {
       discard(p.peer, laneOf(p.header.phase), p.bytes, actions);
