@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from killed_peer import call_after_error, warm_up
 from multiprocess import SHAPES, RankOutcome, fairring_env, launch, memoised
+from reliability_helpers import core_store
 
 GROUP_TIMEOUT_S = 30.0
 # Every rank raises well before the group's timeout: it is told, not timed out.
@@ -372,7 +373,7 @@ def test_aborts_held_during_start_up_leave_before_the_close() -> None:
 
 def _destroy_while_callback_engine_connects(rank: int, world: int) -> dict[str, Any] | None:
     """Rank 1 dies once the first allreduce is done; rank 0's callback of it issues an
-    allreduce, whose engine waits (up to the group's timeout) for rank 1 to connect;
+    allreduce, whose engine waits (up to the group's timeout) for rank 1's address;
     rank 0 destroys the group meanwhile."""
     group = dist.new_group(backend="fairring", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     warm_up(rank, group)
@@ -385,10 +386,11 @@ def _destroy_while_callback_engine_connects(rank: int, world: int) -> dict[str, 
         message, _ = _attempt(lambda: dist.all_reduce(torch.ones(10), group=group))
         return message or "completed"
 
-    # Counts (delays nothing): the callbacks' engine is about to connect to rank 1.
-    fault_points.arm("mesh.connect", "delay", key=1, times=1000)
     chained = fut.then(nested)
-    _wait_until("the callback's engine connecting", lambda: fault_points.uses("mesh.connect") > 0)
+    # The callbacks' engine has published its address: it is inside its start, waiting
+    # for rank 1's, which never comes.
+    store = core_store(group)
+    _wait_until("the callbacks' engine to start", lambda: store.check(["callbacks/addr/rail/0"]))
     destroy_s = _destroy(group)
     return {"destroy_s": destroy_s, "nested": chained.wait()}
 
