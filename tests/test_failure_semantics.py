@@ -86,12 +86,14 @@ def _refused_after_async(rank: int, world: int, late: int, refuser: int) -> dict
     ``late`` posts everything only once it has read the refusal's abort (fault point
     engine.abort, counting), so it hears of the refusal before it posts the allreduces;
     then a barrier and a destroy."""
+    if rank == late:
+        # Armed before anyone can refuse: it counts aborts read, delaying nothing.
+        fault_points.arm("engine.abort", "delay", times=1000)
     group = dist.new_group(backend="fairring", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     warm_up(rank, group)
     dist.barrier(group=group)
     heard = 0
     if rank == late:
-        fault_points.arm("engine.abort", "delay", times=1000)  # counts, delays nothing
         _wait_until("the refusal's abort", lambda: fault_points.uses("engine.abort") > 0)
         heard = fault_points.uses("engine.abort")
     tensors = [torch.arange(50_000, dtype=torch.float32) * (rank + 1) + i for i in range(4)]
@@ -389,8 +391,8 @@ def _destroy_while_callback_engine_connects(rank: int, world: int) -> dict[str, 
     chained = fut.then(nested)
     # The callbacks' engine has published its address: it is inside its start, waiting
     # for rank 1's, which never comes.
-    store = core_store(group)
-    _wait_until("the callbacks' engine to start", lambda: store.check(["callbacks/addr/rail/0"]))
+    store = dist.PrefixStore("callbacks/", core_store(group))  # as the backend makes it
+    _wait_until("the callbacks' engine to start", lambda: store.check(["addr/rail/0"]))
     destroy_s = _destroy(group)
     return {"destroy_s": destroy_s, "nested": chained.wait()}
 
