@@ -293,7 +293,42 @@ def _two_by_two(rank: int, world: int) -> dict[str, Any]:
         "throw": _broken(rank, world, new_group(), "engine.reduce", "throw", 1),
         # The connection from rank 2 breaks under a body rank 0 reads (its onReceived).
         "close": _broken(rank, world, new_group(), "mesh.read.close", "close", BROKEN_PEER),
+        "callback": _callback_after_failure(rank, world, new_group(), REFUSER),
     }
+
+
+def _callback_after_failure(rank: int, world: int, group: Any, refuser: int) -> dict[str, Any]:
+    """An allreduce issued from the callback of a call that completed, once the group
+    has failed (a refused reduce-scatter after that call): it raises the group's
+    failure on every rank, as the program's own calls do, not runs on as if nothing
+    had happened (the chaos run's seed 0: there it waited for a rank that had moved on,
+    and reported that rank's close)."""
+    warm_up(rank, group)
+    # The callbacks' engine starts on every rank, as a comm hook's first step starts it.
+    started = dist.all_reduce(torch.ones(4), group=group, async_op=True).get_future()
+    started.then(lambda f: dist.all_reduce(torch.ones(4), group=group)).wait()
+    done = dist.all_reduce(torch.ones(4), group=group, async_op=True).get_future()
+    done.wait()
+    rs_message, _ = _bad_reduce_scatter(rank, world, group, refuser)
+
+    def issue(f: torch.futures.Future[Any]) -> str:
+        message, _ = _attempt(lambda: dist.all_reduce(torch.ones(4), group=group))
+        return message or "completed"
+
+    from_callback = done.then(issue).wait()
+    return {"rs_message": rs_message, "from_callback": from_callback, "destroy_s": _destroy(group)}
+
+
+def test_a_collective_from_a_callback_after_a_failure_raises_it_on_every_rank() -> None:
+    outcomes = _two_by_two_job()
+    bad = [o for o in outcomes if not o.ok]
+    assert not bad, "\n".join(o.describe() for o in bad)
+    why = f"reduce_scatter on rank {REFUSER}"
+    for o in outcomes:
+        v = o.value["callback"]
+        assert v["rs_message"] is not None and why in v["rs_message"], f"rank {o.rank}: {v}"
+        assert why in v["from_callback"], f"rank {o.rank}: from the callback: {v['from_callback']}"
+        assert v["destroy_s"] < DESTROY_S, f"rank {o.rank}: destroy took {v['destroy_s']:.1f} s"
 
 
 @memoised

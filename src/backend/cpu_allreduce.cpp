@@ -82,6 +82,9 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::runOn(
     fromCallback = true;
     completion_.awaitMarkedCallbacks();
   }
+  if (fromCallback) {
+    refuseIfFailed();
+  }
   const bool onRing = ring && !fromCallback;
   auto source = onRing ? rings_.issue(ring, ringCall.numel, ringCall.dtype, ringCall.op)
                         : post(fromCallback ? callbackEngine() : engine_);
@@ -107,6 +110,26 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::runOn(
     user->markCompleted(source->value());
   }
   return result;
+}
+
+void CpuAllreduce::refuseIfFailed() {
+  if (!engine_.failure().failed()) {
+    return;
+  }
+  // The group has failed, so its program's calls raise: so do collectives from
+  // callbacks, with the same reason. The callbacks' engine fails from this
+  // call's turn on and tells its peers, whose same call would otherwise wait
+  // for this rank, then report its close at destroy instead (chaos seed 0).
+  const std::string refusal = engine_.failure().refusal();
+  std::shared_ptr<AllreduceEngine> engine;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    engine = callbackEngine_;
+  }
+  if (engine) {
+    engine->refuse(refusal);
+  }
+  throw c10::DistBackendError(refusal);
 }
 
 CpuAllreduce::Stats CpuAllreduce::stats() const {

@@ -95,6 +95,9 @@ class CpuAllreduce {
 
  private:
   AllreduceEngine& callbackEngine();
+  // From a callback: throws the group's failure if it has failed, failing the
+  // callbacks' engine with it (so that its peers hear of it too).
+  void refuseIfFailed();
 
   const int rank_;
   AllreduceEngine& engine_;
