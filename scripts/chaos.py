@@ -176,12 +176,46 @@ def run(seeds: list[int], quiet: bool = False) -> list[JobResult]:
     return results
 
 
+def markdown(results: list[JobResult], lines: list[str], command: str) -> str:
+    """The run as bench/results/chaos.md keeps it: when, where, the command, the
+    summary, and every failing job with its replay."""
+    import os
+    import subprocess
+
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    failed = [r for r in results if r.verdict.problems]
+    out = [
+        "# Chaos run",
+        "",
+        f"`{command}` at {commit}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+        f"load average at the end {load} (a shared 2-core VM).",
+        "",
+        "```",
+        *lines,
+        "```",
+        "",
+    ]
+    if failed:
+        out += ["Failing jobs:", ""]
+        out += [
+            f"- {r.job.describe()}: {'; '.join(r.verdict.problems[:2])} (`{r.replay()}`)"
+            for r in failed
+        ]
+    else:
+        out.append("No job failed.")
+    return "\n".join(out) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0, help="the first seed")
     parser.add_argument("--seeds", help="comma-separated seeds (instead of --jobs/--seed)")
     parser.add_argument("--json", type=Path, help="write every job's verdict here")
+    parser.add_argument("--markdown", type=Path, help="write the run's report here (bench/results)")
     parser.add_argument(
         "--quiet", action="store_true", help="print only failing jobs and the summary"
     )
@@ -194,9 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     results = run(seeds, args.quiet)
     wall = time.monotonic() - t0
-    print("\n".join(summary(results, wall)))
+    lines = summary(results, wall)
+    print("\n".join(lines))
     if args.json:
         args.json.write_text(json.dumps([_record(r) for r in results], indent=1) + "\n")
+    if args.markdown:
+        command = "python scripts/chaos.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        args.markdown.write_text(markdown(results, lines, command))
     return 1 if any(r.verdict.problems for r in results) else 0
 
 

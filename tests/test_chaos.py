@@ -412,8 +412,13 @@ def test_the_ci_seeds_keep_every_rule(capsys: pytest.CaptureFixture[str]) -> Non
     chaos = _chaos()
     t0 = time.monotonic()
     results = chaos.run(list(CI_SEEDS), quiet=True)
+    lines = chaos.summary(results, time.monotonic() - t0)
     with capsys.disabled():
-        print("\n" + "\n".join(chaos.summary(results, time.monotonic() - t0)))
+        print("\n" + "\n".join(lines))
+    report = chaos.markdown(results, lines, "python scripts/chaos.py --seeds ...")
+    assert lines[0] in report and ("No job failed." in report) == all(
+        not r.verdict.problems for r in results
+    )
     failed = [
         f"{r.job.describe()}: {r.verdict.problems} -- {r.replay()}"
         for r in results
