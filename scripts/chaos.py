@@ -158,7 +158,12 @@ def _record(r: JobResult) -> dict[str, Any]:
 def run(seeds: list[int], quiet: bool = False) -> list[JobResult]:
     results = []
     for seed in seeds:
-        result = run_job(seed)
+        try:
+            result = run_job(seed)
+        except KeyboardInterrupt:
+            # Ctrl-C: the jobs done so far still make a summary (their count says so).
+            print(f"interrupted before seed {seed}", flush=True)
+            break
         results.append(result)
         if result.verdict.problems:
             print(

@@ -17,6 +17,7 @@ import random
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -50,6 +51,17 @@ def resources() -> dict[str, Any]:
         "sockets": sorted(_socket_inodes()),
         "listening": listening_sockets(),
     }
+
+
+def _named_resources() -> dict[str, Any]:
+    """resources(), once the default group's watchdog thread has named itself (it names
+    itself after it starts), so that fairring's threads can be counted by name."""
+    deadline = time.monotonic() + _SETTLE_S
+    while "fairring-watch" not in (now := resources())["threads"]:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    return now
 
 
 def settled_resources(before: dict[str, Any]) -> dict[str, Any]:
@@ -118,6 +130,13 @@ class _Model:
             # are strings (postponed).
             self.ddp.register_comm_hook(group, lambda state, bucket: _chained_hook(state, bucket))
         self.tolerance = (5e-3, 5e-2) if hook == "fp16" else (1e-6, 1e-6)
+
+    def release(self) -> None:
+        """Lets go of the group where DDP would keep it: after a backward that raised,
+        torch can keep the DDP object alive from C++, and with it the group (its
+        reducer holds it, and the comm hook's state) and the group's Gloo delegates."""
+        self.ddp.reducer = None
+        self.ddp.process_group = None
 
     def _batch(self, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         gen = torch.Generator().manual_seed(self.seed * 7919 + step * 31 + rank)
@@ -238,7 +257,10 @@ class _Runner:
             elif bad == "empty":
                 numel = 0 if numel else 1
             elif bad == "dtype":
-                dtype = "int32" if dtype != "int32" else "float32"
+                # Another dtype the call is valid with (AVG needs a float): a mismatch,
+                # not a call refused on this rank alone.
+                floats = op == "AVG" or dtype == "int32"
+                dtype = ("float64" if dtype != "float64" else "float32") if floats else "int32"
             elif bad == "op":
                 op = "MAX" if op != "MAX" else "MIN"
             tensor = _allreduce_inputs(job, call, rank, dtype, numel)
@@ -379,7 +401,7 @@ def chaos_rank(rank: int, world: int, job: Job, job_dir: str) -> dict[str, Any]:
     timeout = timedelta(seconds=job.group_timeout_s)
     # Gloo's group first: what is left once fairring's group is gone is fairring's.
     gloo = dist.new_group(backend="gloo", timeout=timeout) if job.mirror_gloo else None
-    before = resources()
+    before = _named_resources()
     group = dist.new_group(backend="fairring", timeout=timeout)
     # Everything that holds the group (DDP, works, runners) lives in _program's frame
     # and is gone once it returns: what is left after destroy is fairring's own.
@@ -387,8 +409,11 @@ def chaos_rank(rank: int, world: int, job: Job, job_dir: str) -> dict[str, Any]:
     t0 = time.monotonic()
     dist.destroy_process_group(group)
     out["destroy_s"] = time.monotonic() - t0
+    freed = weakref.ref(group)
     del group
     gc.collect()
+    # Python's last reference gone: what the group held (its Gloo delegates) is too.
+    out["group_freed"] = freed() is None
     out["after"] = settled_resources(before)
     out["before"] = before
     if gloo is not None:
@@ -456,6 +481,8 @@ def _program(
     stats = None
     with contextlib.suppress(Exception):
         stats = group._get_backend(torch.device("cpu")).cpu_allreduce_stats()
+    for model in models.values():
+        model.release()
     return {
         "records": [r for runner in runners for r in runner.records],
         "setup_errors": setup_errors,

@@ -353,6 +353,28 @@ def test_a_ring_call_given_up_leaves_its_gloo_group_as_documented() -> None:
     assert judge(job, outcomes, files).problems == []
 
 
+def test_a_group_that_ddp_keeps_alive_is_not_blamed_for_its_gloo_delegates() -> None:
+    job, outcomes, files = _clean()
+    value = outcomes[1].value
+    value["after"]["threads"].append("gloo_tcp_loop")
+    value["after"]["sockets"].append(13)
+    value["group_freed"] = False  # DDP, after a backward that raised, holds it
+    assert judge(job, outcomes, files).problems == []
+    value["after"]["threads"].append("fairring-watch")  # but fairring's own threads count
+    assert any("fairring threads left" in p for p in judge(job, outcomes, files).problems)
+
+
+@pytest.mark.parametrize(("fairring_s", "fails"), [(0.32, False), (0.36, True)])
+def test_on_a_loaded_machine_a_kill_is_raised_as_fast_as_gloo(
+    fairring_s: float, fails: bool
+) -> None:
+    job, outcomes, files = _killed()  # the mates die 0.15 s after the kill
+    for rank in (0, 1):
+        _all(outcomes, rank, "gloo", T0 + 0.02 + 0.3)  # Gloo took 0.3 s: no 0.1 s bound
+        _all(outcomes, rank, "fairring", T0 + 0.02 + fairring_s)
+    assert bool(judge(job, outcomes, files).problems) is fails
+
+
 # ------------------------------------------------------------------- the plans
 
 
