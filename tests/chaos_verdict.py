@@ -156,11 +156,12 @@ def _left_behind(rank: int, v: dict[str, Any]) -> list[str]:
     before, after = v["before"], v["after"]
     if _fairring_threads(after) > _fairring_threads(before):
         return [f"rank {rank}: fairring threads left: {before['threads']} -> {after['threads']}"]
-    if v.get("ring_abandoned") or not v.get("group_freed", True):
+    ddp_failed = any(r["error"] for r in _fairring(v) if r.get("after_ddp_failure") is not None)
+    if v.get("ring_abandoned") or not v.get("group_freed", True) or ddp_failed:
         # A ring call the group gave up on leaves its Gloo group (its threads, sockets
         # and listener) to the process: documented, so that destroy does not wait for
-        # it. And DDP, after a backward that raised, may keep the group object (so its
-        # Gloo delegates) alive from C++: torch's, not fairring's.
+        # it. And DDP, after a backward that raised, may keep its reducer alive from
+        # C++, and with it the group (its Gloo delegates): torch's, not fairring's.
         return []
     out = []
     if len(after["threads"]) > len(before["threads"]):

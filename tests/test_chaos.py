@@ -360,6 +360,11 @@ def test_a_group_that_ddp_keeps_alive_is_not_blamed_for_its_gloo_delegates() -> 
     value["after"]["sockets"].append(13)
     value["group_freed"] = False  # DDP, after a backward that raised, holds it
     assert judge(job, outcomes, files).problems == []
+    value["group_freed"] = True  # or only its C++ object: a DDP step raised
+    assert judge(job, outcomes, files).problems
+    value["records"][0]["after_ddp_failure"] = False
+    value["records"][0]["error"] = "the DDP step raised"
+    assert [p for p in judge(job, outcomes, files).problems if "left" in p] == []
     value["after"]["threads"].append("fairring-watch")  # but fairring's own threads count
     assert any("fairring threads left" in p for p in judge(job, outcomes, files).problems)
 
