@@ -310,7 +310,7 @@ int SubgroupAllreduce::issue(
     const std::function<Prepared()>& prepare,
     Prepared& prepared,
     uint64_t turn) {
-  faults::hit("subgroups.issue", static_cast<int64_t>(turn)); // a test's failing call
+  faults::hit(faults::kSubgroupsIssue, static_cast<int64_t>(turn)); // a test's failing call
   const int first = firstStream(plan);
   {
     // The copy of a view, of an int16 tensor or of coalesced tensors reads

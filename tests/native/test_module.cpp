@@ -11,4 +11,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bindSubgroupLogic(m);
   bindCaptureAndDrain(m);
   bindPlants(m);
+  bindGroupFailure(m);
 }

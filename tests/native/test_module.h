@@ -12,3 +12,5 @@ void bindSubgroupLogic(pybind11::module_& m);
 void bindCaptureAndDrain(pybind11::module_& m);
 // The plants: test-only switches that put a known bug back (plant_bindings.cpp).
 void bindPlants(pybind11::module_& m);
+// GroupFailure on its own (failure_bindings.cpp).
+void bindGroupFailure(pybind11::module_& m);
