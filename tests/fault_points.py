@@ -18,7 +18,7 @@ def arm(
 ) -> None:
     """Arm ``point`` for its next ``times`` uses matching ``key`` (a peer's rank, an
     operation's turn; -1: any): ``action`` is "delay" (``delay_ms``), "throw" or
-    "close"."""
+    "close". A name that is not one of ``points()`` raises ValueError."""
     _controls().arm(point, action, delay_ms, times, key)
 
 
@@ -29,3 +29,8 @@ def disarm() -> None:
 def uses(point: str) -> int:
     """How many times ``point`` fired in this process."""
     return int(_controls().uses(point))
+
+
+def points() -> list[str]:
+    """Every fault point the core has (src/faults/fault_points.h, kPoints)."""
+    return list(_controls().points())

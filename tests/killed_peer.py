@@ -1,6 +1,7 @@
 """A peer SIGKILLed in the middle of an allreduce (tests/test_faults.py): the rank
-function, and the survivors' outcomes. (The sub-group path issues synchronously on CPU,
-so tests/test_subgroups.py kills its peer between allreduces instead.)"""
+function, the survivors' outcomes, and the bound they are held to. (The sub-group path
+issues synchronously on CPU, so tests/test_subgroups.py kills its peer between
+allreduces instead.)"""
 
 from __future__ import annotations
 
@@ -15,6 +16,22 @@ import torch
 import torch.distributed as dist
 from multiprocess import RankOutcome
 from reliability_helpers import default_store, wait_key
+
+# README: every survivor raises within 0.1 s of the kill, naming the rank that died, as
+# fast as Gloo in the same job (the reason travels ahead of a close, nothing waits).
+KILL_FAST_S = 0.1
+
+
+def kill_bound(gloo_worst: float | None, mate_after_s: float | None) -> float:
+    """How soon after a kill every survivor must have raised: 0.1 s where Gloo, in the
+    same job, raised that fast on every survivor; on a machine too loaded for that,
+    before the dead rank's machine-mate dies (torchrun's agent ends it: from then on a
+    close could be blamed on the wrong rank), or, where no mate dies, as fast as Gloo."""
+    if gloo_worst is not None and gloo_worst <= KILL_FAST_S:
+        return KILL_FAST_S
+    if mate_after_s is not None:
+        return mate_after_s
+    return max(KILL_FAST_S, gloo_worst or 0.0)
 
 
 def warm_up(rank: int, group: Any) -> None:
@@ -46,47 +63,67 @@ def killed_peer(
     victim_joins: bool = True,
     mate: int | None = None,
     mate_after_s: float = 0.0,
+    yardstick: bool = False,
 ) -> dict[str, Any] | None:
     """In a group of its own (so that its short timeout does not cover start-up), rank
     ``victim`` joins a big allreduce once the others are inside it and SIGKILLs itself
     a few slices in (with ``victim_joins=False``, without joining it); rank ``mate``, if
     given, dies ``mate_after_s`` after it (as torchrun's agent ends the rest of a
-    machine whose rank died). Each survivor reports the error it got (None if the
-    allreduce completed), how long after the kill it came, what a call after it did,
-    and how long destroying the group then took."""
+    machine whose rank died). With ``yardstick``, the same allreduce runs at the same
+    time on a Gloo group of the same ranks. Each survivor reports the error it got
+    (None if the allreduce completed), how long after the kill it came (Gloo's too), what
+    a call after it did, and how long destroying the group then took."""
     store = default_store()
-    group = dist.new_group(backend=group_backend, timeout=timedelta(seconds=group_timeout_s))
-    warm_up(rank, group)
-    big = torch.ones(big_numel)
+    timeout = timedelta(seconds=group_timeout_s)
+    group = dist.new_group(backend=group_backend, timeout=timeout)
+    groups = {"main": group}
+    if yardstick:
+        groups["gloo"] = dist.new_group(backend="gloo", timeout=timeout)
+    for g in groups.values():
+        warm_up(rank, g)
+    big = {name: torch.ones(big_numel) for name in groups}
     dist.barrier(group=group)
     if rank == victim:
         # Once the others are inside the allreduce, join it and die a few slices in
         # (the whole 32 MiB takes a fraction of a second).
         store.wait([f"kill/posted/{r}" for r in range(world) if r != victim])
         if victim_joins:
-            dist.all_reduce(big, group=group, async_op=True)
+            for name, g in groups.items():
+                dist.all_reduce(big[name], group=g, async_op=True)
             time.sleep(0.005)
         store.set("kill/at", repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
-    work = dist.all_reduce(big, group=group, async_op=True)
-    assert work is not None
+    ended: dict[str, float] = {}
+    works = {}
+    for name, g in groups.items():
+        works[name] = dist.all_reduce(big[name], group=g, async_op=True)
+        # Stamped when the future ends, whichever of the two this rank waits on first.
+        works[name].get_future().add_done_callback(
+            lambda _, name=name: ended.setdefault(name, time.time())
+        )
     store.set(f"kill/posted/{rank}", "1")
     if rank == mate:
         killed_at = float(wait_key(store, "kill/at", 30))
         time.sleep(max(0.0, killed_at + mate_after_s - time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
-    message = None
-    try:
-        work.wait()
-    except Exception as exc:  # noqa: BLE001 - the message is the result
-        message = str(exc)
-    raised_at = time.time()
+    messages: dict[str, str | None] = {}
+    for name, work in works.items():
+        messages[name] = None
+        try:
+            work.wait()
+        except Exception as exc:  # noqa: BLE001 - the message is the result
+            messages[name] = str(exc)
+        ended.setdefault(name, time.time())
     killed_at = float(wait_key(store, "kill/at", 30))
     out: dict[str, Any] = {
-        "message": message,
-        "detect_s": raised_at - killed_at,
+        "message": messages["main"],
+        "detect_s": ended["main"] - killed_at,
         "host": socket.gethostname(),
     }
+    if yardstick:
+        out["gloo_message"] = messages["gloo"]
+        out["gloo_detect_s"] = ended["gloo"] - killed_at
+        dist.destroy_process_group(groups["gloo"])
     if group_backend == "fairring":
         # Gloo makes no promise about calls after an error (it may wait for the timeout).
         out["after_s"], out["after_message"] = call_after_error(group)

@@ -10,10 +10,13 @@ was not caught. The tests pass without a plant: that is the suite's own run.
 
     python tests/stream_mutants.py                 # every plant
     python tests/stream_mutants.py keep_alive_off  # some
+    python tests/stream_mutants.py --jobs 2        # two at a time
 """
 
 from __future__ import annotations
 
+import argparse
+import concurrent.futures
 import dataclasses
 import os
 import re
@@ -127,24 +130,36 @@ def run(name: str, catch: Catch) -> tuple[str | None, str]:
 
 
 def main(argv: list[str]) -> int:
-    names = argv or list(CATCHERS)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("plants", nargs="*", help="plant names (default: all)")
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="plants run at once (each job has 2 to 4 ranks)"
+    )
+    args = parser.parse_args(argv)
+    names = args.plants or list(CATCHERS)
     unknown = [n for n in names if n not in CATCHERS]
     if unknown:
-        print(
-            f"stream_mutants: no plant is called {', '.join(unknown)}; known: {', '.join(CATCHERS)}"
-        )
+        known = ", ".join(CATCHERS)
+        print(f"stream_mutants: no plant is called {', '.join(unknown)}; known: {known}")
         return 2
-    missed = []
-    for name in names:
-        start = time.monotonic()
+    start = time.monotonic()
+
+    def timed(name: str) -> tuple[str, str | None, str, float]:
+        began = time.monotonic()
         caught, output = run(name, CATCHERS[name])
-        took = f"({time.monotonic() - start:.0f} s)"
-        if caught:
-            print(f"{name}: caught by {caught} {took}", flush=True)
-        else:
-            missed.append(name)
-            print(f"{name}: NOT CAUGHT {took}\n{output[-3000:]}", flush=True)
-    print(f"stream_mutants: {len(names) - len(missed)} of {len(names)} plants caught")
+        return name, caught, output, time.monotonic() - began
+
+    missed = []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        for name, caught, output, took in pool.map(timed, names):
+            if caught:
+                print(f"{name}: caught by {caught} ({took:.0f} s)", flush=True)
+            else:
+                missed.append(name)
+                print(f"{name}: NOT CAUGHT ({took:.0f} s)\n{output[-3000:]}", flush=True)
+    caught_count = len(names) - len(missed)
+    took = time.monotonic() - start
+    print(f"stream_mutants: {caught_count} of {len(names)} plants caught in {took:.0f} s")
     return 1 if missed else 0
 
 

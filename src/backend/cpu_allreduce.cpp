@@ -43,7 +43,8 @@ CpuAllreduce::CpuAllreduce(
         return std::move(callbackOptions);
       }()),
       store_(std::move(store)),
-      completion_(callbackOptions_.timeout) {}
+      completion_(callbackOptions_.timeout),
+      rings_(engine) {}
 
 CpuAllreduce::~CpuAllreduce() {
   shutdown();
@@ -59,11 +60,12 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::run(
     const std::vector<at::Tensor>& inputs,
     const Ring& ring,
     const Observe& observe) {
+  const RingCall call{work.numel(), work.scalar_type(), op};
   return runOn(
       [&](AllreduceEngine& engine) {
         return engine.enqueue(std::move(work), op, std::move(outputs), std::move(finish));
       },
-      opType, profilingTitle, inputs, ring, observe);
+      opType, profilingTitle, inputs, ring, call, observe);
 }
 
 bool CpuAllreduce::issuedFromCallback() {
@@ -76,6 +78,7 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::runOn(
     const char* profilingTitle,
     const std::vector<at::Tensor>& inputs,
     const Ring& ring,
+    const RingCall& ringCall,
     const Observe& observe) {
   bool fromCallback = OrderedCompletion::onWorkerThread();
   if (!fromCallback && insidePythonFutureCallback()) {
@@ -85,8 +88,12 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::runOn(
     fromCallback = true;
     completion_.awaitMarkedCallbacks();
   }
+  if (fromCallback) {
+    refuseIfFailed();
+  }
   const bool onRing = ring && !fromCallback;
-  auto source = onRing ? issueOnRing(ring) : post(fromCallback ? callbackEngine() : engine_);
+  auto source = onRing ? rings_.issue(ring, ringCall.numel, ringCall.dtype, ringCall.op)
+                        : post(fromCallback ? callbackEngine() : engine_);
   if (observe) {
     observe(source);
   }
@@ -114,46 +121,28 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::runOn(
   return result;
 }
 
-c10::intrusive_ptr<c10::ivalue::Future> CpuAllreduce::issueOnRing(const Ring& ring) {
-  // Settled once: by the ring, or by a failure of the group at or before its
-  // turn, whichever comes first (then Gloo runs it on, for nobody).
-  auto done = tensorListFuture();
-  auto settled = std::make_shared<std::atomic<bool>>(false);
-  const uint64_t seq =
-      engine_.takeTurn([done, settled, abandoned = ringAbandoned_](const std::string& message) {
-        if (!settled->exchange(true)) {
-          ++*abandoned;
-          done->setError(std::make_exception_ptr(c10::DistBackendError(message)));
-        }
-      });
-  c10::intrusive_ptr<c10::ivalue::Future> source;
-  try {
-    source = ring();
-  } catch (const std::exception& e) {
-    engine_.turnFailed(seq, e.what());
-    throw;
+void CpuAllreduce::refuseIfFailed() {
+  if (!engine_.failure().failed()) {
+    return;
   }
-  source->addCallback([engine = &engine_, seq, done, settled](c10::ivalue::Future& f) {
-    if (f.hasError()) {
-      // Its turn failed on this rank: it fails the group from there on.
-      engine->turnFailed(seq, f.tryRetrieveErrorMessage());
-    } else {
-      engine->turnDone(seq);
-    }
-    if (settled->exchange(true)) {
-      return;
-    }
-    if (f.hasError()) {
-      done->setError(f.exception_ptr());
-    } else {
-      done->markCompleted(f.value());
-    }
-  });
-  return done;
+  // The group has failed, so its program's calls raise: so do collectives from
+  // callbacks, with the same reason. The callbacks' engine fails from this
+  // call's turn on and tells its peers, whose same call would otherwise wait
+  // for this rank, then report its close at destroy instead (chaos seed 0).
+  const std::string refusal = engine_.failure().refusal();
+  std::shared_ptr<AllreduceEngine> engine;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    engine = callbackEngine_;
+  }
+  if (engine) {
+    engine->refuse(refusal);
+  }
+  throw c10::DistBackendError(refusal);
 }
 
 CpuAllreduce::Stats CpuAllreduce::stats() const {
-  return Stats{engineOps_.load(), ringOps_.load(), ringAbandoned_->load()};
+  return Stats{engineOps_.load(), ringOps_.load(), rings_.abandoned()};
 }
 
 void CpuAllreduce::barrier() {
@@ -220,6 +209,7 @@ void CpuAllreduce::shutdown() {
       e->shutdown();
     }
   }
+  rings_.shutdown(); // after the main engine's: what it failed has been told
   completion_.stop(kStopGrace);
 }
 

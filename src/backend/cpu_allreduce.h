@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/ring_calls.h"
 #include "pipeline/allreduce_engine.h"
 #include "pipeline/ordered_completion.h"
 
@@ -32,6 +33,12 @@ class CpuAllreduce {
   // before the wait for earlier calls that the caller's future adds): the
   // measured choice times a trial call by it.
   using Observe = std::function<void(const c10::intrusive_ptr<c10::ivalue::Future>&)>;
+  // What a call handed to the ring announces at its turn (AllreduceEngine::announce).
+  struct RingCall {
+    int64_t numel;
+    at::ScalarType dtype;
+    c10d::ReduceOp::RedOpType op;
+  };
 
   // `engine` must outlive this object; `callbackOptions` and `store` start the
   // second engine.
@@ -59,8 +66,9 @@ class CpuAllreduce {
   // engine this call belongs to (main, or callbacks') and returns its future.
   // `ring`, where given, issues the program's own call on the ring delegate
   // instead and returns its future (valued as the caller's outputs); it still
-  // takes its turn on the main engine, so that a failure fails it as it fails
-  // the engine's own calls. A call from a callback stays on the callback
+  // takes its turn on the main engine, announcing `ringCall` there, so that a
+  // failure fails it as it fails the engine's own calls and ranks that
+  // disagree on it fail as they would on the engine. A call from a callback stays on the callback
   // engine: on the delegate it would interleave with the program's calls
   // differently on each rank.
   c10::intrusive_ptr<c10d::Work> runOn(
@@ -69,6 +77,7 @@ class CpuAllreduce {
       const char* profilingTitle,
       const std::vector<at::Tensor>& inputs,
       const Ring& ring = nullptr,
+      const RingCall& ringCall = {},
       const Observe& observe = nullptr);
 
   // Whether the calling thread issues from a callback of a fairring future
@@ -97,7 +106,9 @@ class CpuAllreduce {
 
  private:
   AllreduceEngine& callbackEngine();
-  c10::intrusive_ptr<c10::ivalue::Future> issueOnRing(const Ring& ring);
+  // From a callback: throws the group's failure if it has failed, failing the
+  // callbacks' engine with it (so that its peers hear of it too).
+  void refuseIfFailed();
 
   const int rank_;
   AllreduceEngine& engine_;
@@ -114,7 +125,7 @@ class CpuAllreduce {
   bool stopped_{false};
   std::atomic<uint64_t> engineOps_{0};
   std::atomic<uint64_t> ringOps_{0};
-  std::shared_ptr<std::atomic<uint64_t>> ringAbandoned_{std::make_shared<std::atomic<uint64_t>>(0)};
+  RingCalls rings_;
 };
 
 } // namespace fairring

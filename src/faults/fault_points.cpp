@@ -1,5 +1,6 @@
 #include "faults/fault_points.h"
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -71,6 +72,13 @@ bool hit(const char* point, int64_t key) {
 }
 
 void arm(const std::string& point, Action action, std::chrono::milliseconds delay, int times, int64_t key) {
+  if (std::find(kPoints.begin(), kPoints.end(), point) == kPoints.end()) {
+    std::string known;
+    for (std::string_view name : kPoints) {
+      known += (known.empty() ? "" : ", ") + std::string(name);
+    }
+    throw std::invalid_argument("no fault point is named '" + point + "' (the core has " + known + ")");
+  }
   if (times <= 0) {
     throw std::invalid_argument("fault point " + point + ": times must be positive");
   }

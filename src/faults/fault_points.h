@@ -1,10 +1,12 @@
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 
 namespace fairring::faults {
 
@@ -19,6 +21,19 @@ enum class Action : uint8_t {
   kThrow, // throw std::runtime_error (a reduction that fails)
   kClose, // the caller closes what it holds (a connection)
 };
+
+// Every point the core has, in one table: call sites name a point by one of
+// these constants, and arm() refuses any other name, so a renamed or removed
+// point cannot go silently inert under a test that arms the old name.
+inline constexpr const char* kMeshConnect = "mesh.connect"; // key: the peer; before connecting to it
+inline constexpr const char* kMeshSendFirst = "mesh.send.first"; // key: the peer; an abort, before it is written
+inline constexpr const char* kMeshReadClose = "mesh.read.close"; // key: the peer; before a body is read
+inline constexpr const char* kEngineStart = "engine.start"; // no key; between connecting and the watchdog
+inline constexpr const char* kEngineReduce = "engine.reduce"; // key: the turn; a reduction, before it runs
+inline constexpr const char* kEngineAbort = "engine.abort"; // key: the peer; its abort read, not yet acted on
+inline constexpr const char* kSubgroupsIssue = "subgroups.issue"; // key: the turn; a composed call, before it is issued
+inline constexpr std::array<std::string_view, 7> kPoints{
+    kMeshConnect, kMeshSendFirst, kMeshReadClose, kEngineStart, kEngineReduce, kEngineAbort, kSubgroupsIssue};
 
 struct Fault {
   Action action{Action::kDelay};
@@ -42,8 +57,9 @@ inline std::optional<Fault> at(const char* point, int64_t key = -1) {
 // at(), with delays slept and throws thrown here; true where armed to close.
 bool hit(const char* point, int64_t key = -1);
 
-// For the test module: arm `point` for `times` uses (matching `key`, or any
-// key if -1), disarm everything, and count the uses so far.
+// For the test module: arm `point` (one of kPoints, else std::invalid_argument)
+// for `times` uses (matching `key`, or any key if -1), disarm everything, and
+// count the uses so far.
 void arm(const std::string& point, Action action, std::chrono::milliseconds delay, int times, int64_t key);
 void disarmAll();
 int uses(const std::string& point);

@@ -96,7 +96,7 @@ void AllreduceEngine::start(c10d::Store& store) {
     mesh_->close();
     throw c10::DistBackendError(status.message());
   }
-  faults::hit("engine.start");
+  faults::hit(faults::kEngineStart);
   Actions actions;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -227,13 +227,14 @@ std::unique_ptr<Operation> AllreduceEngine::newOp(
   return o;
 }
 
-void AllreduceEngine::admit(std::unique_ptr<Operation> o) {
+uint64_t AllreduceEngine::admit(std::unique_ptr<Operation> o) {
   Actions actions;
   std::string refusal;
+  uint64_t seq = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     // Its turn, whatever happens to it: every rank numbers its calls alike.
-    o->seq = nextSeq_++;
+    seq = o->seq = nextSeq_++;
     if (auto departed = failure_.departed(); departed && !failure_.fails(o->seq)) {
       failLocked(*departed, actions, o->seq);
     }
@@ -249,6 +250,7 @@ void AllreduceEngine::admit(std::unique_ptr<Operation> o) {
   if (!refusal.empty()) {
     throw c10::DistBackendError(refusal);
   }
+  return seq;
 }
 
 void AllreduceEngine::refuse(const std::string& message) {
@@ -262,14 +264,29 @@ void AllreduceEngine::refuse(const std::string& message) {
   throw c10::DistBackendError(message);
 }
 
-uint64_t AllreduceEngine::takeTurn(std::function<void(const std::string&)> fail) {
-  std::lock_guard<std::mutex> lock(mu_);
-  const uint64_t seq = nextSeq_++;
-  if (failure_.fails(seq)) {
-    throw c10::DistBackendError(failure_.refusal());
+c10::intrusive_ptr<AllreduceEngine::Future> AllreduceEngine::announce(
+    int64_t numel,
+    at::ScalarType dtype,
+    RedOp op,
+    uint64_t& seq) {
+  auto future = c10::make_intrusive<Future>(c10::ListType::create(c10::TensorType::get()));
+  auto o = newOp(OpKind::kAllreduce, at::empty({0}, at::TensorOptions().dtype(dtype)), op, {}, nullptr, future);
+  o->announcedNumel = numel;
+  seq = admit(std::move(o));
+  return future;
+}
+
+void AllreduceEngine::watchTurn(uint64_t seq, std::function<void(const std::string&)> fail) {
+  std::string failed;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failure_.fails(seq)) {
+      outsideTurns_[seq] = std::move(fail);
+      return;
+    }
+    failed = failure_.refusal();
   }
-  outsideTurns_[seq] = std::move(fail);
-  return seq;
+  fail(failed);
 }
 
 void AllreduceEngine::turnDone(uint64_t seq) {
@@ -277,16 +294,27 @@ void AllreduceEngine::turnDone(uint64_t seq) {
   outsideTurns_.erase(seq);
 }
 
-void AllreduceEngine::turnFailed(uint64_t seq, const std::string& message) {
+std::string AllreduceEngine::turnFailed(uint64_t seq, const std::string& message) {
   Actions actions;
+  std::string reason = message;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     outsideTurns_.erase(seq);
+    // Gloo names a lost peer by its address only. A peer that died closed this
+    // rank's own connections to it at the same moment: give their readers the
+    // time a failed send gives them to reach that close, and name the rank.
+    cv_.wait_for(lock, GroupFailure::kSendFailureWait, [this] {
+      return stopping_ || failure_.failed() || failure_.departed().has_value();
+    });
+    if (auto departed = failure_.departed(); departed && !failure_.failed()) {
+      reason = message + "; " + *departed;
+    }
     if (!stopping_) {
-      failLocked(message, actions, seq);
+      failLocked(reason, actions, seq);
     }
   }
   run(actions);
+  return reason;
 }
 
 void AllreduceEngine::admitLocked(std::unique_ptr<Operation> o, Actions& actions) {
@@ -458,7 +486,7 @@ void AllreduceEngine::reduce(Turn& t, std::function<void()> task) {
   tasks_.post([this, seq, s, g, task = std::move(task)] {
     std::string error;
     try {
-      faults::hit("engine.reduce", static_cast<int64_t>(seq));
+      faults::hit(faults::kEngineReduce, static_cast<int64_t>(seq));
       task();
     } catch (const std::exception& e) {
       error = e.what();

@@ -98,14 +98,26 @@ class AllreduceEngine : private StepContext {
   // Earlier operations finish. Always throws.
   [[noreturn]] void refuse(const std::string& message);
 
-  // A call of the group that runs outside the engine (Gloo's ring) takes its
-  // turn here too, so that failures number it as every rank does: throws the
-  // group's failure if that turn has failed; else `fail` runs (on an engine
-  // thread) if the group fails at or before it before turnDone(). turnFailed:
-  // the call failed, so the group fails from its turn.
-  uint64_t takeTurn(std::function<void(const std::string&)> fail);
+  // A call handed to Gloo's ring (one rank per machine) takes its turn here
+  // as an operation that moves nothing but announces the call as an allreduce
+  // of the engine would (its size, dtype and op): ranks that disagree, or a
+  // rank that runs the same call on the engine (its size or dtype decided the
+  // path differently), fail at that turn naming both sides, which Gloo's ring
+  // would not (it reduces whatever it is given). The future completes once
+  // every rank has announced the same call, and fails wherever the group fails
+  // at or before its turn. Throws the group's failure if that turn has failed
+  // already; `seq` is the turn.
+  c10::intrusive_ptr<Future> announce(int64_t numel, at::ScalarType dtype, c10d::ReduceOp::RedOpType op, uint64_t& seq);
+  // The call at turn `seq` runs outside the engine now (on Gloo's ring):
+  // `fail` runs (on an engine thread, or here if that turn has failed already)
+  // if the group fails at or before it before turnDone() or turnFailed().
+  void watchTurn(uint64_t seq, std::function<void(const std::string&)> fail);
   void turnDone(uint64_t seq);
-  void turnFailed(uint64_t seq, const std::string& message);
+  // The ring call at turn `seq` failed: the group fails from there on. Returns
+  // what the call should raise: `message`, with the lost peer named where one
+  // closed its connections to this rank (waiting up to
+  // GroupFailure::kSendFailureWait for that close: Gloo names it by address).
+  std::string turnFailed(uint64_t seq, const std::string& message);
 
   const GroupFailure& failure() const {
     return failure_;
@@ -144,8 +156,9 @@ class AllreduceEngine : private StepContext {
       std::vector<at::Tensor> outputs,
       std::function<void()> finish,
       const c10::intrusive_ptr<Future>& future);
-  // Posts `o` (its plan set) at the next turn, or throws the group's failure.
-  void admit(std::unique_ptr<Operation> o);
+  // Posts `o` (its plan set) at the next turn, which it returns, or throws the
+  // group's failure.
+  uint64_t admit(std::unique_ptr<Operation> o);
   void admitLocked(std::unique_ptr<Operation> o, Actions& actions);
   void layOut(Operation& op);
   int64_t shardedSliceElems(OpKind kind, const at::Tensor& input, int64_t partElems, const std::string& where);
@@ -216,7 +229,7 @@ class AllreduceEngine : private StepContext {
   std::vector<std::unique_ptr<Operation>> graveyard_;
   std::deque<std::pair<uint64_t, int64_t>> waitingForSlot_;
   std::map<std::pair<uint64_t, int64_t>, std::vector<Parked>> parked_;
-  // Turns of calls running outside the engine, not yet done: how to fail them.
+  // Calls running outside the engine (watchTurn), not yet done: how to fail them.
   std::map<uint64_t, std::function<void(const std::string&)>> outsideTurns_;
   Outboxes outboxes_;
   StagingPool staging_;

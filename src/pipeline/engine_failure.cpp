@@ -74,6 +74,7 @@ void AllreduceEngine::lostPeerLocked(bool needed, const std::string& message, Ac
   if (auto now = failure_.peerLost(message, needed)) {
     failLocked(*now, actions);
   }
+  cv_.notify_all(); // a ring call that failed waits to name the lost peer (turnFailed)
 }
 
 void AllreduceEngine::watchdog() {

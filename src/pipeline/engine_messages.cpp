@@ -8,6 +8,7 @@
 
 #include <algorithm>
 
+#include "faults/fault_points.h"
 #include "ops/reduce_kind.h"
 #include "pipeline/allreduce_engine.h"
 
@@ -16,6 +17,10 @@ namespace fairring {
 using RedOp = c10d::ReduceOp::RedOpType;
 
 void AllreduceEngine::onMessage(int peer, Lane lane, Status status, std::string header, size_t bytes) {
+  const std::optional<Abort> abort = status.ok() ? decodeAbort(header) : std::nullopt;
+  if (abort) {
+    faults::hit(faults::kEngineAbort, peer); // outside the lock: a delay here holds only this connection
+  }
   Actions actions;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -26,7 +31,7 @@ void AllreduceEngine::onMessage(int peer, Lane lane, Status status, std::string 
       // A peer that finished everything may close before we have read its
       // last bytes' successors; that is only an error if we wait on it.
       lostPeerLocked(needsFrom(peer, lane), status.message(), actions);
-    } else if (auto abort = decodeAbort(header)) {
+    } else if (abort) {
       failLocked(
           GroupFailure::forwarded(abort->reason, layout_.describe(layout_.rank()), layout_.describe(peer)), actions,
           abort->fromSeq);

@@ -68,6 +68,9 @@ struct Operation {
 
   uint64_t seq{0}; // its turn: the same on every rank
   OpKind kind{OpKind::kAllreduce};
+  // A call on Gloo's ring, announced at its turn (AllreduceEngine::announce):
+  // its size travels in the headers while the operation itself moves nothing.
+  int64_t announcedNumel{-1};
   // The allreduce's tensor, or the reduce-scatter's and all-gather's output.
   at::Tensor work;
   at::Tensor input; // reduce-scatter, all-gather; flat and contiguous
@@ -96,7 +99,7 @@ struct Operation {
     h.slice = s;
     h.segment = g;
     h.phase = phase;
-    h.numel = numel();
+    h.numel = announcedNumel >= 0 ? announcedNumel : numel();
     h.dtype = static_cast<int8_t>(work.scalar_type());
     h.op = static_cast<uint8_t>(op);
     h.kind = static_cast<uint8_t>(kind);

@@ -133,6 +133,15 @@ void SubgroupAllreduce::countDelegated(size_t row) {
   ++stats_.rows[row];
 }
 
+c10::Device SubgroupAllreduce::deviceOf(const std::vector<at::Tensor>& tensors) const {
+  for (const at::Tensor& t : tensors) {
+    if (t.defined() && t.device().type() == deviceType_) {
+      return t.device();
+    }
+  }
+  return c10::Device(deviceType_);
+}
+
 void SubgroupAllreduce::orderBefore(const std::vector<at::Tensor>& tensors) {
   if (planted(Plant::kDelegatedNotAfterAllreduce) || deviceType_ == c10::kCPU) {
     return;
@@ -142,7 +151,7 @@ void SubgroupAllreduce::orderBefore(const std::vector<at::Tensor>& tensors) {
   if (ranges.empty() || inFlight_.size() == 0) {
     return;
   }
-  const c10::Device device(deviceType_, tensors.front().device().index());
+  const c10::Device device = deviceOf(tensors);
   if (isCapturing(currentStreamCapture(device))) {
     // Neither ask (a query breaks a global-mode capture) nor wait (an event
     // recorded outside the capture cannot be waited for inside it): the
@@ -168,7 +177,7 @@ void SubgroupAllreduce::orderAfter(const std::vector<at::Tensor>& tensors, const
     return;
   }
   std::vector<ByteRange> ranges = byteRangesOf(tensors);
-  if (ranges.empty() || isCapturing(currentStreamCapture(tensors.front().device()))) {
+  if (ranges.empty() || isCapturing(currentStreamCapture(deviceOf(tensors)))) {
     return;
   }
   std::lock_guard<std::mutex> lock(mu_);
@@ -301,7 +310,7 @@ int SubgroupAllreduce::issue(
     const std::function<Prepared()>& prepare,
     Prepared& prepared,
     uint64_t turn) {
-  faults::hit("subgroups.issue", static_cast<int64_t>(turn)); // a test's failing call
+  faults::hit(faults::kSubgroupsIssue, static_cast<int64_t>(turn)); // a test's failing call
   const int first = firstStream(plan);
   {
     // The copy of a view, of an int16 tensor or of coalesced tensors reads

@@ -224,6 +224,8 @@ class SubgroupAllreduce {
   // Shuts the sub-groups down (`graceful`) or aborts them, once, outside the lock.
   void close(bool graceful, bool withWorld, const std::string& outcome);
   void checkTensor(const at::Tensor& t, const std::string& name) const;
+  // The device of the first of `tensors` on this path's kind of device.
+  c10::Device deviceOf(const std::vector<at::Tensor>& tensors) const;
   [[noreturn]] void failAt(uint64_t turn, const std::string& message);
 
   const Subgroups groups_;

@@ -97,7 +97,7 @@ void PeerMesh::readLoop(Inbound& in) {
       done = std::move(in.done);
     }
     Status body;
-    if (faults::hit("mesh.read.close", peer)) {
+    if (faults::hit(faults::kMeshReadClose, peer)) {
       in.socket.shutdown(); // the connection breaks under this body
       body = Status::error("the connection broke (fault point mesh.read.close)");
     } else if (bytes != frame.bodyBytes) {
@@ -182,7 +182,7 @@ void PeerMesh::writeLoop(Writer& writer) {
     }
     auto& [out, msg] = next;
     if (msg.first) {
-      faults::hit("mesh.send.first", out->peer);
+      faults::hit(faults::kMeshSendFirst, out->peer);
     }
     if (!out->broken) {
       Status s = transmit(*out, msg);

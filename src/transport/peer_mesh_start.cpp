@@ -56,7 +56,7 @@ Status PeerMesh::start(c10d::Store& store) {
       if (Status s = addressOf(store, peer, deadline, url); !s.ok()) {
         return s;
       }
-      faults::hit("mesh.connect", peer);
+      faults::hit(faults::kMeshConnect, peer);
       for (int l = 0; l < kNumLanes; ++l) {
         if (Status s = connect(peer, static_cast<Lane>(l), url, deadline); !s.ok()) {
           return s;

@@ -5,6 +5,8 @@
 
 #include <chrono>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "faults/fault_points.h"
 #include "pipeline/slice_plan.h"
@@ -73,6 +75,16 @@ void bindEngine(py::module_& m) {
       },
       py::arg("point"), py::arg("action"), py::arg("delay_ms") = 0, py::arg("times") = 1, py::arg("key") = -1,
       "Arms `point` for its next `times` uses whose key matches (-1: any).");
+  faults.def(
+      "points",
+      [] {
+        std::vector<std::string> names;
+        for (std::string_view name : fairring::faults::kPoints) {
+          names.emplace_back(name);
+        }
+        return names;
+      },
+      "Every point the core has (arm refuses any other name).");
   faults.def("disarm", &fairring::faults::disarmAll, "Disarms every point.");
   faults.def("uses", &fairring::faults::uses, py::arg("point"), "How many times `point` fired in this process.");
 }

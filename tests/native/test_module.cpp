@@ -12,4 +12,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bindCaptureAndDrain(m);
   bindPlants(m);
   bindMeasured(m);
+  bindGroupFailure(m);
 }

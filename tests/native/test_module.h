@@ -14,3 +14,5 @@ void bindCaptureAndDrain(pybind11::module_& m);
 void bindPlants(pybind11::module_& m);
 // The measured choice's schedule and test clock (measured_bindings.cpp).
 void bindMeasured(pybind11::module_& m);
+// GroupFailure on its own (failure_bindings.cpp).
+void bindGroupFailure(pybind11::module_& m);

@@ -1,0 +1,507 @@
+"""One rank of a chaos job (scripts/chaos.py): the job's program on a fairring group of
+its own (and, where the job says so, the same program on a Gloo group beside it), the
+fault where it falls, every outcome recorded with its time; the verdict is
+tests/chaos_verdict.py's, in the parent.
+
+Signals between ranks go through the job's store; a killed rank's time of death and
+its pid go through files in ``job_dir`` (the parent's), which a dying process can write
+and a machine-mate's watcher thread can read without the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import random
+import signal
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from chaos_plan import MATE_AFTER_S, Call, Job
+from reliability_helpers import default_store
+
+_POLL_S = 0.005
+_SETTLE_S = 3.0  # how long threads that are on their way out may take to go
+
+
+# ------------------------------------------------------------------ what is left
+
+
+def _threads() -> list[str]:
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            names.append(Path(f"/proc/self/task/{tid}/comm").read_text().strip())
+    return sorted(names)
+
+
+def resources() -> dict[str, Any]:
+    from reliability_helpers import _socket_inodes, listening_sockets
+
+    return {
+        "threads": _threads(),
+        "sockets": sorted(_socket_inodes()),
+        "listening": listening_sockets(),
+    }
+
+
+def _named_resources() -> dict[str, Any]:
+    """resources(), once the default group's watchdog thread has named itself (it names
+    itself after it starts), so that fairring's threads can be counted by name."""
+    deadline = time.monotonic() + _SETTLE_S
+    while "fairring-watch" not in (now := resources())["threads"]:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    return now
+
+
+def settled_resources(before: dict[str, Any]) -> dict[str, Any]:
+    """What this process holds once threads on their way out are gone (or after
+    _SETTLE_S): a completion thread that has just run a callback exits after it.
+    Threads are counted, not named: one that started just before ``before`` may not
+    have named itself yet."""
+    deadline = time.monotonic() + _SETTLE_S
+    while True:
+        now = resources()
+        settled = len(now["threads"]) <= len(before["threads"])
+        if settled and not set(now["sockets"]) - set(before["sockets"]):
+            return now
+        if time.monotonic() > deadline:
+            return now
+        time.sleep(0.05)
+
+
+# --------------------------------------------------------------- the collectives
+
+
+def _allreduce_inputs(job: Job, call: Call, rank: int, dtype: str = "", numel: int = -1) -> Any:
+    from values import make_values
+
+    return make_values(
+        f"chaos/{job.seed}/{call.index}",
+        rank,
+        call.op,
+        dtype or call.dtype,
+        call.numel if numel < 0 else numel,
+        job.world,
+        "wide",
+    )
+
+
+def check_allreduce(job: Job, call: Call, got: torch.Tensor) -> str | None:
+    from values import compare, reference
+
+    inputs = [_allreduce_inputs(job, call, r) for r in range(job.world)]
+    want, tolerance = reference(inputs, call.op, call.dtype)
+    return compare(got, want, tolerance, call.describe())
+
+
+def _broadcast_values(job: Job, call: Call) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(job.seed * 1000 + call.index)
+    return torch.randn(call.numel, generator=gen)
+
+
+class _Model:
+    """A linear layer under DDP whose gradients are exact small integers before DDP
+    averages them: weight' = sum over the batch of w^T x, bias' = sum of w."""
+
+    def __init__(self, job: Job, group: Any, hook: str) -> None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        torch.manual_seed(job.seed)
+        self.world = job.world
+        self.seed = job.seed
+        self.ddp = DDP(torch.nn.Linear(6, 3), process_group=group)
+        if hook == "fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            self.ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
+        elif hook == "chained":
+            # Unannotated: DDP compares annotations with dist.GradBucket, and this module's
+            # are strings (postponed).
+            self.ddp.register_comm_hook(group, lambda state, bucket: _chained_hook(state, bucket))
+        self.tolerance = (5e-3, 5e-2) if hook == "fp16" else (1e-6, 1e-6)
+
+    def release(self) -> None:
+        """Lets go of the group where DDP would keep it: after a backward that raised,
+        torch can keep the DDP object alive from C++, and with it the group (its
+        reducer holds it, and the comm hook's state) and the group's Gloo delegates."""
+        self.ddp.reducer = None
+        self.ddp.process_group = None
+
+    def _batch(self, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(self.seed * 7919 + step * 31 + rank)
+        x = torch.randint(-3, 4, (4, 6), generator=gen).float()
+        w = torch.randint(-2, 3, (4, 3), generator=gen).float()
+        return x, w
+
+    def step(self, step: int, rank: int) -> str | None:
+        """One forward and backward; what is wrong with the averaged gradients."""
+        self.ddp.zero_grad(set_to_none=True)
+        x, w = self._batch(step, rank)
+        (self.ddp(x) * w).sum().backward()
+        batches = [self._batch(step, r) for r in range(self.world)]
+        want_w = sum(wr.t() @ xr for xr, wr in batches) / self.world
+        want_b = sum(wr.sum(0) for _, wr in batches) / self.world
+        rtol, atol = self.tolerance
+        module = self.ddp.module
+        for name, got, want in (
+            ("weight", module.weight.grad, want_w),
+            ("bias", module.bias.grad, want_b),
+        ):
+            if got is None or not torch.allclose(got, want, rtol=rtol, atol=atol):
+                return f"ddp step {step}: {name} gradient {got} differs from {want}"
+        return None
+
+
+def _chained_hook(group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """An allreduce, then in its callback a second one that blocks (as PowerSGD does):
+    the number of ranks, which the sum is divided by."""
+
+    def divide(fut: torch.futures.Future[Any]) -> torch.Tensor:
+        count = torch.ones(1)
+        dist.all_reduce(count, group=group)
+        return fut.value()[0].div_(count.item())
+
+    return dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future().then(divide)
+
+
+class _Pending:
+    """A call in flight on one group: how to wait for it and check it, and when it
+    ended (stamped by its future where it has one, so that the order of waits does
+    not delay the stamp)."""
+
+    def __init__(
+        self,
+        record: dict[str, Any],
+        wait: Callable[[], None],
+        check: Callable[[], str | None],
+        work: Any,
+    ) -> None:
+        self.record = record
+        self.wait_fn = wait
+        self.check_fn = check
+        future = None
+        with contextlib.suppress(Exception):
+            future = work.get_future() if work is not None else None
+        if future is not None:
+            future.add_done_callback(lambda _: record.setdefault("ended_at", time.time()))
+
+    def finish(self) -> None:
+        try:
+            self.wait_fn()
+        except Exception as exc:  # noqa: BLE001 - the error is the outcome
+            self.record.setdefault("ended_at", time.time())
+            self.record["error"] = f"{type(exc).__name__}: {exc}"
+            return
+        self.record.setdefault("ended_at", time.time())
+        self.record["check"] = self.check_fn()
+        self.record["done"] = True
+
+
+class _Runner:
+    def __init__(
+        self, job: Job, rank: int, group: Any, name: str, models: dict[str, _Model]
+    ) -> None:
+        self.job = job
+        self.rank = rank
+        self.group = group
+        self.name = name
+        self.models = models
+        self.records: list[dict[str, Any]] = []
+        self.ddp_failed = False
+
+    def _record(self, call: Call) -> dict[str, Any]:
+        record: dict[str, Any] = {
+            "index": call.index,
+            "group": self.name,
+            "posted_at": time.time(),
+            "done": False,
+            "error": None,
+            "check": None,
+        }
+        self.records.append(record)
+        return record
+
+    def issue(self, call: Call, bad: str = "") -> _Pending | None:
+        """Posts ``call`` (as ``bad`` gets it wrong, on the bad call's rank); a
+        synchronous call is over on return (None)."""
+        record = self._record(call)
+        if bad:
+            record["bad"] = bad
+        try:
+            return self._issue(call, record, bad)
+        except Exception as exc:  # noqa: BLE001 - raised at the call: the outcome
+            record["ended_at"] = time.time()
+            record["error"] = f"{type(exc).__name__}: {exc}"
+            return None
+
+    def _issue(self, call: Call, record: dict[str, Any], bad: str) -> _Pending | None:
+        job, rank, group = self.job, self.rank, self.group
+        gloo = self.name == "gloo"
+        if call.kind == "allreduce":
+            dtype, op, numel = call.dtype, call.op, call.numel
+            if gloo:  # Gloo has no AVG, bool or int16; the same sizes, as float32 sums
+                dtype, op = "float32", "SUM"
+            if bad == "size":
+                numel += 1
+            elif bad == "empty":
+                numel = 0 if numel else 1
+            elif bad == "dtype":
+                # Another dtype the call is valid with (AVG needs a float): a mismatch,
+                # not a call refused on this rank alone.
+                floats = op == "AVG" or dtype == "int32"
+                dtype = ("float64" if dtype != "float64" else "float32") if floats else "int32"
+            elif bad == "op":
+                op = "MAX" if op != "MAX" else "MIN"
+            tensor = _allreduce_inputs(job, call, rank, dtype, numel)
+            work = dist.all_reduce(
+                tensor, op=getattr(dist.ReduceOp, op), group=group, async_op=True
+            )
+            check = (lambda: None) if gloo or bad else (lambda: check_allreduce(job, call, tensor))
+            return _Pending(record, work.wait, check, work)
+        if call.kind in ("reduce_scatter", "all_gather"):
+            return self._sharded(call, record, bad)
+        if call.kind == "broadcast":
+            want = _broadcast_values(job, call)
+            tensor = want.clone() if rank == call.src else torch.zeros(call.numel)
+            work = dist.broadcast(tensor, src=call.src, group=group, async_op=True)
+            what = call.describe()
+
+            def check() -> str | None:
+                return None if torch.equal(tensor, want) else f"{what}: wrong values"
+
+            return _Pending(record, work.wait, check, work)
+        if call.kind == "barrier":
+            dist.barrier(group=group)
+        elif call.kind == "ddp":
+            record["after_ddp_failure"] = self.ddp_failed
+            try:
+                record["check"] = self.models[self.name].step(call.index, rank)
+            except Exception:
+                self.ddp_failed = True
+                raise
+        record["ended_at"] = time.time()
+        record["done"] = True
+        return None
+
+    def _sharded(self, call: Call, record: dict[str, Any], bad: str) -> _Pending:
+        from collective_forms import _all_gather, _reduce_scatter, issue
+
+        job, group = self.job, self.group
+        key = f"chaos/{job.seed}/{call.index}"
+        form = call.form if self.name == "fairring" else call.kind  # Gloo: the tensor forms
+        if bad == "refused":
+            n, world = call.numel, job.world
+            if call.kind == "reduce_scatter":
+                work = _reduce_scatter(
+                    torch.empty(n, dtype=torch.int64),
+                    torch.ones(world * n + 1, dtype=torch.int64),
+                    group=group,
+                    async_op=True,
+                )
+            else:
+                work = _all_gather(
+                    torch.empty(world * n + 1, dtype=torch.int64),
+                    torch.ones(n, dtype=torch.int64),
+                    group=group,
+                    async_op=True,
+                )
+            return _Pending(record, work.wait, lambda: None, work)
+        issued = issue(form, key, call.numel + (1 if bad == "size" else 0), group=group)
+        check = issued.check if not bad and self.name == "fairring" else (lambda: None)
+        return _Pending(record, issued.wait, check, issued.work)
+
+
+# --------------------------------------------------------------------- the faults
+
+
+def _arm(point: str, action: str, delay_ms: int = 0, times: int = 1, key: int = -1) -> None:
+    import fault_points
+
+    fault_points.arm(point, action, delay_ms=delay_ms, times=times, key=key)
+
+
+def _fired(point: str) -> int:
+    import fault_points
+
+    return fault_points.uses(point)
+
+
+def _write_time(path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(repr(time.time()))
+    os.replace(tmp, path)
+
+
+def _watch_for_mates_death(job_dir: Path) -> None:
+    """As torchrun's agent does: once a rank of this machine died, the rest of the
+    machine dies MATE_AFTER_S later."""
+
+    def watch() -> None:
+        path = job_dir / "kill_at"
+        while not path.exists():
+            time.sleep(_POLL_S)
+        killed_at = float(path.read_text())
+        time.sleep(max(0.0, killed_at + MATE_AFTER_S - time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True, name="chaos-mate").start()
+
+
+def _await_posted(store: Any, job: Job, turn: int) -> None:
+    """The fault's rank waits for every other rank to be inside the call of its turn."""
+    others = [r for r in range(job.world) if r != job.fault.rank]
+    store.wait([f"chaos/posted/{r}/{turn}" for r in others], timedelta(seconds=60))
+
+
+def _die(job: Job, job_dir: Path, store: Any, runners: list[_Runner], call: Call) -> None:
+    """The killed or frozen rank at its turn: once the others are inside the call, it
+    posts it (an asynchronous one) and dies or stops a few ms later."""
+    fault = job.fault
+    _await_posted(store, job, call.index)
+    if fault.kind == "kill":
+        if call.kind not in ("barrier", "ddp"):
+            for runner in runners:
+                runner.issue(call)
+        time.sleep(fault.after_ms / 1000)
+        _write_time(job_dir / "kill_at")
+        os.kill(os.getpid(), signal.SIGKILL)
+    _write_time(job_dir / "freeze_at")
+    os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(600)  # the first survivor SIGKILLs this process once every survivor is done
+
+
+# ---------------------------------------------------------------------- the rank
+
+
+def chaos_rank(rank: int, world: int, job: Job, job_dir: str) -> dict[str, Any]:
+    directory = Path(job_dir)
+    (directory / f"rank{rank}.pid").write_text(str(os.getpid()))
+    store = default_store()
+    fault = job.fault
+    if fault.kind == "kill" and fault.mates_die and rank in job.mates(fault.rank):
+        _watch_for_mates_death(directory)
+    armed: list[str] = []
+    if rank == fault.rank and fault.kind == "delay" and fault.turn < 0:
+        _arm(fault.point, "delay", fault.delay_ms, fault.times, fault.peer)
+        armed.append(fault.point)
+    if fault.kind == "bad_call" and fault.held_abort_ms and rank == (fault.rank + 1) % world:
+        _arm("mesh.send.first", "delay", fault.held_abort_ms, times=8)
+        armed.append("mesh.send.first")
+    timeout = timedelta(seconds=job.group_timeout_s)
+    # Gloo's group first: what is left once fairring's group is gone is fairring's.
+    gloo = dist.new_group(backend="gloo", timeout=timeout) if job.mirror_gloo else None
+    before = _named_resources()
+    group = dist.new_group(backend="fairring", timeout=timeout)
+    # Everything that holds the group (DDP, works, runners) lives in _program's frame
+    # and is gone once it returns: what is left after destroy is fairring's own.
+    out = _program(job, rank, group, gloo, directory, store, armed)
+    t0 = time.monotonic()
+    dist.destroy_process_group(group)
+    out["destroy_s"] = time.monotonic() - t0
+    freed = weakref.ref(group)
+    del group
+    gc.collect()
+    # Python's last reference gone: what the group held (its Gloo delegates) is too.
+    out["group_freed"] = freed() is None
+    out["after"] = settled_resources(before)
+    out["before"] = before
+    if gloo is not None:
+        dist.destroy_process_group(gloo)
+    out["fired"] = {point: _fired(point) for point in set(armed)}
+    _release_frozen(store, job, rank, directory)
+    return out
+
+
+def _program(
+    job: Job, rank: int, group: Any, gloo: Any, directory: Path, store: Any, armed: list[str]
+) -> dict[str, Any]:
+    """The program on ``group`` (and ``gloo``), the fault where it falls; every call's
+    record, DDP's set-up errors and the group's ring statistics."""
+    fault = job.fault
+    at_fault = rank == fault.rank
+    hook = next((c.form for c in job.calls if c.kind == "ddp"), None)
+    models: dict[str, _Model] = {}
+    runners = [_Runner(job, rank, group, "fairring", models)]
+    if gloo is not None:
+        runners.append(_Runner(job, rank, gloo, "gloo", models))
+    setup_errors = []
+    if hook is not None:
+        for runner in runners:
+            models[runner.name] = _Model(job, runner.group, hook)
+            # DDP's second iteration broadcasts its rebuilt buckets: before the program,
+            # so that no program step issues a collective another rank may skip.
+            for step in (-2, -1):
+                if err := models[runner.name].step(step, rank):
+                    setup_errors.append(f"{runner.name}: {err}")
+    waits = random.Random(f"chaos/{job.seed}/waits/{rank}")  # differs between ranks
+    pending: list[_Pending] = []
+    for call in job.calls:
+        if call.index == fault.turn and at_fault:
+            if fault.kind in ("kill", "freeze"):
+                _die(job, directory, store, runners, call)
+            if fault.kind == "cut":
+                _arm(fault.point, "close", key=fault.peer)
+                armed.append(fault.point)
+            if fault.kind == "delay":
+                _arm(fault.point, "delay", fault.delay_ms, fault.times, fault.peer)
+                armed.append(fault.point)
+        wrong = fault.kind == "bad_call" and at_fault and call.index == fault.turn
+        bad = fault.variant if wrong else ""
+        sync = call.kind in ("barrier", "ddp")
+        if sync and call.index == fault.turn:
+            store.set(f"chaos/posted/{rank}/{call.index}", "1")
+        if sync and len(runners) == 2:
+            # Both groups' calls at once: Gloo's time to raise must not wait for fairring's.
+            side = threading.Thread(target=runners[1].issue, args=(call,))
+            side.start()
+            runners[0].issue(call, bad)
+            side.join()
+        else:
+            for runner in runners:
+                if (p := runner.issue(call, bad if runner.name == "fairring" else "")) is not None:
+                    pending.append(p)
+        if not sync and call.index == fault.turn:
+            store.set(f"chaos/posted/{rank}/{call.index}", "1")
+        while pending and waits.random() < 0.4:
+            pending.pop(waits.randrange(len(pending))).finish()
+    waits.shuffle(pending)
+    for item in pending:
+        item.finish()
+    stats = None
+    with contextlib.suppress(Exception):
+        stats = group._get_backend(torch.device("cpu")).cpu_allreduce_stats()
+    for model in models.values():
+        model.release()
+    return {
+        "records": [r for runner in runners for r in runner.records],
+        "setup_errors": setup_errors,
+        "ring_abandoned": int(stats.get("ring_abandoned", 0)) if stats else 0,
+    }
+
+
+def _release_frozen(store: Any, job: Job, rank: int, directory: Path) -> None:
+    """A frozen rank is SIGKILLed once every survivor is done: its death must not be
+    reported in place of the timeout."""
+    if job.fault.kind != "freeze":
+        return
+    survivors = [r for r in range(job.world) if r != job.fault.rank]
+    store.add("chaos/done", 1)
+    if rank != survivors[0]:
+        return
+    deadline = time.monotonic() + 120
+    while store.add("chaos/done", 0) < len(survivors) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    pid = int((directory / f"rank{job.fault.rank}.pid").read_text())
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)

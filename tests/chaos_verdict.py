@@ -1,0 +1,387 @@
+"""The verdict on one chaos job (scripts/chaos.py): what every rank reported
+(tests/chaos_rank.py), held to the failure rules of docs/design.md ("Failure") and the
+README's bounds. Pure: outcomes in, problems and figures out, so that the rules
+themselves are tested on made-up outcomes (tests/test_chaos.py).
+
+The rules, by fault:
+
+- none, a delay (fired or not), a cut that never fired: every call exact on every rank.
+- a bad call on rank b at call k: every call before k exact on every rank; call k and
+  every later call of the engine raise on every rank naming rank b, within TOLD_S of
+  the last rank's call k; broadcasts (Gloo's) complete.
+- a kill of rank v at call k: on every survivor each call is exact or raises naming v
+  (a call on Gloo's ring may carry Gloo's error, which names an address); calls after
+  k raise (but a broadcast, Gloo's, which a live root may still bring to a rank); the
+  first raise comes within the kill bound (0.1 s where Gloo in the same job raised
+  within 0.1 s; else before v's machine-mates die, where they do, or as fast as Gloo,
+  whichever is later).
+- a freeze of rank v at call k: every survivor raises "timed out", naming the peers the
+  first rank to time out waited for (v, or a rank waiting for v: no rank sees the whole
+  chain of waits), not before the group's timeout has run out for the earliest call in
+  flight and within FREEZE_SLACK_S after it has for the calls at k.
+- a cut (the connection from rank p breaks under a body rank c reads): each call
+  exact or raising naming c or p, never a later call exact after an earlier one raised,
+  rank c raises, and every rank that raises does so within TOLD_S of the first.
+- always: no survivor hangs or crashes; destroying the group takes at most
+  DESTROY_FAST_S (nothing waits), or DESTROY_BOUND_S with a frozen peer; no fairring
+  thread is left behind, nor (once the group object is gone) any thread, socket or
+  listening port of the group's; DDP's set-up steps are exact; a fault point armed to
+  close or to hold an abort fired.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from chaos_plan import MATE_AFTER_S, Job
+
+KILL_FAST_S = 0.1  # README: a killed rank is raised on every survivor within 0.1 s
+GLOO_MARGIN = 1.1  # "as fast as Gloo" in the same job, within 10 %
+# A bad call or a cut: every rank is told (the reason travels ahead of the close); the
+# group's timeout plays no part.
+TOLD_S = 1.0
+FREEZE_SLACK_S = 1.0  # the watchdog looks every 100 ms
+DESTROY_FAST_S = 1.0  # where nothing waits: a regression that sits out a 2 s grace fails
+DESTROY_BOUND_S = 4.0  # README: whatever the peers do
+EARLY_S = 0.1
+DELEGATED = ("broadcast",)
+
+
+@dataclasses.dataclass
+class Verdict:
+    problems: list[str]
+    outcome: str  # what happened, for the summary
+    raise_s: float | None = None  # the worst time to raise (by the fault's measure)
+    gloo_raise_s: float | None = None
+    destroy_s: float = 0.0
+
+
+def _names(message: str | None, ranks: set[int]) -> bool:
+    return message is not None and any(re.search(rf"\brank {r}\b", message) for r in ranks)
+
+
+def _ring(job: Job, call_index: int) -> bool:
+    """Whether fairring hands this call to Gloo's ring (one rank per machine, 1 MiB and
+    more, FAIRRING_CPU_ALLREDUCE=auto)."""
+    call = job.calls[call_index]
+    env = dict(job.env)
+    sizes = {"float64": 8, "int64": 8, "float32": 4, "int32": 4}
+    big = call.numel * sizes.get(call.dtype, 2) >= 1 << 20
+    return (
+        call.kind == "allreduce"
+        and job.shape == "3x1"
+        and env["FAIRRING_CPU_ALLREDUCE"] == "auto"
+        and big
+    )
+
+
+def _fairring(value: dict[str, Any]) -> list[dict[str, Any]]:
+    return sorted(
+        (r for r in value["records"] if r["group"] == "fairring"), key=lambda r: r["index"]
+    )
+
+
+def _first_raise(records: list[dict[str, Any]]) -> float | None:
+    times = [r["ended_at"] for r in records if r["error"] is not None]
+    return min(times) if times else None
+
+
+def _delegated(job: Job, record: dict[str, Any]) -> bool:
+    return job.calls[record["index"]].kind in DELEGATED
+
+
+def _what(job: Job, record: dict[str, Any]) -> str:
+    return job.calls[record["index"]].describe()
+
+
+def judge(job: Job, outcomes: list[Any], files: dict[str, float]) -> Verdict:
+    """``outcomes``: the launcher's RankOutcome per rank; ``files``: kill_at /
+    freeze_at, where the fault wrote them."""
+    fault = job.fault
+    problems: list[str] = []
+    dead: set[int] = set()
+    if fault.kind in ("kill", "freeze"):
+        dead = {fault.rank}
+        if fault.kind == "kill" and fault.mates_die:
+            dead |= set(job.mates(fault.rank))
+    for o in outcomes:
+        if o.rank in dead:
+            if o.status != "crashed":
+                problems.append(f"rank {o.rank} should have died, but: {o.status}")
+        elif not o.ok:
+            head = o.describe().splitlines()
+            problems.append(" | ".join(head[:2]) if head else f"rank {o.rank}: {o.status}")
+    survivors = {o.rank: o.value for o in outcomes if o.rank not in dead and o.ok}
+    if len(survivors) < job.world - len(dead):
+        return Verdict(problems, "FAILED")
+    destroy = max(v["destroy_s"] for v in survivors.values())
+    destroy_bound = DESTROY_BOUND_S if fault.kind == "freeze" else DESTROY_FAST_S
+    for rank, v in survivors.items():
+        problems += [f"rank {rank}: DDP set-up: {e}" for e in v["setup_errors"]]
+        if v["destroy_s"] > destroy_bound:
+            problems.append(
+                f"rank {rank}: destroy took {v['destroy_s']:.2f} s (bound {destroy_bound} s)"
+            )
+        problems += _left_behind(rank, v)
+    rules = {
+        "kill": _killed,
+        "freeze": _frozen,
+        "cut": _cut,
+        "bad_call": _bad_call,
+    }
+    fired = survivors.get(fault.rank, {}).get("fired", {}).get(fault.point, 0) if fault.point else 0
+    if fault.kind in rules and not (fault.kind == "cut" and not fired):
+        verdict = rules[fault.kind](job, survivors, files, problems)
+    else:
+        verdict = _clean(job, survivors, problems)
+        if fault.kind == "cut":
+            verdict.outcome = "cut never fired: exact"
+        elif fault.kind == "delay":
+            verdict.outcome = (
+                f"delay fired x{fired}: exact" if fired else "delay never fired: exact"
+            )
+    verdict.destroy_s = destroy
+    if verdict.problems and not verdict.outcome.startswith("FAILED"):
+        verdict.outcome = "FAILED"
+    return verdict
+
+
+def _fairring_threads(resources: dict[str, Any]) -> int:
+    return sum(t.startswith("fairring") for t in resources["threads"])
+
+
+def _left_behind(rank: int, v: dict[str, Any]) -> list[str]:
+    before, after = v["before"], v["after"]
+    if _fairring_threads(after) > _fairring_threads(before):
+        return [f"rank {rank}: fairring threads left: {before['threads']} -> {after['threads']}"]
+    ddp_failed = any(r["error"] for r in _fairring(v) if r.get("after_ddp_failure") is not None)
+    if v.get("ring_abandoned") or not v.get("group_freed", True) or ddp_failed:
+        # A ring call the group gave up on leaves its Gloo group (its threads, sockets
+        # and listener) to the process: documented, so that destroy does not wait for
+        # it. And DDP, after a backward that raised, may keep its reducer alive from
+        # C++, and with it the group (its Gloo delegates): torch's, not fairring's.
+        return []
+    out = []
+    if len(after["threads"]) > len(before["threads"]):
+        out.append(f"rank {rank}: threads left: {before['threads']} -> {after['threads']}")
+    if ports := sorted(set(after["listening"]) - set(before["listening"])):
+        out.append(f"rank {rank}: ports left listening: {ports}")
+    if left := set(after["sockets"]) - set(before["sockets"]):
+        out.append(f"rank {rank}: {len(left)} sockets left (of {len(after['sockets'])})")
+    return out
+
+
+def _clean(job: Job, survivors: dict[int, Any], problems: list[str]) -> Verdict:
+    for rank, v in survivors.items():
+        for r in _fairring(v):
+            if r["error"] is not None:
+                problems.append(f"rank {rank}: {_what(job, r)} raised: {r['error']}")
+            elif r["check"] is not None:
+                problems.append(f"rank {rank}: {r['check']}")
+    return Verdict(problems, "exact")
+
+
+def _exact_or(rank: int, job: Job, r: dict[str, Any], ok_error: Any, problems: list[str]) -> None:
+    if r["error"] is None:
+        if r["check"] is not None:
+            problems.append(f"rank {rank}: {r['check']}")
+    elif not ok_error(r):
+        problems.append(
+            f"rank {rank}: {_what(job, r)} raised without naming the fault: {r['error']}"
+        )
+
+
+def _bad_call(
+    job: Job, survivors: dict[int, Any], files: dict[str, float], problems: list[str]
+) -> Verdict:
+    fault = job.fault
+    k = fault.turn
+    last_post = max(
+        r["posted_at"] for v in survivors.values() for r in _fairring(v) if r["index"] == k
+    )
+    worst = 0.0
+    for rank, v in survivors.items():
+        for r in _fairring(v):
+            kind = job.calls[r["index"]].kind
+            if r["index"] < k or kind in DELEGATED:
+                _exact_or(rank, job, r, lambda _: False, problems)
+                continue
+            if r.get("after_ddp_failure") and r["error"] is not None:
+                continue  # DDP itself refuses a step after a failed one
+            if not _names(r["error"], {fault.rank}):
+                problems.append(
+                    f"rank {rank}: {_what(job, r)} at or after the bad call did not raise naming "
+                    f"rank {fault.rank}: {r['error'] or 'it completed'}"
+                )
+                continue
+            took = r["ended_at"] - max(last_post, r["posted_at"])
+            worst = max(worst, took)
+            if took > TOLD_S:
+                problems.append(
+                    f"rank {rank}: {_what(job, r)} raised {took:.2f} s after it was posted "
+                    "everywhere"
+                )
+    holder = (fault.rank + 1) % job.world
+    if fault.held_abort_ms and survivors[holder]["fired"].get("mesh.send.first", 0) == 0:
+        problems.append(
+            f"rank {holder}: mesh.send.first was armed to hold its aborts but never fired"
+        )
+    return Verdict(problems, "raised naming the bad call", raise_s=worst)
+
+
+def _kill_bound(job: Job, gloo_worst: float | None) -> float:
+    """0.1 s where Gloo raised within 0.1 s in the same job. On a machine too loaded for
+    that: before the machine-mates die (where they do), or as fast as Gloo (its slowest
+    survivor, with GLOO_MARGIN for two clocks read by different threads), whichever is
+    later: naming the dead rank, not a mate, is checked on its own."""
+    if gloo_worst is not None and gloo_worst <= KILL_FAST_S:
+        return KILL_FAST_S
+    base = MATE_AFTER_S if job.fault.mates_die else KILL_FAST_S
+    return max(base, (gloo_worst or 0.0) * GLOO_MARGIN)
+
+
+def _killed(
+    job: Job, survivors: dict[int, Any], files: dict[str, float], problems: list[str]
+) -> Verdict:
+    fault = job.fault
+    if "kill_at" not in files:
+        problems.append(f"rank {fault.rank} left no time of death")
+        return Verdict(problems, "FAILED")
+    killed_at = files["kill_at"]
+    gloo_times = []
+    for v in survivors.values():
+        # Gloo raises only where a later call of its needs the dead rank (a broadcast
+        # from a live root, an empty reduce-scatter do not): no yardstick there.
+        first = _first_raise([r for r in v["records"] if r["group"] == "gloo"])
+        if first is not None:
+            gloo_times.append(first - killed_at)
+    gloo_worst = max(gloo_times) if gloo_times else None
+    bound = _kill_bound(job, gloo_worst)
+    worst = 0.0
+
+    def named(r: dict[str, Any]) -> bool:
+        if job.calls[r["index"]].kind in DELEGATED or r.get("after_ddp_failure"):
+            return True  # Gloo's own error (names an address), or DDP's refusal
+        ring = _ring(job, r["index"]) and "on Gloo's ring" in r["error"]
+        return ring or _names(r["error"], {fault.rank})
+
+    for rank, v in survivors.items():
+        records = _fairring(v)
+        for r in records:
+            # A broadcast is Gloo's: from a root that lives it may still reach this rank.
+            if r["index"] > fault.turn and r["error"] is None and not _delegated(job, r):
+                problems.append(
+                    f"rank {rank}: {_what(job, r)}, after rank {fault.rank} died, completed"
+                )
+            _exact_or(rank, job, r, named, problems)
+            if r["error"] is not None and r["ended_at"] < killed_at - EARLY_S:
+                problems.append(
+                    f"rank {rank}: {_what(job, r)} raised before the kill: {r['error']}"
+                )
+        first = _first_raise(records)
+        if first is None:
+            continue
+        took = first - killed_at
+        worst = max(worst, took)
+        if took > bound:
+            problems.append(
+                f"rank {rank}: raised {took:.3f} s after the kill (bound {bound:.3f} s; "
+                f"Gloo's slowest {'none' if gloo_worst is None else f'{gloo_worst:.3f} s'})"
+            )
+    return Verdict(
+        problems, "raised naming the killed rank", raise_s=worst, gloo_raise_s=gloo_worst
+    )
+
+
+def _frozen(
+    job: Job, survivors: dict[int, Any], files: dict[str, float], problems: list[str]
+) -> Verdict:
+    fault = job.fault
+    if "freeze_at" not in files:
+        problems.append(f"rank {fault.rank} left no time of freezing")
+        return Verdict(problems, "FAILED")
+    frozen_at = files["freeze_at"]
+    timeout = job.group_timeout_s
+    errored = [r for v in survivors.values() for r in _fairring(v) if r["error"] is not None]
+    earliest = min((r["posted_at"] for r in errored), default=frozen_at)
+    worst = 0.0
+    gloo_times = []
+
+    def named(r: dict[str, Any]) -> bool:
+        if job.calls[r["index"]].kind in DELEGATED or r.get("after_ddp_failure"):
+            return True
+        if _ring(job, r["index"]) and "on Gloo's ring" in r["error"]:
+            return True
+        # The first rank to time out names the peers it waits for: the frozen rank, or
+        # a rank that waits for it (a chain of waits no rank sees whole).
+        return "timed out" in r["error"] and _names(r["error"], set(range(job.world)))
+
+    for rank, v in survivors.items():
+        records = _fairring(v)
+        for r in records:
+            # A broadcast is Gloo's: from a root that lives it may still reach this rank.
+            if r["index"] >= fault.turn and r["error"] is None and not _delegated(job, r):
+                problems.append(
+                    f"rank {rank}: {_what(job, r)}, with rank {fault.rank} frozen, completed"
+                )
+            _exact_or(rank, job, r, named, problems)
+        first = _first_raise(records)
+        if first is not None:
+            worst = max(worst, first - frozen_at)
+            if first < earliest + timeout - EARLY_S:
+                problems.append(
+                    f"rank {rank}: raised {first - earliest:.2f} s after its call, before the "
+                    "timeout"
+                )
+            if first > frozen_at + timeout + FREEZE_SLACK_S:
+                problems.append(
+                    f"rank {rank}: raised {first - frozen_at:.2f} s after the freeze "
+                    f"(timeout {timeout} s)"
+                )
+        gloo_first = _first_raise([r for r in v["records"] if r["group"] == "gloo"])
+        if gloo_first is not None:
+            gloo_times.append(gloo_first - frozen_at)
+    return Verdict(
+        problems,
+        "timed out naming the frozen rank",
+        raise_s=worst,
+        gloo_raise_s=max(gloo_times) if gloo_times else None,
+    )
+
+
+def _cut(
+    job: Job, survivors: dict[int, Any], files: dict[str, float], problems: list[str]
+) -> Verdict:
+    fault = job.fault
+    culprits = {fault.rank, fault.peer}
+
+    def named(r: dict[str, Any]) -> bool:
+        if job.calls[r["index"]].kind in DELEGATED or r.get("after_ddp_failure"):
+            return True
+        if _ring(job, r["index"]) and "on Gloo's ring" in r["error"]:
+            return True
+        return _names(r["error"], culprits)
+
+    firsts = {}
+    for rank, v in survivors.items():
+        records = [r for r in _fairring(v) if job.calls[r["index"]].kind not in DELEGATED]
+        first = _first_raise(records)
+        for r in records:
+            _exact_or(rank, job, r, named, problems)
+            # Once this rank knew (its first error), every call it posted raises.
+            if first is not None and r["error"] is None and r["posted_at"] > first:
+                problems.append(
+                    f"rank {rank}: {_what(job, r)} completed, posted after an earlier call raised"
+                )
+        if first is not None:
+            firsts[rank] = first
+    if fault.rank not in firsts:
+        problems.append(
+            f"rank {fault.rank}: its connection from rank {fault.peer} broke, yet it raised nothing"
+        )
+    spread = max(firsts.values()) - min(firsts.values()) if firsts else 0.0
+    if spread > TOLD_S:
+        problems.append(f"the ranks raised over {spread:.2f} s: {firsts}")
+    return Verdict(problems, "raised naming the cut", raise_s=spread)

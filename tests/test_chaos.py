@@ -1,0 +1,454 @@
+"""The chaos run (scripts/chaos.py): its rules on made-up outcomes, its plans, and a
+fixed set of seeds that covers every fault and every shape, run as CI runs it.
+
+The rules (tests/chaos_verdict.py) are checked first on outcomes that keep them, then
+on the same outcomes with one thing wrong each, so that no rule can pass whatever
+happens. `python scripts/chaos.py --jobs 500` is the by-hand form."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from chaos_plan import FAULTS, RING_NUMEL, SHAPES, Call, Fault, Job, draw_job, machines_of
+from chaos_verdict import DESTROY_FAST_S, KILL_FAST_S, TOLD_S, judge
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+# ------------------------------------------------------------ made-up outcomes
+
+T0 = 1_000_000.0
+CALLS = (
+    Call(0, "allreduce", 10),
+    Call(1, "allreduce", 10),
+    Call(2, "broadcast", 10),
+    Call(3, "allreduce", 10),
+    Call(4, "allreduce", 10),
+)
+RESOURCES = {"threads": ["fairring-watch", "python"], "sockets": [11, 12], "listening": []}
+
+
+def _job(fault: Fault, timeout_s: float = 30.0) -> Job:
+    return Job(
+        seed=0,
+        shape="2x2",
+        machines=machines_of("2x2"),
+        calls=CALLS,
+        fault=fault,
+        env=(("FAIRRING_CPU_ALLREDUCE", "auto"),),
+        group_timeout_s=timeout_s,
+        mirror_gloo=fault.kind in ("kill", "freeze"),
+    )
+
+
+def _record(
+    index: int, group: str = "fairring", error: str | None = None, at: float = 0.0
+) -> dict[str, Any]:
+    return {
+        "index": index,
+        "group": group,
+        "posted_at": T0 + index * 0.001,
+        "ended_at": T0 + at,
+        "done": error is None,
+        "error": error,
+        "check": None,
+    }
+
+
+def _value(records: list[dict[str, Any]], fired: dict[str, int] | None = None) -> dict[str, Any]:
+    return {
+        "records": records,
+        "setup_errors": [],
+        "destroy_s": 0.01,
+        "before": copy.deepcopy(RESOURCES),
+        "after": copy.deepcopy(RESOURCES),
+        "fired": fired or {},
+        "ring_abandoned": 0,
+    }
+
+
+def _outcome(rank: int, value: dict[str, Any] | None, status: str = "ok") -> SimpleNamespace:
+    return SimpleNamespace(
+        rank=rank,
+        status=status,
+        ok=status == "ok",
+        value=value,
+        describe=lambda: f"rank {rank}: {status}",
+    )
+
+
+def _clean() -> tuple[Job, list[Any], dict[str, float]]:
+    records = [_record(c.index, at=0.01) for c in CALLS]
+    return _job(Fault()), [_outcome(r, _value(copy.deepcopy(records))) for r in range(4)], {}
+
+
+def _bad_call() -> tuple[Job, list[Any], dict[str, float]]:
+    """Rank 2 gets call 1 wrong: calls 0 and 2 (a broadcast) complete, 1, 3 and 4 raise."""
+    why = "fairring: allreduce #1 differs between ranks: rank 2 (host m1) has 11 elements"
+    outcomes = []
+    for rank in range(4):
+        records = [
+            _record(0, at=0.01),
+            _record(1, error=why, at=0.05),
+            _record(2, at=0.06),
+            _record(3, error=why, at=0.06),
+            _record(4, error=why, at=0.06),
+        ]
+        outcomes.append(_outcome(rank, _value(records)))
+    return _job(Fault("bad_call", rank=2, turn=1, variant="size")), outcomes, {}
+
+
+def _killed() -> tuple[Job, list[Any], dict[str, float]]:
+    """Rank 3 dies at call 1; its mate, rank 2, 0.15 s later; ranks 0 and 1 raise."""
+    why = "fairring: receiving from rank 3 (host m1) failed on rank 0 (host m0): closed"
+    outcomes = [_outcome(2, None, "crashed"), _outcome(3, None, "crashed")]
+    for rank in (0, 1):
+        records = [_record(0, at=0.01)]
+        records += [_record(i, error=why, at=0.05) for i in (1, 3, 4)]
+        records += [_record(2, error="Connection closed by peer [127.0.0.1]:1234", at=0.05)]
+        records += [
+            _record(i, "gloo", error="Connection closed by peer", at=0.06) for i in range(5)
+        ]
+        outcomes.append(_outcome(rank, _value(records)))
+    job = _job(Fault("kill", rank=3, turn=1, mates_die=True))
+    return job, sorted(outcomes, key=lambda o: o.rank), {"kill_at": T0 + 0.02}
+
+
+def _frozen() -> tuple[Job, list[Any], dict[str, float]]:
+    """Rank 1 stops at call 1 (group timeout 3 s); the others time out naming it."""
+    why = "fairring: allreduce #1 timed out after 3000 ms on rank 0: waiting for rank 1's collect"
+    outcomes = [_outcome(1, None, "crashed")]
+    for rank in (0, 2, 3):
+        records = [_record(0, at=0.01)]
+        records += [_record(i, error=why, at=3.1) for i in (1, 3, 4)]
+        records += [_record(2, error="Timed out", at=3.1)]
+        records += [_record(i, "gloo", error="Timed out", at=3.05) for i in range(5)]
+        outcomes.append(_outcome(rank, _value(records)))
+    job = _job(Fault("freeze", rank=1, turn=1), timeout_s=3.0)
+    return job, sorted(outcomes, key=lambda o: o.rank), {"freeze_at": T0 + 0.02}
+
+
+def _cut() -> tuple[Job, list[Any], dict[str, float]]:
+    """The connection from rank 2 breaks under a body rank 0 reads, in call 3."""
+    why = (
+        "fairring: receiving from rank 2 (host m1) failed on rank 0 (host m0): the connection broke"
+    )
+    outcomes = []
+    for rank in range(4):
+        records = [_record(i, at=0.01) for i in range(3)]
+        records += [_record(i, error=why, at=0.05 + rank * 0.001) for i in (3, 4)]
+        fired = {"mesh.read.close": 1} if rank == 0 else {}
+        outcomes.append(_outcome(rank, _value(records, fired)))
+    return _job(Fault("cut", rank=0, turn=2, point="mesh.read.close", peer=2)), outcomes, {}
+
+
+SCENARIOS: dict[str, Callable[[], tuple[Job, list[Any], dict[str, float]]]] = {
+    "clean": _clean,
+    "bad_call": _bad_call,
+    "kill": _killed,
+    "freeze": _frozen,
+    "cut": _cut,
+}
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_outcomes_that_keep_the_rules_pass(scenario: str) -> None:
+    job, outcomes, files = SCENARIOS[scenario]()
+    verdict = judge(job, outcomes, files)
+    assert verdict.problems == [], verdict.problems
+    assert verdict.outcome != "FAILED"
+
+
+def _rec(outcomes: list[Any], rank: int, index: int, group: str = "fairring") -> dict[str, Any]:
+    return next(
+        r for r in outcomes[rank].value["records"] if r["index"] == index and r["group"] == group
+    )
+
+
+def _set(
+    outcomes: list[Any], rank: int, index: int, group: str = "fairring", **fields: Any
+) -> None:
+    _rec(outcomes, rank, index, group).update(fields)
+
+
+# (scenario, what goes wrong (changing the outcomes, or returning another job), the words
+# the verdict must say)
+BREAKS: list[tuple[str, str, Callable[[Job, list[Any], dict[str, float]], Any], str]] = [
+    (
+        "clean",
+        "a wrong result",
+        lambda j, o, f: _set(o, 1, 3, check="2 of 10 elements differ"),
+        "2 of 10 elements differ",
+    ),
+    (
+        "clean",
+        "a call raised",
+        lambda j, o, f: _set(o, 0, 2, error="boom", done=False),
+        "raised: boom",
+    ),
+    (
+        "clean",
+        "a rank hung",
+        lambda j, o, f: o.__setitem__(1, _outcome(1, None, "killed")),
+        "killed",
+    ),
+    (
+        "clean",
+        "destroy sat out a grace",
+        lambda j, o, f: o[2].value.__setitem__("destroy_s", DESTROY_FAST_S + 1.0),
+        "destroy took",
+    ),
+    (
+        "clean",
+        "a fairring thread left",
+        lambda j, o, f: o[0].value["after"]["threads"].append("fairring-cb"),
+        "threads left",
+    ),
+    (
+        "clean",
+        "a port left listening",
+        lambda j, o, f: o[0].value["after"]["listening"].append(("127.0.0.1", 4000)),
+        "listening",
+    ),
+    (
+        "clean",
+        "a socket left",
+        lambda j, o, f: o[3].value["after"]["sockets"].append(13),
+        "sockets left",
+    ),
+    (
+        "bad_call",
+        "an earlier call failed",
+        lambda j, o, f: _set(o, 0, 0, error="differs between ranks: rank 2", done=False),
+        "allreduce 10 float32 SUM raised",
+    ),
+    (
+        "bad_call",
+        "a later call completed",
+        lambda j, o, f: _set(o, 1, 4, error=None, done=True),
+        "did not raise naming rank 2",
+    ),
+    (
+        "bad_call",
+        "the bad rank not named",
+        lambda j, o, f: _set(o, 3, 1, error="something failed"),
+        "did not raise naming rank 2",
+    ),
+    (
+        "bad_call",
+        "told late",
+        lambda j, o, f: _set(o, 0, 1, ended_at=T0 + 0.01 + TOLD_S + 0.5),
+        "after it was posted",
+    ),
+    ("bad_call", "a held abort that never fired", lambda j, o, f: _held_abort(j), "never fired"),
+    (
+        "kill",
+        "raised after the bound",
+        lambda j, o, f: _all(o, 0, "fairring", T0 + 0.02 + KILL_FAST_S + 0.05),
+        "after the kill",
+    ),
+    (
+        "kill",
+        "slower than Gloo, which was fast",
+        lambda j, o, f: _all(o, 1, "fairring", T0 + 0.02 + 0.12),
+        "Gloo's slowest 0.040 s",
+    ),
+    (
+        "kill",
+        "a call after the kill completed",
+        lambda j, o, f: _set(o, 0, 4, error=None, done=True),
+        "completed",
+    ),
+    (
+        "kill",
+        "the mate named instead",
+        lambda j, o, f: _set(o, 1, 3, error="lost rank 2 (host m1)"),
+        "without naming the fault",
+    ),
+    (
+        "kill",
+        "raised before the kill",
+        lambda j, o, f: _set(o, 1, 0, error="rank 3 lost", ended_at=T0 - 1),
+        "before the kill",
+    ),
+    (
+        "freeze",
+        "raised before the timeout",
+        lambda j, o, f: _all(o, 2, "fairring", T0 + 1.0),
+        "before the timeout",
+    ),
+    (
+        "freeze",
+        "raised long after the timeout",
+        lambda j, o, f: _all(o, 2, "fairring", T0 + 6.0),
+        "after the freeze",
+    ),
+    (
+        "freeze",
+        "no timeout in the message",
+        lambda j, o, f: _set(o, 3, 3, error="rank 1 failed"),
+        "without naming the fault",
+    ),
+    (
+        "freeze",
+        "no rank named",
+        lambda j, o, f: _set(o, 3, 3, error="fairring: allreduce #3 timed out"),
+        "without naming the fault",
+    ),
+    (
+        "cut",
+        "the cutting rank raised nothing",
+        lambda j, o, f: [_set(o, 0, i, error=None, done=True) for i in (3, 4)],
+        "raised nothing",
+    ),
+    (
+        "cut",
+        "a rank told late",
+        lambda j, o, f: _all(o, 3, "fairring", T0 + TOLD_S + 1.0),
+        "raised over",
+    ),
+]
+
+
+def _all(outcomes: list[Any], rank: int, group: str, at: float) -> None:
+    """Every error of ``rank`` on ``group`` moved to ``at``."""
+    for r in outcomes[rank].value["records"]:
+        if r["group"] == group and r["error"] is not None:
+            r["ended_at"] = at
+
+
+def _held_abort(job: Job) -> Job:
+    """The same job, rank 3 (the bad rank's next) armed to hold its aborts: none fired."""
+    return dataclasses.replace(job, fault=dataclasses.replace(job.fault, held_abort_ms=300))
+
+
+@pytest.mark.parametrize(("scenario", "what", "breaks", "says"), BREAKS, ids=[b[1] for b in BREAKS])
+def test_every_rule_fails_an_outcome_that_breaks_it(
+    scenario: str, what: str, breaks: Callable[..., None], says: str
+) -> None:
+    job, outcomes, files = SCENARIOS[scenario]()
+    changed = breaks(job, outcomes, files)
+    if isinstance(changed, Job):
+        job = changed
+    verdict = judge(job, outcomes, files)
+    assert verdict.outcome == "FAILED", verdict
+    assert any(says in p for p in verdict.problems), verdict.problems
+
+
+def test_a_ring_call_given_up_leaves_its_gloo_group_as_documented() -> None:
+    job, outcomes, files = _clean()
+    after = outcomes[0].value["after"]
+    after["listening"].append(("127.0.0.1", 4000))
+    after["sockets"].append(13)
+    after["threads"].append("gloo_tcp_loop")
+    assert judge(job, outcomes, files).problems  # not excused
+    outcomes[0].value["ring_abandoned"] = 1
+    assert judge(job, outcomes, files).problems == []
+
+
+def test_a_group_that_ddp_keeps_alive_is_not_blamed_for_its_gloo_delegates() -> None:
+    job, outcomes, files = _clean()
+    value = outcomes[1].value
+    value["after"]["threads"].append("gloo_tcp_loop")
+    value["after"]["sockets"].append(13)
+    value["group_freed"] = False  # DDP, after a backward that raised, holds it
+    assert judge(job, outcomes, files).problems == []
+    value["group_freed"] = True  # or only its C++ object: a DDP step raised
+    assert judge(job, outcomes, files).problems
+    value["records"][0]["after_ddp_failure"] = False
+    value["records"][0]["error"] = "the DDP step raised"
+    assert [p for p in judge(job, outcomes, files).problems if "left" in p] == []
+    value["after"]["threads"].append("fairring-watch")  # but fairring's own threads count
+    assert any("fairring threads left" in p for p in judge(job, outcomes, files).problems)
+
+
+@pytest.mark.parametrize(("fairring_s", "fails"), [(0.32, False), (0.36, True)])
+def test_on_a_loaded_machine_a_kill_is_raised_as_fast_as_gloo(
+    fairring_s: float, fails: bool
+) -> None:
+    job, outcomes, files = _killed()  # the mates die 0.15 s after the kill
+    for rank in (0, 1):
+        _all(outcomes, rank, "gloo", T0 + 0.02 + 0.3)  # Gloo took 0.3 s: no 0.1 s bound
+        _all(outcomes, rank, "fairring", T0 + 0.02 + fairring_s)
+    assert bool(judge(job, outcomes, files).problems) is fails
+
+
+# ------------------------------------------------------------------- the plans
+
+
+def test_a_seed_draws_the_same_job_every_time() -> None:
+    assert draw_job(41) == draw_job(41)
+    assert draw_job(41) != draw_job(42)
+
+
+def test_every_fault_falls_before_calls_that_meet_it() -> None:
+    for seed in range(300):
+        job = draw_job(seed)
+        f = job.fault
+        assert job.shape in SHAPES and 5 <= len(job.calls) <= 10
+        if f.kind in ("kill", "freeze", "cut", "bad_call"):
+            assert 0 <= f.turn < len(job.calls) - 1, job.describe()
+            assert 0 <= f.rank < job.world
+        if f.kind == "cut":
+            assert f.peer != f.rank
+        if f.kind == "bad_call":
+            assert job.calls[f.turn].kind in ("allreduce", "reduce_scatter", "all_gather")
+
+
+# ---------------------------------------------------------- the seeds CI runs
+
+# Every fault (a kill with its machine-mates and one on Gloo's ring, a delay at start-up
+# and one in flight, a bad call with another rank's aborts held, and seed 74, whose op
+# differed on Gloo's ring and completed silently before the ring's calls were announced
+# on the engine) on every shape, about 60 s on 2 loaded cores; chosen from a 100-job run
+# by what they cover and how short they are.
+CI_SEEDS = (18, 25, 43, 54, 57, 72, 74, 86, 88, 95)
+
+
+def test_the_ci_seeds_cover_every_fault_and_shape() -> None:
+    jobs = [draw_job(s) for s in CI_SEEDS]
+    shown = [j.describe() for j in jobs]
+    assert {j.fault.kind for j in jobs} == set(FAULTS), shown
+    assert {j.shape for j in jobs} == set(SHAPES), shown
+    faults = [j.fault for j in jobs]
+    assert any(f.kind == "kill" and f.mates_die for f in faults), shown
+    assert {f.turn < 0 for f in faults if f.kind == "delay"} == {True, False}, shown
+    assert any(f.kind == "bad_call" and f.held_abort_ms for f in faults), shown
+    ring = [j for j in jobs if any(c.numel >= RING_NUMEL for c in j.calls if c.kind == "allreduce")]
+    assert {j.fault.kind for j in ring} >= {"kill", "bad_call"}, shown
+
+
+def _chaos() -> Any:
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import chaos
+
+        return chaos
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
+def test_the_ci_seeds_keep_every_rule(capsys: pytest.CaptureFixture[str]) -> None:
+    chaos = _chaos()
+    t0 = time.monotonic()
+    results = chaos.run(list(CI_SEEDS), quiet=True)
+    lines = chaos.summary(results, time.monotonic() - t0)
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
+    report = chaos.markdown(results, lines, "python scripts/chaos.py --seeds ...")
+    assert lines[0] in report and ("No job failed." in report) == all(
+        not r.verdict.problems for r in results
+    )
+    failed = [
+        f"{r.job.describe()}: {r.verdict.problems} -- {r.replay()}"
+        for r in results
+        if r.verdict.problems
+    ]
+    assert not failed, "\n".join(failed)
