@@ -29,5 +29,5 @@ def test_a_known_point_arms_and_counts_nothing_until_it_fires() -> None:
 
 def test_the_design_lists_every_point_and_no_other() -> None:
     section = DESIGN.read_text().split("## Fault points", 1)[1].split("\n## ", 1)[0]
-    listed = set(re.findall(r"^\| `([a-z.]+)` \|", section, flags=re.MULTILINE))
+    listed = set(re.findall(r"^\| `([a-z._]+)` \|", section, flags=re.MULTILINE))
     assert listed == set(fault_points.points())

@@ -543,7 +543,7 @@ def _ring_mismatched(rank: int, world: int) -> dict[str, dict[str, Any]]:
 
 @memoised
 def _ring_mismatch_job() -> tuple[RankOutcome, ...]:
-    env = fairring_env(FAIRRING_CPU_ALLREDUCE="auto")
+    env = fairring_env(FAIRRING_CPU_ALLREDUCE="model")
     return tuple(launch(_ring_mismatched, 3, SHAPES["3x1"], env=env, timeout_s=JOB_TIMEOUT_S))
 
 

@@ -150,7 +150,7 @@ MeasuredChoice::Outcome MeasuredChoice::decide(size_t fromBytes, size_t toBytes,
         std::to_string(kTimedCalls) + " of each way";
   }
   // Tests: this rank reaches the agreement late.
-  faults::hit("measured.decide", static_cast<int64_t>(fromBytes));
+  faults::hit(faults::kMeasuredDecide, static_cast<int64_t>(fromBytes));
   at::Tensor figures = at::zeros({kFigures}, at::kDouble);
   double* f = figures.data_ptr<double>();
   if (mine.empty()) {
