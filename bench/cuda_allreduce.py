@@ -223,6 +223,8 @@ def worker(args: argparse.Namespace) -> None:
             results["measured"][name] = _trials(group, dev, scale, barrier)
     for text in SIZES:
         reps = max(1, SMALL_RUN_BYTES // common.parse_size(text))
+        if args.cpu_dry_run:
+            reps = min(reps, 4)  # the script's shape, not its figures: seconds, not minutes
         size = common.parse_size(text) // scale
         t = torch.ones(size // 4, device=dev)
         variants = {name: one(t, g, reps) for name, g in groups.items()}

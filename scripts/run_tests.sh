@@ -23,18 +23,22 @@ fi
 # install torch from PyTorch's CPU index first (README, "Install").
 python -m pip install -q -e ".[test]"
 python -c "import torch; print(f'== torch {torch.__version__}')"
+echo "== installed in ${SECONDS} s"
 
 # Compile the C++ core and the test-only module once, up front, so that no test's
 # deadline pays for them; a compiler warning fails the run.
 bash scripts/build_core.sh python --with-tests
+echo "== core built at ${SECONDS} s"
 
 # -rs: the summary lists every skipped test with its reason (without a GPU the CUDA
 # tests skip; a green run must still say what it did not run).
 python -m pytest -q -rs tests "$@"
+echo "== suite done at ${SECONDS} s"
 
 # Every plant (a known bug of the CUDA path, put back by a test-only switch) must be
 # caught by the tests that are there for it (tests/stream_mutants.py).
 bash scripts/stream_mutants.sh
+echo "== mutants done at ${SECONDS} s"
 
 if [[ -n "$compat_work" ]]; then
     if ! wait "$prepare"; then
@@ -45,3 +49,4 @@ if [[ -n "$compat_work" ]]; then
     cat "$compat_work.log"
     COMPAT_WORK=$compat_work bash scripts/compat_check.sh
 fi
+echo "== all done in ${SECONDS} s"

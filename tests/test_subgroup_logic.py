@@ -254,7 +254,7 @@ def test_a_plan_of_nccl_makes_every_allreduce_one_direct_unit(core: Any, numel: 
 @pytest.mark.parametrize(
     ("rows", "error"),
     [
-        ([(0, "ring", 0, "")], "path is 'nccl' or 'compose', not 'ring'"),
+        ([(0, "ring", 0, "")], "path is 'nccl', 'compose' or 'measure', not 'ring'"),
         ([(0, "compose", 0, "alltoall")], "at least one piece, not 0"),
         ([(0, "compose", 2, "tree")], "'alltoall' or 'reduce_scatter', not 'tree'"),
     ],
