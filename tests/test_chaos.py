@@ -380,6 +380,52 @@ def test_on_a_loaded_machine_a_kill_is_raised_as_fast_as_gloo(
     assert bool(judge(job, outcomes, files).problems) is fails
 
 
+# ------------------------------------------------------------- the ranks' stamps
+
+
+class _PartWork:
+    def __init__(self) -> None:
+        import torch
+
+        self.future: Any = torch.futures.Future()
+
+    def get_future(self) -> Any:
+        return self.future
+
+
+class _Coalesced:
+    """What dist._coalescing_manager hands back: no future of its own, its calls'
+    Works in ``works``."""
+
+    def __init__(self, parts: int) -> None:
+        self.works = [_PartWork() for _ in range(parts)]
+
+
+@pytest.mark.parametrize("first_fails", [True, False])
+def test_a_coalesced_call_is_stamped_when_its_works_end_not_when_it_is_waited(
+    first_fails: bool,
+) -> None:
+    """Chaos seed 475: a coalesced all-gather that raised 0.02 s after a kill was
+    stamped 0.35 s after it, when the rank's wait reached it behind a Gloo yardstick's
+    call, and the job failed on fairring's time. Its end is its works' now: the first
+    error, or the last of them done."""
+    from chaos_rank import _Pending
+
+    work = _Coalesced(2)
+    record: dict[str, Any] = {}
+    pending = _Pending(record, lambda: time.sleep(0.3), lambda: None, work)
+    if first_fails:
+        work.works[0].future.set_exception(RuntimeError("a peer was lost"))
+    else:
+        work.works[0].future.set_result(None)
+        assert "ended_at" not in record, "stamped before every part ended"
+        work.works[1].future.set_result(None)
+    ended = time.time()
+    assert abs(record["ended_at"] - ended) < 0.05, record
+    pending.finish()
+    assert record["ended_at"] < ended + 0.05, "the wait moved the stamp"
+
+
 # ------------------------------------------------------------------- the plans
 
 
