@@ -19,6 +19,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 torch_version=${COMPAT_TORCH:-2.11.0}
+# Not the tests that arm a fault point: they need the test-only module, which this
+# check does not build (its two minutes would push CI past its time).
 LOGIC_TESTS=(
     tests/test_subgroup_lifecycle.py
     tests/test_cuda_groups.py
@@ -61,5 +63,5 @@ bash "$repo/scripts/build_core.sh" "$py"
 echo "== compat check: core built ($((SECONDS - start)) s)"
 "$py" "$repo/tests/compat_smoke.py"
 echo "== compat check: smoke test passed ($((SECONDS - start)) s)"
-"$work/venv/bin/pytest" -q -p no:cacheprovider -rs "${LOGIC_TESTS[@]/#/$repo/}" -k "not 2x3 and not 3x1 and not 1x3 and not interleaved"
+"$work/venv/bin/pytest" -q -p no:cacheprovider -rs "${LOGIC_TESTS[@]/#/$repo/}" -k "not 2x3 and not 3x1 and not 1x3 and not interleaved and not a_failed_call_fails_the_group"
 echo "== compat check: done in $((SECONDS - start)) s"
