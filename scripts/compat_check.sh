@@ -19,8 +19,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 torch_version=${COMPAT_TORCH:-2.11.0}
-# Not the tests that arm a fault point: they need the test-only module, which this
-# check does not build (its two minutes would push CI past its time).
 LOGIC_TESTS=(
     tests/test_subgroup_lifecycle.py
     tests/test_cuda_groups.py
