@@ -148,7 +148,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from fairring_pg.backend import cuda_plan
-    from fairring_pg.config import Config, lane_staging_bytes
+    from fairring_pg.config import Config
+    from fairring_pg.sizing import lane_staging_bytes
     from fairring_pg.subgroups import subgroup_stats
 
     if args.cpu_dry_run:

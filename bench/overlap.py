@@ -46,7 +46,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from fairring_pg.config import staging_slot_bytes
+    from fairring_pg.sizing import staging_slot_bytes
 
     common.init_worker()
     world = dist.get_world_size()

@@ -19,13 +19,16 @@ import hashlib
 import logging
 import os
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from types import ModuleType
+from typing import IO
 
 from fairring_pg import _torch_range
-from fairring_pg._build_progress import compile_progress, say
+from fairring_pg._build_progress import PROGRESS_INTERVAL_S, compile_progress, say
+from fairring_pg.config import Config
 
 EXTENSION_NAME = "fairring_pg_C"
 # Test-only native code (tests/native/: the stream vehicle, bindings of the core's
@@ -85,7 +88,7 @@ def build_hash(source_dir: Path, name: str = EXTENSION_NAME, extra: str = "") ->
 
 def build_directory(digest: str, name: str = EXTENSION_NAME) -> Path:
     """Where the build with this ``build_hash`` lives."""
-    override = os.environ.get("FAIRRING_BUILD_DIR")
+    override = Config.read("build_dir")
     if override:
         # The test module beside the core, not over it: torch writes one build.ninja
         # per directory.
@@ -99,11 +102,32 @@ def build_directory(digest: str, name: str = EXTENSION_NAME) -> Path:
 def _exclusive(lock_path: Path) -> Iterator[None]:
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path, "a") as lock_file:
-        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        _wait_for_lock(lock_file, lock_path)
         try:
             yield
         finally:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def _wait_for_lock(lock_file: IO[str], lock_path: Path) -> None:
+    """Take the build lock. Another process holding it is compiling (and says so where
+    its output goes, which may not be here): a wait past PROGRESS_INTERVAL_S says what
+    it waits for, and again at that interval."""
+    start = time.monotonic()
+    said = start
+    while True:
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            now = time.monotonic()
+            if now - said >= PROGRESS_INTERVAL_S:
+                said = now
+                say(
+                    f"waiting for another process to finish compiling the C++ core "
+                    f"({lock_path.with_suffix('')}, {now - start:.0f} s)"
+                )
+            time.sleep(0.1)
 
 
 def load_extension(
@@ -217,13 +241,7 @@ class _DropMessage(logging.Filter):
 
 
 def build_verbose() -> bool:
-    raw = os.environ.get("FAIRRING_BUILD_VERBOSE", "")
-    if raw.strip() not in ("", "0", "1"):
-        raise ValueError(
-            f"FAIRRING_BUILD_VERBOSE={raw!r} is not valid: expected 1 (show the compiler's"
-            " output) or 0 (the default)"
-        )
-    return raw.strip() == "1"
+    return bool(Config.read("build_verbose"))
 
 
 def _read(path: Path) -> str | None:

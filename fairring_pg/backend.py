@@ -8,16 +8,18 @@ topology, job token, delegate process groups) and hands the results to the C++ c
 from __future__ import annotations
 
 import atexit
+import functools
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import torch.distributed as dist
 
-from fairring_pg import future_callbacks, measured
-from fairring_pg.config import Config, lane_staging_bytes, staging_slot_bytes
+from fairring_pg import future_callbacks, measured, sizing
+from fairring_pg.config import Config
 from fairring_pg.cuda import (
     CudaDecision,
     StandInAccelerator,
@@ -76,8 +78,7 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
     agreed = _agree(store, rank, size, timeout, group_id)
     config, topology, opts = agreed.config, agreed.topology, agreed.opts
     address = listen_address(config, single_host=len(set(topology.hostnames)) == 1)
-    _fill_options(opts, config, topology, address, agreed.token, timeout)
-    _set_plan(opts, agreed.cuda_plan, topology)
+    core_options(opts, config, topology, address, agreed.token, timeout, agreed.cuda_plan)
     opts.set_cpu_plan(agreed.cpu_plan.core_rows())
     _cuda_decisions[group_id] = agreed.cuda_decision
     _cuda_plans[group_id] = agreed.cuda_plan
@@ -132,7 +133,7 @@ def _agree(store: Any, rank: int, size: int, timeout: timedelta, group_id: str) 
             factory, opts = ext.FairringBackend, ext.Options()
             future_callbacks.install(ext)
         else:
-            factory, opts = _core_factory, _PlainOptions()
+            factory, opts = _core_factory, _Recorder()
 
         config.check_consistent_across_ranks(store, rank, size, timeout)
         topology = discover(store, rank, size, config.machine_id, timeout)
@@ -292,70 +293,54 @@ def job_token(store: Any, rank: int, timeout: timedelta) -> str:
     return store.get(_TOKEN_KEY).decode()
 
 
-def _fill_options(
-    opts: Any, config: Config, topology: Topology, address: str, token: str, timeout: timedelta
+def core_options(
+    opts: Any,
+    config: Config,
+    topology: Topology,
+    address: str,
+    token: str,
+    timeout: timedelta,
+    cuda_plan: CudaPlan | None = None,
 ) -> None:
-    opts.slice_size = config.effective_slice_size(topology.num_machines, topology.local_size)
-    opts.staging_slot_bytes = staging_slot_bytes(
-        opts.slice_size, topology.num_machines, topology.local_size
-    )
-    opts.timeline_path = config.timeline_path(topology.rank)
-    opts.total_memory = config.total_memory
+    """Fill the core's options: each setting the core takes as it is (the table's
+    ``core`` column), then what the sizing rules and the job make of the settings."""
+    for target, value in config.core_values():
+        *parts, name = target.split(".")
+        setattr(functools.reduce(getattr, parts, opts), name, value)
+    M, L = topology.num_machines, topology.local_size
     opts.machine_of = list(topology.machine_of)
     opts.local_rank_of = list(topology.local_rank_of)
     opts.hostnames = list(topology.hostnames)
-    opts.listen_address = address
-    opts.job_token = token
-    opts.timeout = timeout
-    opts.pipeline_chunk = config.pipeline_chunk
+    engine = opts.engine
+    engine.slice_bytes = config.effective_slice_size(M, L)
+    engine.slot_bytes = sizing.staging_slot_bytes(engine.slice_bytes, M, L)
+    engine.timeline_path = config.timeline_path(topology.rank)
+    engine.listen_address = address
+    engine.token = token
+    engine.timeout = timeout
+    opts.subgroup.timeout = timeout
+    if cuda_plan is not None:
+        # What each size of the sub-group allreduce runs; where some size composes, its
+        # largest piece and each lane's staging.
+        opts.subgroup.set_plan(cuda_plan.core_rows())
+        if cuda_plan.composes:
+            opts.subgroup.largest_piece_bytes = cuda_plan.largest_piece
+            opts.subgroup.lane_staging_bytes = sizing.lane_staging_bytes(
+                cuda_plan.largest_piece, M, L
+            )
 
 
-def _set_plan(opts: Any, plan: CudaPlan, topology: Topology) -> None:
-    """What each size of the sub-group allreduce runs, its largest piece and each lane's
-    staging (none where nothing composes)."""
-    composes = plan.composes
-    opts.set_subgroup_plan(
-        plan.core_rows(),
-        plan.largest_piece if composes else 0,
-        lane_staging_bytes(plan.largest_piece, topology.num_machines, topology.local_size)
-        if composes
-        else 0,
-    )
+class _Recorder(SimpleNamespace):
+    """What a test's stand-in core (``_core_factory``) is handed instead of
+    ``_C.Options``: a field set is kept, a part (``engine``) is another recorder, a
+    ``set_*`` or ``add_*`` call is kept under its name."""
 
-
-class _PlainOptions:
-    """Stand-in for ``_C.Options`` when a test supplies its own core."""
-
-    slice_size: int
-    staging_slot_bytes: int
-    total_memory: int
-    machine_of: list[int]
-    local_rank_of: list[int]
-    hostnames: list[str]
-    listen_address: str
-    job_token: str
-    timeout: timedelta
-    timeline_path: str
-    pipeline_chunk: int
-    ring_delegate: Any = None
-    measured_agreement: Any = None
-    accelerator_delegate_name: str = "nccl"
-    cuda_unavailable: str
-    accelerator_type: str
-
-    def set_subgroup_plan(self, rows: list[Any], largest_piece: int, lane_staging: int) -> None:
-        self.subgroup_plan = (rows, largest_piece, lane_staging)
-
-    def set_cpu_plan(self, rows: list[Any]) -> None:
-        self.cpu_plan = rows
-
-    def set_on_measured(self, hook: Any) -> None:
-        self.on_measured = hook
-
-    def add_measured_known(
-        self, device: str, from_bytes: int, winner: int, seconds: Any, nbytes: Any
-    ) -> None:
-        self.measured_known = [*getattr(self, "measured_known", []), (device, from_bytes, winner)]
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith(("set_", "add_")):
+            return lambda *args: setattr(self, name[4:], args)
+        part = _Recorder()
+        setattr(self, name, part)
+        return part
 
 
 def make_gloo_delegate(

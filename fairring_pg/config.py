@@ -1,7 +1,12 @@
-"""The user's knobs: every ``FAIRRING_*`` variable (and ``TP_SOCKET_IFNAME``), read once.
+"""The settings table: every ``FAIRRING_*`` variable the package reads (and
+``TP_SOCKET_IFNAME``), one row each in ``Config``: the variable, its type, parser and
+default, whether every rank must agree, what it does (the README's table is made from
+these rows, tests/test_settings_table.py checks it), where the C++ core takes it
+(``core``), and whether a saved plan file depends on it (``shapes_plan``).
 
 Each bad value is a ``ValueError`` naming the variable, the value and what is accepted,
-raised at ``init_process_group`` rather than somewhere deep in the data path.
+raised at ``init_process_group`` (the build variables: when the core loads) rather than
+somewhere deep in the data path.
 """
 
 from __future__ import annotations
@@ -19,57 +24,23 @@ from datetime import timedelta
 from fractions import Fraction
 from typing import Any
 
-KIB = 1024
-MIB = 1024 * KIB
-GIB = 1024 * MIB
-TIB = 1024 * GIB
+from fairring_pg import sizing
+from fairring_pg.sizing import GIB, KIB, MIB, TIB
 
 DEFAULT_SLICE_SIZE = 25 * MIB  # DDP's default bucket, so one bucket is one slice
 DEFAULT_TOTAL_MEMORY = 50 * MIB
-# Smallest shard slice scaling aims for: below about this, fixed per-message costs
-# (headers, wake-ups, a loop iteration per peer) outweigh the bytes moved.
-MIN_SHARD_BYTES = 1 * MIB
-# The piece of a slice that the CPU pipeline moves through its five steps, so that the
-# reduce and diffuse of one piece overlap the collect of the next. Measured on 4x1 at
-# 1 Gbit/s (bench/results/HISTORY.md).
+# Measured on 4x1 at 1 Gbit/s (bench/results/HISTORY.md).
 DEFAULT_PIPELINE_CHUNK = 1 * MIB
-# Who runs the collectives other than allreduce on CUDA tensors (see fairring_pg/cuda.py).
 CUDA_DELEGATES = ("auto", "nccl", "gloo")
-# The sub-group allreduce (CUDA): rail communicators, so that this many slices are on
-# the wire at once. Chosen from a sweep of 1, 2, 4, 8 at 4x1 on an H100 (bench/results/
-# cuda/): 2 was fastest at 100 MiB, with 16 x 25 MiB in flight and in DDP, and its
-# communicators took the least GPU memory; 4 only won at 25 MiB.
+# From a sweep of 1, 2, 4, 8 lanes at 4x1 on an H100 (bench/results/cuda/).
 DEFAULT_LANES = 2
 MAX_LANES = 16
-# Below this many bytes a CUDA allreduce is one NCCL allreduce: latency-bound, where
-# one launch beats five. On an H100 the five steps took 1.08-1.48x NCCL's time at
-# 1 MiB in every run, and won at 25 MiB (bench/results/cuda/).
+# From the same runs: below it the five steps lost to one NCCL allreduce.
 DEFAULT_DIRECT_BELOW = 2 * MIB
-# Who runs an allreduce of CPU tensors (fairring_pg.model.cpu_plan). "auto": fairring's
-# engine where the model is sure of it (one machine; several ranks per machine where the
-# engine's saving exceeds the model's error), else each size class timed both ways on its
-# first calls, the engine and Gloo's ring, every rank then running the faster (the
-# measured choice, src/measured/). "model": the model's verdict alone: the engine, but
-# with one rank per machine, where its five steps send as many bytes as Gloo's ring,
-# allreduces from CPU_RING_FROM go to the ring, which fills a link with one flow per host
-# where the engine's all-to-all has several (at 4x1 on 1 Gbit/s links the engine took
-# 0.94-0.99x Gloo's speed from 1 MiB up and 1.2-7.9x below it,
-# bench/results/allreduce_sizes_netns_1gbit.md). "engine": always fairring's engine;
-# "gloo": always Gloo's allreduce (for comparison).
 CPU_ALLREDUCE_PATHS = ("auto", "model", "engine", "gloo")
-CPU_RING_FROM = 1 * MIB
-
-# Which path the sub-group (CUDA) allreduce takes (fairring_pg.model.cuda_plan). "model":
-# the cost model's plan: the composition only where it predicts a win larger than its
-# error, with several ranks per machine (with one they send as many bytes per rank as the
-# ring, 2(M-1)/M of the tensor, and on an H100 at 4x1 they lost in flight, 1.26x NCCL's
-# time, and in DDP, 0.91x), else NCCL's own allreduce on the world communicator. "auto":
-# the same candidates, but every size the model would compose or calls within its error
-# timed both ways on its first calls, every rank then running the faster (the measured
-# choice). "lanes": the composition wherever there are several machines (to measure it);
-# "direct": NCCL's allreduce always.
 CUDA_ALLREDUCE_PATHS = ("auto", "model", "lanes", "direct")
 MAX_BYTES = TIB  # anything larger is a typo, not a configuration
+__all__ = ["GIB", "KIB", "MIB", "TIB", "Config", "parse_byte_size"]
 
 _SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?|\.\d+)\s*([kmg]?)(i?b)?$", re.IGNORECASE)
 _SUFFIX = {"": 1, "k": KIB, "m": MIB, "g": GIB}
@@ -204,70 +175,252 @@ def _check_plan_file(name: str, raw: str) -> str:
     return path
 
 
-def _check_forced_plan(name: str, raw: str) -> str:
-    from fairring_pg.model.cuda_plan import forced_rows
+def _verbose(name: str, raw: str) -> bool:
+    if raw.strip() not in ("", "0", "1"):
+        raise ValueError(
+            f"{name}={raw!r} is not valid: expected 1 (show the compiler's output) or 0 "
+            "(the default)"
+        )
+    return raw.strip() == "1"
 
-    forced_rows(raw)  # raises naming the variable
-    return raw.strip()
+
+def _node(name: str, raw: str) -> str:
+    # What the value means (a node type, a file of facts) is fairring_pg.node_facts's,
+    # which reads it when the job's facts are gathered.
+    return raw.strip() or "detect"
 
 
 def _setting(
-    variable: str, parse: Callable[[str, str], Any], default: Any, *, job_wide: bool
+    variable: str,
+    parse: Callable[[str, str], Any],
+    default: Any,
+    *,
+    job_wide: bool,
+    help: str,
+    shown: str | None = None,
+    core: tuple[str, ...] = (),
+    shapes_plan: bool = False,
+    test_only: bool = False,
 ) -> Any:
-    """One row of the settings table: the variable, its parser (raises ValueError
-    naming the variable), its default, and whether every rank must agree on it."""
-    return dataclasses.field(
-        default=default, metadata={"variable": variable, "parse": parse, "job_wide": job_wide}
-    )
+    """One row of the settings table. ``parse(variable, raw)`` raises ValueError naming
+    the variable; ``job_wide``: every rank must have the same value (compared at
+    start-up); ``shown``: the default as the README shows it; ``core``: the fields of the
+    core's options (``_C.Options``, dotted) that take the value as it is; ``shapes_plan``:
+    a plan file saved under another value does not fit (fairring_pg.measured)."""
+    metadata = {
+        "variable": variable,
+        "parse": parse,
+        "job_wide": job_wide,
+        "help": help,
+        "shown": shown if shown is not None else f"`{default}`",
+        "core": core,
+        "shapes_plan": shapes_plan,
+        "test_only": test_only,
+    }
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+_EQUAL = "; equal on all ranks"
 
 
 @dataclass(frozen=True)
 class Config:
-    """Every setting, one line each: the field, its variable, parser, default and
-    whether it is job-wide (compared across ranks at start-up). The machine id and the
-    interface name legitimately differ between machines; the timeline is per rank."""
+    """The settings table: a row per variable (see ``_setting``)."""
 
+    machine_id: str | None = _setting(
+        "FAIRRING_MACHINE_ID",
+        _non_empty,
+        None,
+        job_wide=False,
+        shown="the hostname",
+        help="machine identity: ranks with equal ids share a machine",
+    )
+    socket_ifname: str | None = _setting(
+        "TP_SOCKET_IFNAME",
+        _check_ifname,
+        None,
+        job_wide=False,
+        shown="the interface that routes to `MASTER_ADDR`",
+        help="interface fairring listens on for other machines",
+    )
     slice_size: int = _setting(
-        "FAIRRING_SLICE_SIZE", parse_byte_size, DEFAULT_SLICE_SIZE, job_wide=True
+        "FAIRRING_SLICE_SIZE",
+        parse_byte_size,
+        DEFAULT_SLICE_SIZE,
+        job_wide=True,
+        shapes_plan=True,
+        shown="`25M` (DDP's bucket)",
+        help="largest slice an allreduce is cut into" + _EQUAL,
     )
     total_memory: int = _setting(
-        "FAIRRING_TOTAL_MEMORY", parse_byte_size, DEFAULT_TOTAL_MEMORY, job_wide=True
+        "FAIRRING_TOTAL_MEMORY",
+        parse_byte_size,
+        DEFAULT_TOTAL_MEMORY,
+        job_wide=True,
+        shapes_plan=True,
+        shown="`50M`",
+        core=("engine.total_memory", "subgroup.total_memory"),
+        help="staging memory per process; bounds the slices in flight; must hold one slot" + _EQUAL,
     )
-    machine_id: str | None = _setting("FAIRRING_MACHINE_ID", _non_empty, None, job_wide=False)
-    socket_ifname: str | None = _setting("TP_SOCKET_IFNAME", _check_ifname, None, job_wide=False)
-    slice_scaling: bool = _setting("FAIRRING_SLICE_SCALING", _switch, True, job_wide=True)
-    timeline: str | None = _setting("FAIRRING_TIMELINE", _check_timeline, None, job_wide=False)
-    # Who runs CUDA collectives: NCCL on one rank and Gloo on another hang both.
-    cuda_delegate: str = _setting(
-        "FAIRRING_CUDA_DELEGATE", _choice(CUDA_DELEGATES), "auto", job_wide=True
+    slice_scaling: bool = _setting(
+        "FAIRRING_SLICE_SCALING",
+        _switch,
+        True,
+        job_wide=True,
+        shapes_plan=True,
+        shown="`on`",
+        help="grow the slice with the number of machines so that shards stay ≥ 1 MiB (never "
+        "beyond two slots in `FAIRRING_TOTAL_MEMORY`); `off` takes `FAIRRING_SLICE_SIZE` as "
+        "given",
     )
-    lanes: int = _setting("FAIRRING_LANES", _count(1, MAX_LANES), DEFAULT_LANES, job_wide=True)
-    direct_below: int = _setting(
-        "FAIRRING_DIRECT_BELOW", _size_or_zero, DEFAULT_DIRECT_BELOW, job_wide=True
+    pipeline_chunk: int = _setting(
+        "FAIRRING_PIPELINE_CHUNK",
+        parse_byte_size,
+        DEFAULT_PIPELINE_CHUNK,
+        job_wide=True,
+        shapes_plan=True,
+        shown="`1M`",
+        core=("engine.chunk_bytes",),
+        help="CPU: each local rank's part of the piece of a slice that goes through the five "
+        "steps on its own, so that the steps of consecutive pieces overlap; one machine never "
+        "cuts slices",
     )
     cpu_allreduce: str = _setting(
-        "FAIRRING_CPU_ALLREDUCE", _choice(CPU_ALLREDUCE_PATHS), "auto", job_wide=True
+        "FAIRRING_CPU_ALLREDUCE",
+        _choice(CPU_ALLREDUCE_PATHS),
+        "auto",
+        job_wide=True,
+        shapes_plan=True,
+        help="CPU: who runs allreduces. `auto`: fairring's engine where it is sure to win (one "
+        "machine, or several ranks per machine saving more than the model's error: 2 × 2, "
+        "2 × 3, 4 × 2 …), elsewhere (one rank per machine) each size class measured, the "
+        "engine against Gloo's ring, and the faster kept "
+        "([below](#the-measured-choice-what-auto-does)); `model`: the model's rule alone "
+        "(with one rank per machine, Gloo's ring from 1 MiB); `engine`: always the engine; "
+        "`gloo`: Gloo wherever it can reduce the dtype and op" + _EQUAL,
     )
     cuda_allreduce: str = _setting(
-        "FAIRRING_CUDA_ALLREDUCE", _choice(CUDA_ALLREDUCE_PATHS), "auto", job_wide=True
+        "FAIRRING_CUDA_ALLREDUCE",
+        _choice(CUDA_ALLREDUCE_PATHS),
+        "auto",
+        job_wide=True,
+        shapes_plan=True,
+        help="CUDA: `auto` measures, at each call size where the cost model predicts "
+        "composing of NCCL sub-group collectives to win or to be within its error for this "
+        "cluster's machines (`FAIRRING_NODE`), NCCL's own allreduce against that composition "
+        "and keeps the faster; elsewhere (unknown machines, one rank per machine, one "
+        "machine, smaller than `FAIRRING_DIRECT_BELOW`) it runs NCCL's own; `model` composes "
+        "where the model predicts NCCL's own at least 1.10× slower, without measuring; "
+        "`lanes` composes wherever there are several machines; `direct` always runs NCCL's "
+        "own" + _EQUAL,
     )
-    # The measured choice's decisions, saved by the job that made them and reused by a
-    # later job of the same shape (fairring_pg.measured); rank 0 reads and writes it.
-    plan_file: str | None = _setting("FAIRRING_PLAN_FILE", _check_plan_file, None, job_wide=True)
-    pipeline_chunk: int = _setting(
-        "FAIRRING_PIPELINE_CHUNK", parse_byte_size, DEFAULT_PIPELINE_CHUNK, job_wide=True
+    plan_file: str | None = _setting(
+        "FAIRRING_PLAN_FILE",
+        _check_plan_file,
+        None,
+        job_wide=True,
+        shown="unset",
+        help="a JSON file that keeps the measured choice's decisions: made by the first job, "
+        "read by later jobs of the same shape, which then skip the trials; a file made by a "
+        "job of another shape is an error at `init_process_group`" + _EQUAL,
     )
-    # Test switches: CPU tensors take the sub-group path over Gloo groups (so CI runs
-    # the CUDA path's orchestration); CUDA's local groups are Gloo (several ranks of a
-    # simulated machine on one GPU, which NCCL refuses).
+    node: str = _setting(
+        "FAIRRING_NODE",
+        _node,
+        "detect",
+        job_wide=False,
+        help="CUDA: what the machines are made of, for `auto`'s plan: `detect` (GPU "
+        "generation, NVLink, NICs and their rates from sysfs, the CPU's vendor from "
+        "`/proc/cpuinfo`), a node type of `fairring-plan --node` (`h100-8x400g`, "
+        "`h100-2x200g`, `a100-4x200g`, `v100-4x100g`), a JSON file of facts (`arch`, "
+        "`nvlink`, `nics` or `nic` and `nics_per_machine`, optionally `intra`, `nvls`, "
+        "`cpu`: `intel`, `amd` or `other`), or `none`; machines whose facts differ make them "
+        "unknown (NCCL's allreduce)",
+    )
+    lanes: int = _setting(
+        "FAIRRING_LANES",
+        _count(1, MAX_LANES),
+        DEFAULT_LANES,
+        job_wide=True,
+        shapes_plan=True,
+        help="CUDA, where allreduces are composed: rail communicators per rank, i.e. pieces "
+        "on the wire at once (1–16); from a sweep on an H100",
+    )
+    direct_below: int = _setting(
+        "FAIRRING_DIRECT_BELOW",
+        _size_or_zero,
+        DEFAULT_DIRECT_BELOW,
+        job_wide=True,
+        shapes_plan=True,
+        shown="`2M`",
+        help="CUDA, where allreduces are composed: smaller ones are one NCCL allreduce (`0`: "
+        "never); from the same runs",
+    )
+    # NCCL on one rank and Gloo on another would hang both.
+    cuda_delegate: str = _setting(
+        "FAIRRING_CUDA_DELEGATE",
+        _choice(CUDA_DELEGATES),
+        "auto",
+        job_wide=True,
+        shapes_plan=True,
+        help="who runs the other collectives on CUDA tensors: `nccl`, `gloo`, or `auto` "
+        "(NCCL unless ranks share a GPU)",
+    )
+    timeline: str | None = _setting(
+        "FAIRRING_TIMELINE",
+        _check_timeline,
+        None,
+        job_wide=False,
+        shown="off",
+        help="write a Chrome trace per rank to this path (`t.json` → `t.rank3.json`, or "
+        "`{rank}` in the path); merge with `fairring-timeline merged.json t.rank*.json`",
+    )
+    build_dir: str | None = _setting(
+        "FAIRRING_BUILD_DIR",
+        _non_empty,
+        None,
+        job_wide=False,
+        shown="`~/.cache/fairring_pg/<hash>`",
+        help="where the core is compiled and cached; a path each machine can lock",
+    )
+    build_verbose: bool = _setting(
+        "FAIRRING_BUILD_VERBOSE",
+        _verbose,
+        False,
+        job_wide=False,
+        shown="`0`",
+        help="`1` shows the compiler's output",
+    )
+    # CPU tensors take the sub-group path over Gloo groups, so that CI runs the CUDA
+    # path's orchestration.
     test_cpu_subgroups: bool = _setting(
-        "FAIRRING_TEST_CPU_SUBGROUPS", _switch, False, job_wide=True
+        "FAIRRING_TEST_CPU_SUBGROUPS",
+        _switch,
+        False,
+        job_wide=True,
+        shapes_plan=True,
+        test_only=True,
+        help="CPU tensors take the sub-group path, over Gloo groups",
     )
-    test_local_gloo: bool = _setting("FAIRRING_TEST_LOCAL_GLOO", _switch, False, job_wide=True)
-    # Test switch: the CUDA allreduce's plan given instead of computed, so that the
-    # tests force pieces and both rail exchanges (fairring_pg.model.cuda_plan.forced).
+    # Several ranks of a simulated machine on one GPU, which NCCL refuses.
+    test_local_gloo: bool = _setting(
+        "FAIRRING_TEST_LOCAL_GLOO",
+        _switch,
+        False,
+        job_wide=True,
+        shapes_plan=True,
+        test_only=True,
+        help="CUDA's local groups are Gloo's",
+    )
+    # The plan given, so that tests force pieces and both rail exchanges; its rows are
+    # fairring_pg.model.cuda_plan.forced_rows's to read.
     test_cuda_plan: str | None = _setting(
-        "FAIRRING_TEST_CUDA_PLAN", _check_forced_plan, None, job_wide=True
+        "FAIRRING_TEST_CUDA_PLAN",
+        _non_empty,
+        None,
+        job_wide=True,
+        test_only=True,
+        help="the CUDA allreduce's plan, given",
     )
 
     @classmethod
@@ -279,80 +432,51 @@ class Config:
                 values[f.name] = f.metadata["parse"](f.metadata["variable"], raw)
         return cls(**values)
 
-    def effective_slice_size(self, num_machines: int, local_size: int) -> int:
-        """The slice actually used: FAIRRING_SLICE_SIZE, grown against over-sharding.
+    @classmethod
+    def read(cls, name: str, environ: Mapping[str, str] = os.environ) -> Any:
+        """One setting (by field name) from the environment, the others not read: for the
+        build, which runs before a job's settings exist."""
+        f = next(f for f in dataclasses.fields(cls) if f.name == name)
+        raw = environ.get(f.metadata["variable"])
+        return f.default if raw is None else f.metadata["parse"](f.metadata["variable"], raw)
 
-        A slice is cut into L*M shards; at many machines they get so small that per-message
-        costs dominate (Fairring's "over-sharding"). With scaling on, the slice grows until
-        every shard has at least MIN_SHARD_BYTES, but never so far that fewer than two
-        slices fit in the staging memory (that would serialise the pipeline).
-        """
-        base = self.slice_size
-        if not self.slice_scaling:
-            return base
-        wanted = max(base, MIN_SHARD_BYTES * num_machines * local_size)
-        while (
-            wanted > base
-            and 2 * staging_slot_bytes(wanted, num_machines, local_size) > self.total_memory
-        ):
-            wanted = max(base, wanted // 2)
-        return wanted
+    def core_values(self) -> list[tuple[str, Any]]:
+        """(dotted field of the core's options, value) for each row the core takes as is."""
+        return [
+            (target, getattr(self, f.name))
+            for f in dataclasses.fields(self)
+            for target in f.metadata["core"]
+        ]
+
+    def plan_shaping(self) -> dict[str, Any]:
+        """The settings a saved plan file depends on, by field name."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.metadata["shapes_plan"]
+        }
+
+    def effective_slice_size(self, num_machines: int, local_size: int) -> int:
+        """The CPU engine's slice (fairring_pg.sizing.scaled_slice_bytes)."""
+        return sizing.scaled_slice_bytes(
+            self.slice_size, self.slice_scaling, self.total_memory, num_machines, local_size
+        )
 
     def cpu_ring_from(self, num_machines: int, local_size: int) -> int:
-        """Bytes from which the model's rule (FAIRRING_CPU_ALLREDUCE=model, and what the
-        cost model predicts for auto) gives a CPU allreduce to Gloo's ring instead of
-        fairring's engine, or -1 for never. The same on every rank: the variable is
-        job-wide and the shape is the job's."""
-        if self.cpu_allreduce == "gloo":
-            return 0
-        if self.cpu_allreduce == "engine" or local_size > 1 or num_machines == 1:
-            return -1
-        return CPU_RING_FROM
-
-    def slices_allreduces(self, num_machines: int, local_size: int) -> bool:
-        """Whether FAIRRING_CUDA_ALLREDUCE lets the sub-group (CUDA) path compose
-        allreduces at all (its plan then says for which sizes:
-        fairring_pg.model.cuda_plan), or gives every one to one allreduce on the world
-        group. The same on every rank: the variable is job-wide and the shape is the
-        job's."""
-        if num_machines == 1 or self.cuda_allreduce == "direct":
-            return False
-        return self.cuda_allreduce == "lanes" or local_size > 1
+        """Where the model's rule gives a CPU allreduce to Gloo's ring
+        (fairring_pg.sizing.cpu_ring_from)."""
+        return sizing.cpu_ring_from(self.cpu_allreduce, num_machines, local_size)
 
     def subgroup_slice_size(self, num_machines: int, local_size: int) -> int:
-        """The largest piece of the sub-group (CUDA) path.
-
-        FAIRRING_SLICE_SIZE, grown against over-sharding as for the CPU path, then cut to
-        the largest size that lets each of the FAIRRING_LANES lanes hold its staging
-        within FAIRRING_TOTAL_MEMORY, and rounded down to a multiple of 16*L*M bytes so that
-        a piece of any dtype splits evenly into L chunks of M shards, each starting 16 bytes
-        apart (src/subgroups/call_plan.h).
-        """
-        unit = 16 * num_machines * local_size
-        wanted = self.slice_size
-        if self.slice_scaling:
-            wanted = max(wanted, MIN_SHARD_BYTES * num_machines * local_size)
-        wanted = max(unit, wanted // unit * unit)
-        if not self.slices_allreduces(num_machines, local_size):
-            return wanted  # one NCCL allreduce per tensor: no slices, no staging
-
-        def fits(size: int) -> bool:
-            need = self.lanes * lane_staging_bytes(size, num_machines, local_size)
-            return need <= self.total_memory
-
-        if not fits(unit):
-            need = self.lanes * lane_staging_bytes(unit, num_machines, local_size)
-            raise ValueError(
-                f"FAIRRING_TOTAL_MEMORY={self.total_memory} cannot hold a staging slot for "
-                f"each of FAIRRING_LANES={self.lanes} lanes with {num_machines} machine(s) of "
-                f"{local_size} rank(s), even for the smallest slice ({unit} bytes): expected "
-                f"FAIRRING_TOTAL_MEMORY >= {need}, or fewer lanes"
-            )
-        lo, hi = 1, wanted // unit  # in units; fits(lo * unit) holds
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if fits(mid * unit) else (lo, mid - 1)
-        return lo * unit
+        """The sub-group path's largest piece (fairring_pg.sizing.largest_piece_bytes)."""
+        return sizing.largest_piece_bytes(
+            self.slice_size,
+            self.slice_scaling,
+            self.lanes,
+            self.total_memory,
+            num_machines,
+            local_size,
+        )
 
     def timeline_path(self, rank: int) -> str:
         """This rank's trace file: '{rank}' in FAIRRING_TIMELINE is replaced, else the
@@ -369,7 +493,7 @@ class Config:
 
     def check_staging_fits(self, num_machines: int, local_size: int) -> None:
         """Fail if ``total_memory`` cannot hold a single staging slot."""
-        need = staging_slot_bytes(self.slice_size, num_machines, local_size)
+        need = sizing.staging_slot_bytes(self.slice_size, num_machines, local_size)
         if self.total_memory < need:
             raise ValueError(
                 f"FAIRRING_TOTAL_MEMORY={self.total_memory} cannot hold one staging slot for "
@@ -416,38 +540,16 @@ def _show(f: dataclasses.Field[Any], value: Any) -> str:
     return repr(value)
 
 
-def staging_slot_bytes(slice_size: int, num_machines: int, local_size: int) -> int:
-    """Bytes of staging memory one slice in flight needs on one rank.
-
-    The intra-node part receives a chunk from each of the L-1 peers, the rail part a
-    shard from each of the M-1 other machines; each message carries a small header
-    (8 and 16 bytes) and the slot is cache-line aligned.
-    """
-    if slice_size < 0 or num_machines < 1 or local_size < 1:
-        raise ValueError(
-            f"staging_slot_bytes({slice_size}, {num_machines}, {local_size}): "
-            "expected slice_size >= 0, num_machines >= 1, local_size >= 1"
-        )
-    s, m, loc = slice_size, num_machines, local_size
-    chunk = Fraction(s, loc) + 8
-    shard = Fraction(s, loc * m) + 16
-    total = (loc - 1) * _ceil(chunk) + (m - 1) * _ceil(shard)
-    return -(-total // 64) * 64
+def settings_markdown() -> str:
+    """The README's table of settings, made from ``Config``'s rows (the test-only
+    switches left out)."""
+    lines = ["| variable | default | meaning |", "| --- | --- | --- |"]
+    for f in dataclasses.fields(Config):
+        m = f.metadata
+        if not m["test_only"]:
+            lines.append(f"| `{m['variable']}` | {m['shown']} | {m['help']} |")
+    return "\n".join(lines)
 
 
-def _ceil(x: Fraction) -> int:
-    return -(-x.numerator // x.denominator)
-
-
-def lane_staging_bytes(piece_size: int, num_machines: int, local_size: int) -> int:
-    """Bytes of staging one lane of the sub-group (CUDA) path holds for pieces of up to
-    ``piece_size`` bytes: the all-to-all exchange's M copies of my shard (a chunk) and my
-    reduced shard, each region 256-byte aligned; the local steps and the reduce-scatter
-    exchange work in place. The one definition: the core is handed the result."""
-    chunk = piece_size // local_size
-    shard = chunk // num_machines
-
-    def aligned(n: int) -> int:
-        return -(-n // 256) * 256
-
-    return aligned(chunk) + aligned(shard)
+def testing_variables() -> list[str]:
+    return [f.metadata["variable"] for f in dataclasses.fields(Config) if f.metadata["test_only"]]

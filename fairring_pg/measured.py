@@ -41,21 +41,6 @@ TRIAL_CALLS = 12
 VARIABLE = "FAIRRING_PLAN_FILE"
 _KEY = "fairring/measured/known"
 _log = logging.getLogger("fairring_pg")
-# The settings that change what either way of a measured class does, or which classes
-# there are: a file made under other values does not fit.
-_SETTINGS = (
-    "slice_size",
-    "total_memory",
-    "slice_scaling",
-    "lanes",
-    "direct_below",
-    "cpu_allreduce",
-    "cuda_allreduce",
-    "pipeline_chunk",
-    "cuda_delegate",
-    "test_cpu_subgroups",
-    "test_local_gloo",
-)
 
 
 def file_for_group(path: str, group_name: str) -> str:
@@ -77,7 +62,7 @@ def job_shape(
         "local_size": topology.local_size,
         "cpu_rows": [list(row) for row in cpu_plan.core_rows()],
         "cuda_rows": [list(row) for row in cuda_plan.core_rows()],
-        "settings": {name: getattr(config, name) for name in _SETTINGS},
+        "settings": config.plan_shaping(),
     }
 
 

@@ -26,6 +26,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
+from fairring_pg.config import Config
 from fairring_pg.model.nccl import AMD, CPU_VENDORS, INTEL, OTHER_CPU, UNKNOWN_CPU
 from fairring_pg.model.nodes import IB_EFFICIENCY, NODE_TYPES, GpuNode
 from fairring_pg.model.units import parse_rate
@@ -270,8 +271,8 @@ _FILE_FIELDS = ("arch", "nvlink", "nics", "nic", "nics_per_machine", "intra", "n
 
 def from_env(environ: Mapping[str, str] = os.environ, probes: Probes = Probes()) -> NodeFacts:
     """This process's facts: ``FAIRRING_NODE`` if set, else detected."""
-    raw = environ.get(ENV)
-    if raw is None or raw.strip().lower() in ("", "detect"):
+    raw = Config.read("node", environ)
+    if raw.lower() == "detect":
         return detect(probes)
     value = raw.strip()
     if value.lower() in ("none", "unknown"):

@@ -18,6 +18,8 @@
 
 namespace py = pybind11;
 using fairring::BackendOptions;
+using fairring::EngineOptions;
+using fairring::SubgroupOptions;
 
 namespace fairring {
 namespace {
@@ -44,30 +46,41 @@ void bindOptions(py::module_& m) {
       .def_readwrite("local_gather", &Subgroups::localGather)
       .def_readwrite("lanes", &Subgroups::lanes);
 
+  // The CPU engine's options (src/pipeline/), as fairring_pg.backend fills them.
+  py::class_<EngineOptions>(m, "EngineOptions")
+      .def(py::init<>())
+      .def_readwrite("slice_bytes", &EngineOptions::sliceBytes)
+      .def_readwrite("slot_bytes", &EngineOptions::slotBytes)
+      .def_readwrite("total_memory", &EngineOptions::totalMemory)
+      .def_readwrite("timeout", &EngineOptions::timeout)
+      .def_readwrite("listen_address", &EngineOptions::listenAddress)
+      .def_readwrite("token", &EngineOptions::token)
+      .def_readwrite("timeline_path", &EngineOptions::timelinePath)
+      .def_readwrite("chunk_bytes", &EngineOptions::chunkBytes);
+
+  // The sub-group allreduce's (src/subgroups/); its rank and shape come from the layout.
+  py::class_<SubgroupOptions>(m, "SubgroupOptions")
+      .def(py::init<>())
+      .def_readwrite("timeout", &SubgroupOptions::timeout)
+      .def_readwrite("largest_piece_bytes", &SubgroupOptions::largestPieceBytes)
+      .def_readwrite("lane_staging_bytes", &SubgroupOptions::laneStagingBytes)
+      .def_readwrite("total_memory", &SubgroupOptions::totalMemory)
+      .def(
+          "set_plan",
+          [](SubgroupOptions& o, const std::vector<std::tuple<size_t, std::string, int, std::string>>& rows) {
+            o.plan = fairring::planRows(rows);
+          },
+          py::arg("rows"),
+          "The plan: rows of (from_bytes, 'nccl', 'compose' or 'measure', pieces, "
+          "'alltoall' or 'reduce_scatter').");
+
   py::class_<BackendOptions>(m, "Options")
       .def(py::init<>())
-      .def_readwrite("slice_size", &BackendOptions::sliceSize)
-      .def_readwrite("staging_slot_bytes", &BackendOptions::stagingSlotBytes)
-      .def_readwrite("total_memory", &BackendOptions::totalMemory)
       .def_readwrite("machine_of", &BackendOptions::machineOf)
       .def_readwrite("local_rank_of", &BackendOptions::localRankOf)
       .def_readwrite("hostnames", &BackendOptions::hostnames)
-      .def_readwrite("listen_address", &BackendOptions::listenAddress)
-      .def_readwrite("job_token", &BackendOptions::jobToken)
-      .def_readwrite("timeout", &BackendOptions::timeout)
-      .def_readwrite("timeline_path", &BackendOptions::timelinePath)
-      .def_readwrite("pipeline_chunk", &BackendOptions::pipelineChunk)
-      .def(
-          "set_subgroup_plan",
-          [](BackendOptions& o, const std::vector<std::tuple<size_t, std::string, int, std::string>>& rows,
-             size_t largestPiece, size_t laneStaging) {
-            o.subgroupPlan = fairring::planRows(rows);
-            o.largestPieceBytes = largestPiece;
-            o.laneStagingBytes = laneStaging;
-          },
-          py::arg("rows"), py::arg("largest_piece"), py::arg("lane_staging"),
-          "The sub-group allreduce's plan: rows of (from_bytes, 'nccl' or 'compose', pieces, "
-          "'alltoall' or 'reduce_scatter'), the largest piece and each lane's staging, in bytes.")
+      .def_readwrite("engine", &BackendOptions::engine)
+      .def_readwrite("subgroup", &BackendOptions::subgroup)
       .def(
           "set_cpu_plan",
           [](BackendOptions& o, const std::vector<std::tuple<size_t, std::string>>& rows) {

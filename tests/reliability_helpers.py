@@ -327,7 +327,7 @@ def make_second_backend(store: Any, claimed_rank: int, token: str, timeout_s: fl
     import torch.distributed as dist
 
     from fairring_pg._build import load_extension
-    from fairring_pg.backend import _fill_options
+    from fairring_pg.backend import core_options
     from fairring_pg.config import Config
     from fairring_pg.topology import build_topology
 
@@ -335,7 +335,7 @@ def make_second_backend(store: Any, claimed_rank: int, token: str, timeout_s: fl
     opts = ext.Options()
     config = Config(slice_size=16 * 1024, total_memory=128 * 1024, slice_scaling=False)
     topology = build_topology(claimed_rank, ["a", "a", "b", "b"], [socket.gethostname()] * 4)
-    _fill_options(opts, config, topology, "127.0.0.1", token, timedelta(seconds=timeout_s))
+    core_options(opts, config, topology, "127.0.0.1", token, timedelta(seconds=timeout_s))
     delegate = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=10))
     return ext.FairringBackend(store, claimed_rank, 4, opts, delegate)
 

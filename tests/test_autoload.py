@@ -154,9 +154,9 @@ def test_init_process_group_without_importing_fairring_pg(tmp_path: Path) -> Non
         seen = {{}}
         def fake_core(store, rank, size, opts, cpu, cuda):
             seen.update(rank=rank, size=size, machine_of=opts.machine_of,
-                        hostnames=len(opts.hostnames), slice=opts.slice_size,
-                        memory=opts.total_memory, address=opts.listen_address,
-                        token=opts.job_token, timeout=opts.timeout.total_seconds(),
+                        hostnames=len(opts.hostnames), slice=opts.engine.slice_bytes,
+                        memory=opts.engine.total_memory, address=opts.engine.listen_address,
+                        token=opts.engine.token, timeout=opts.engine.timeout.total_seconds(),
                         cpu=type(cpu).__name__, cuda=cuda is None)
             return cpu
         backend._core_factory = fake_core

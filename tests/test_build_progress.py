@@ -193,3 +193,27 @@ def test_a_newer_torch_than_tested_is_tried_with_one_line_saying_so(tmp_path: Pa
     assert proc.returncode != 0 and out == ""
     assert err.splitlines()[-1] == note
     assert "RuntimeError: fairring_pg: building the C++ extension failed in" in err
+
+
+def test_a_process_waiting_on_anothers_compile_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The compiling process may report where this one's output does not go (a killed
+    # rank's): a wait past the interval says what it waits for.
+    import fcntl
+    import threading
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(_build, "PROGRESS_INTERVAL_S", 0.05)
+    lock_path = tmp_path / "build.lock"
+    with open(lock_path, "a") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        threading.Timer(0.4, fcntl.flock, (holder, fcntl.LOCK_UN)).start()
+        began = time.monotonic()
+        with _build._exclusive(lock_path):
+            waited = time.monotonic() - began
+    lines = capsys.readouterr().err.splitlines()
+    assert waited >= 0.35
+    assert len(lines) >= 3, lines
+    expected = "fairring_pg: waiting for another process to finish compiling the C++ core"
+    assert all(line.startswith(f"{expected} ({tmp_path / 'build'}, ") for line in lines), lines

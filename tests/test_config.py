@@ -21,16 +21,27 @@ from fairring_pg.config import (
     TIB,
     Config,
     parse_byte_size,
-    staging_slot_bytes,
 )
 from fairring_pg.network import listen_address
+from fairring_pg.sizing import staging_slot_bytes
 
 SIZE_VARS = ["FAIRRING_SLICE_SIZE", "FAIRRING_TOTAL_MEMORY", "FAIRRING_PIPELINE_CHUNK"]
 
 
 def test_defaults() -> None:
     cfg = Config.from_env({})
-    assert cfg == Config(DEFAULT_SLICE_SIZE, DEFAULT_TOTAL_MEMORY, None, None, True, None, "auto")
+    assert cfg == Config(
+        slice_size=DEFAULT_SLICE_SIZE,
+        total_memory=DEFAULT_TOTAL_MEMORY,
+        machine_id=None,
+        socket_ifname=None,
+        slice_scaling=True,
+        timeline=None,
+        cuda_delegate="auto",
+        node="detect",
+        build_dir=None,
+        build_verbose=False,
+    )
     assert cfg.slice_size == 25 * MIB and cfg.total_memory == 50 * MIB
     assert cfg.pipeline_chunk == MIB
 

@@ -13,6 +13,7 @@ the groups are recorded instead of made; a job checks the decision on every rank
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from types import SimpleNamespace
 from typing import Any
@@ -24,6 +25,8 @@ from multiprocess import launch, run_ranks
 from fairring_pg import cuda
 from fairring_pg.config import Config
 from fairring_pg.cuda import GpuFacts
+from fairring_pg.model.cuda_plan import plan_allreduce
+from fairring_pg.model.nodes import NODE_TYPES
 from fairring_pg.subgroups import build_subgroups
 from fairring_pg.topology import build_topology
 
@@ -228,9 +231,11 @@ def test_groups_and_their_members(
     topo = topology(rank, machines)
     lane_count = len(lanes) if lanes else 2
     config = Config(lanes=lane_count, cuda_allreduce=path)
-    # Whether the plan composes any call: here as the mode allows (the plan's rows,
-    # from the model, are tests/test_model.py's).
-    composes = config.slices_allreduces(topo.num_machines, topo.local_size)
+    # Whether the plan composes any call (its rows, from the model, are
+    # tests/test_model.py's).
+    node = dataclasses.replace(NODE_TYPES["a100-4x200g"], gpus=topo.local_size)
+    M, L = topo.num_machines, topo.local_size
+    composes = plan_allreduce(node, M, config, local_size=L, measured=path == "auto").composes
     groups = build_subgroups(
         SimpleNamespace(lanes=[]),
         topo,

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from collective_forms import FORMS, Issued, issue
 from multiprocess import SHAPES, CaseJob, fairring_env
 
-from fairring_pg.config import staging_slot_bytes
+from fairring_pg.sizing import staging_slot_bytes
 
 KINDS = ("allreduce", "reduce_scatter", "all_gather")
 SLICE = 64 * 1024

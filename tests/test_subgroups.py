@@ -45,7 +45,10 @@ from test_allreduce import (
 )
 from values import compare_exact, reduce_op
 
-from fairring_pg.config import Config, lane_staging_bytes
+from fairring_pg.config import Config
+from fairring_pg.model.cuda_plan import plan_allreduce
+from fairring_pg.model.nodes import NODE_TYPES
+from fairring_pg.sizing import lane_staging_bytes
 from fairring_pg.subgroups import subgroup_stats
 
 SLICE_SIZE = 4 * 1024
@@ -531,13 +534,18 @@ def test_subgroup_slice_fits_staging(machines: int, local: int, lanes: int) -> N
 def test_subgroup_slice_refuses_tiny_staging() -> None:
     with pytest.raises(ValueError, match="FAIRRING_TOTAL_MEMORY=1000 .*FAIRRING_LANES=4"):
         Config(total_memory=1000, lanes=4).subgroup_slice_size(4, 2)
-    # Without slices there are no lanes to stage for, at any staging size.
+    # A plan that composes nothing has no lanes to stage for, at any staging size.
     for config, machines, local in [
         (Config(total_memory=1000, lanes=4), 4, 1),
         (Config(total_memory=1000, lanes=4, cuda_allreduce="direct"), 4, 2),
         (Config(total_memory=1000, lanes=4), 1, 8),
     ]:
-        assert config.subgroup_slice_size(machines, local) % (16 * machines * local) == 0
+        plan = plan_allreduce(_node(local), machines, config, local_size=local)
+        assert not plan.composes and plan.largest_piece == 0
+
+
+def _node(gpus: int) -> Any:
+    return dataclasses.replace(NODE_TYPES["a100-4x200g"], gpus=gpus)
 
 
 @pytest.mark.parametrize(
@@ -555,7 +563,10 @@ def test_subgroup_slice_refuses_tiny_staging() -> None:
     ],
 )
 def test_which_shapes_slice(path: str, machines: int, local: int, slices: bool) -> None:
-    assert Config(cuda_allreduce=path).slices_allreduces(machines, local) is slices
+    # Whether any call composes is the plan's to say, and nothing else's.
+    config = Config(cuda_allreduce=path)
+    plan = plan_allreduce(_node(local), machines, config, local_size=local, measured=path == "auto")
+    assert plan.composes is slices
 
 
 def test_config_variables_are_validated() -> None:

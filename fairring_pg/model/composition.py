@@ -40,6 +40,7 @@ from fairring_pg.model.alltoall import MessageEfficiency
 from fairring_pg.model.constants import ALLTOALL_EFFICIENCY, HOST_STEP, KERNEL_START, OVERLAP
 from fairring_pg.model.nodes import GpuNode
 from fairring_pg.model.pipeline import Piece, Stage
+from fairring_pg.sizing import PIECE_ALIGNMENT
 
 ALLTOALL, REDUCE_SCATTER = "alltoall", "reduce_scatter"
 # Only for what ran before issue 34 and the Fairring seed:
@@ -93,11 +94,6 @@ class Unit:
     begin: int  # element offset
     numel: int
     direct: bool  # one NCCL allreduce on the world group
-
-
-# Every piece, chunk and shard starts a multiple of this many bytes into the tensor:
-# NCCL's kernels take their fast path on 16-byte aligned buffers (src/subgroups/call_plan.h).
-PIECE_ALIGNMENT = 16
 
 
 def group_elements(elem_size: int, L: int, M: int) -> int:

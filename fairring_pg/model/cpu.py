@@ -29,9 +29,10 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from fairring_pg.config import Config, staging_slot_bytes
+from fairring_pg.config import Config
 from fairring_pg.model.calibration import Primitives
 from fairring_pg.model.pipeline import FlowTime, Piece, Stage, flow_time
+from fairring_pg.sizing import staging_slot_bytes
 
 # ProcessGroupGloo's default worker threads (torch's ProcessGroupGloo::Options): at
 # most this many Gloo collectives run at once.

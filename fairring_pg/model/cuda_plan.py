@@ -40,7 +40,6 @@ from fairring_pg.model import nccl
 from fairring_pg.model.composition import (
     ALLTOALL,
     FAIRRING_PG,
-    PIECE_ALIGNMENT,
     REDUCE_SCATTER,
     Implementation,
     Unit,
@@ -52,6 +51,7 @@ from fairring_pg.model.composition import (
 )
 from fairring_pg.model.nodes import GpuNode
 from fairring_pg.model.pipeline import schedule
+from fairring_pg.sizing import PIECE_ALIGNMENT
 
 NCCL, COMPOSE, MEASURE = "nccl", "compose", "measure"
 # Compose only where the model predicts NCCL's time at least (1 + this) x fairring's: a
@@ -195,9 +195,7 @@ def forced_plan(text: str, machines: int, config: Config, local_size: int) -> Cu
     """The plan FAIRRING_TEST_CUDA_PLAN gives, for M = ``machines`` of L = ``local_size``."""
     rows = forced_rows(text)
     composes = any(row.path in (COMPOSE, MEASURE) for row in rows)
-    # Pieces that fit the lanes' staging, whatever FAIRRING_CUDA_ALLREDUCE would compose.
-    lanes = dataclasses.replace(config, cuda_allreduce="lanes")
-    largest = lanes.subgroup_slice_size(machines, local_size) if composes else 0
+    largest = config.subgroup_slice_size(machines, local_size) if composes else 0
     if composes and (machines == 1 or local_size * machines == 1):
         rows = (PlanRow(0, NCCL, reason="one machine: nothing to compose"),)
         largest = 0

@@ -10,6 +10,22 @@
 
 namespace fairring {
 
+namespace {
+
+// The sub-group path's options with its place in the job: this rank's, from the
+// layout every part shares.
+SubgroupOptions placed(SubgroupOptions options, const RankLayout& layout) {
+  options.rank = layout.rank();
+  options.worldSize = layout.worldSize();
+  options.localSize = layout.localSize();
+  options.numMachines = layout.numMachines();
+  options.localRank = layout.localRank();
+  options.machine = layout.machine();
+  return options;
+}
+
+} // namespace
+
 FairringBackend::FairringBackend(
     const c10::intrusive_ptr<c10d::Store>& store,
     int rank,
@@ -26,34 +42,20 @@ FairringBackend::FairringBackend(
       static_cast<int>(options.machineOf.size()) == size, "fairring: machine_of has ", options.machineOf.size(),
       " entries for a world of ", size);
   RankLayout layout(rank, options.machineOf, options.localRankOf, options.hostnames);
-  SubgroupOptions subgroupOptions;
-  subgroupOptions.rank = rank;
-  subgroupOptions.worldSize = size;
-  subgroupOptions.localSize = layout.localSize();
-  subgroupOptions.numMachines = layout.numMachines();
-  subgroupOptions.localRank = layout.localRank();
-  subgroupOptions.machine = layout.machine();
-  subgroupOptions.timeout = options.timeout;
-  subgroupOptions.plan = options.subgroupPlan;
-  subgroupOptions.largestPieceBytes = options.largestPieceBytes;
-  subgroupOptions.laneStagingBytes = options.laneStagingBytes;
-  subgroupOptions.totalMemory = options.totalMemory;
+  const SubgroupOptions subgroupOptions = placed(options.subgroup, layout);
   acceleratorPath_ = composedOrDelegate(
       options.cudaSubgroups, subgroupOptions, accelerator_, cuda_, options.cudaUnavailable, options);
   if (options.cpuSubgroups) {
     cpuPath_ = composedOrDelegate(options.cpuSubgroups, subgroupOptions, c10::kCPU, cpu_, "", options);
     return;
   }
-  EngineOptions engineOptions{
-      options.sliceSize, options.stagingSlotBytes, options.totalMemory, options.timeout, options.listenAddress,
-      options.jobToken, options.timelinePath, options.pipelineChunk};
   std::vector<std::pair<size_t, bool>> cpuRows;
   for (const CpuPlanRow& row : options.cpuPlan) {
     cpuRows.emplace_back(row.fromBytes, row.way == CpuWay::kMeasured);
   }
   auto measured = measuredChoice("cpu", {"engine", "ring"}, std::move(cpuRows), options);
   cpuPath_ = std::make_unique<CpuPath>(
-      store, rank, size, std::move(layout), engineOptions, cpu_, options.ringDelegate, options.cpuPlan,
+      store, rank, size, std::move(layout), options.engine, cpu_, options.ringDelegate, options.cpuPlan,
       std::move(measured));
 }
 
@@ -79,7 +81,7 @@ std::unique_ptr<MeasuredChoice> FairringBackend::measuredChoice(
     }
   }
   measured.rank = getRank();
-  measured.timeout = options.timeout;
+  measured.timeout = options.engine.timeout;
   measured.agreement = options.measuredAgreement;
   measured.onDecision = options.onMeasured;
   return std::make_unique<MeasuredChoice>(std::move(measured));

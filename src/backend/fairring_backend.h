@@ -28,19 +28,17 @@ namespace fairring {
 
 // What the Python layer decided before creating the backend (it validates the
 // environment and discovers the topology; see fairring_pg/backend.py). Every
-// default and sizing rule is fairring_pg.config's: the core is handed numbers.
+// default is fairring_pg.config's table, every size fairring_pg.sizing's rule:
+// the core is handed numbers.
 struct BackendOptions {
-  size_t sliceSize{0};
-  size_t stagingSlotBytes{0}; // fairring_pg.config.staging_slot_bytes of sliceSize
-  size_t totalMemory{0};
+  // The job's layout (fairring_pg.topology): every part takes its place from it.
   std::vector<int> machineOf;
-  std::vector<int> localRankOf; // fairring_pg.topology's local rank of every rank
+  std::vector<int> localRankOf;
   std::vector<std::string> hostnames;
-  std::string listenAddress;
-  std::string jobToken;
-  std::chrono::milliseconds timeout{0};
-  std::string timelinePath; // this rank's trace file; empty: off
-  size_t pipelineChunk{0}; // each local rank's part of the piece of a slice the five steps move at once
+  // Each path's own options, bound as they are (Options.engine, Options.subgroup):
+  // fairring_pg.backend fills them from the settings table and the sizing rules.
+  EngineOptions engine;
+  SubgroupOptions subgroup; // its rank and shape are the layout's (placed() here)
   // What each size of CPU allreduce runs: the engine, Gloo's ring
   // (ringDelegate) or the measured choice between them
   // (fairring_pg.model.cpu_plan, FAIRRING_CPU_ALLREDUCE).
@@ -58,14 +56,6 @@ struct BackendOptions {
   std::vector<std::pair<std::string, MeasuredDecision>> measuredKnown;
   std::string acceleratorDelegateName{"nccl"};
   std::function<void(const std::string&, const std::string&)> onMeasured;
-  // The sub-group allreduce (src/subgroups/): its plan (what each size runs,
-  // fairring_pg.model.cuda_plan; where no row composes, the device's
-  // collectives are all its delegate's own), the largest piece (fitted so
-  // that every lane has its staging) and each lane's staging
-  // (fairring_pg.config).
-  std::vector<PlanRow> subgroupPlan;
-  size_t largestPieceBytes{0};
-  size_t laneStagingBytes{0};
   // NCCL groups for CUDA tensors (the world group alone where the plan
   // composes nothing); unset without CUDA and NCCL, or where ranks share a
   // GPU (then CUDA allreduces go to the CUDA delegate).

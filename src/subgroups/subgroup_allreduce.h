@@ -5,6 +5,7 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -209,7 +210,9 @@ class SubgroupAllreduce {
   void useDevice(c10::Device device, std::unique_lock<std::mutex>& lock);
   void connect(LaneStreams& streams);
   bool composes() const {
-    return !groups_.lanes.empty();
+    return std::any_of(options_.plan.begin(), options_.plan.end(), [](const PlanRow& row) {
+      return row.path == PlanPath::kCompose;
+    });
   }
   bool stopped() const {
     return life_.load() >= Life::kStopped;
