@@ -31,8 +31,9 @@ bash scripts/build_core.sh python --with-tests
 echo "== core built at ${SECONDS} s"
 
 # -rs: the summary lists every skipped test with its reason (without a GPU the CUDA
-# tests skip; a green run must still say what it did not run).
-python -m pytest -q -rs tests "$@"
+# tests skip; a green run must still say what it did not run); --durations: the
+# slowest, for whoever keeps this command under its 30 minutes.
+python -m pytest -q -rs --durations=25 tests "$@"
 echo "== suite done at ${SECONDS} s"
 
 # Every plant (a known bug of the CUDA path, put back by a test-only switch) must be
