@@ -147,9 +147,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from fairring_pg.backend import cuda_plan
     from fairring_pg.config import Config, lane_staging_bytes
-    from fairring_pg.subgroups import subgroup_stats
+    from fairring_pg.group_info import cuda_plan, subgroup_stats
 
     if args.cpu_dry_run:
         os.environ["FAIRRING_TEST_CPU_SUBGROUPS"] = "on"
@@ -284,7 +283,7 @@ def _trials(group: Any, dev: Any, scale: int, barrier: Any) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from fairring_pg.backend import measured_choices
+    from fairring_pg.group_info import measured_choices
     from fairring_pg.measured import TRIAL_CALLS
 
     out: dict[str, Any] = {}
@@ -312,7 +311,7 @@ def _host_per_piece(group: Any, dev: Any, scale: int) -> float | None:
     import torch
     import torch.distributed as dist
 
-    from fairring_pg.subgroups import subgroup_stats
+    from fairring_pg.group_info import subgroup_stats
 
     # The dry run's sizes are scaled down, but this one must still compose (above
     # FAIRRING_DIRECT_BELOW).

@@ -291,16 +291,16 @@ def gpu_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
     allreduce (as its plan ran) and of NCCL's, per case.
 
     ``data``: {"node": a node type of fairring-plan or the machine's facts (the JSON of
-    fairring_pg.node_facts.NodeFacts), "machines": M, "local_size": L, "nccl": "2.28",
+    fairring_pg.cuda.node_facts.NodeFacts), "machines": M, "local_size": L, "nccl": "2.28",
     "env": the job's FAIRRING_* variables, "plan": the plan that ran (CudaPlan's JSON;
     optional: else the model's own), "cases": [{"size": bytes, "in_flight": k,
     "fairring_s": seconds, "nccl_s": seconds}]}."""
+    from fairring_pg.cuda.node_facts import NodeFacts
     from fairring_pg.model import nccl
     from fairring_pg.model.composition import world_fabric
     from fairring_pg.model.cuda_plan import CudaPlan
     from fairring_pg.model.gpu import fairring_time
     from fairring_pg.model.nodes import NODE_TYPES
-    from fairring_pg.node_facts import NodeFacts
 
     machines, local_size = data["machines"], data["local_size"]
     given = data["node"]

@@ -42,7 +42,7 @@ from test_allreduce import (
 from test_subgroups import check_paths, path_env, paths_taken
 from values import compare_exact, reduce_op
 
-from fairring_pg.subgroups import subgroup_stats
+from fairring_pg.group_info import subgroup_stats
 
 pytestmark = [
     pytest.mark.cuda,
@@ -119,7 +119,7 @@ def _like_nccl(rank: int, world: int, case: Case, dev: torch.device) -> str | No
     where ranks share the GPU), of the same ranks, made at the first such case on every
     rank alike: the same outcome, bit for bit, or the same error (int16, which NCCL does
     not reduce)."""
-    from fairring_pg.backend import cuda_decision
+    from fairring_pg.group_info import cuda_decision
 
     if not _NCCL_GROUP:
         _NCCL_GROUP.append(dist.new_group(backend=cuda_decision().delegate))

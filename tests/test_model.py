@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 
-from fairring_pg import plan
 from fairring_pg.config import MIB, Config
 from fairring_pg.model import calibration, nccl, prefer_fairring, seed
 from fairring_pg.model.alltoall import MessageEfficiency
@@ -44,6 +43,7 @@ from fairring_pg.model.nodes import NODE_TYPES, V100_4X100G, GpuNode
 from fairring_pg.model.pipeline import Piece, Stage, flow_time, schedule
 from fairring_pg.model.sensitivity import nearest, turning_points
 from fairring_pg.model.units import parse_rate, parse_size
+from fairring_pg.tools import plan_command as plan
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -877,7 +877,7 @@ def test_plan_help_and_console_script(capsys: pytest.CaptureFixture[str]) -> Non
     assert exc.value.code == 0 and "--ranks-per-machine" in capsys.readouterr().out
     pyproject = (REPO / "pyproject.toml").read_text()
     scripts = pyproject.split("[project.scripts]", 1)[1].split("\n[", 1)[0]
-    assert 'fairring-plan = "fairring_pg.plan:main"' in scripts.splitlines()
+    assert 'fairring-plan = "fairring_pg.tools.plan_command:main"' in scripts.splitlines()
     # an install (not editable) ships only the packages listed: the model must be one
     packages = pyproject.split("\npackages = ", 1)[1].splitlines()[0]
     assert '"fairring_pg.model"' in packages

@@ -16,7 +16,7 @@ FAIRRING_CUDA_ALLREDUCE=lanes, without which one rank per machine takes the dire
 path); the 1x3 job is one machine, which planUnits sends down the direct path whatever
 the threshold (one allreduce on the world group: there is no rail to shard across), and
 checks that path. Which path each allreduce took is checked, per shape, mode and size,
-from the path's counters (``fairring_pg.subgroups.subgroup_stats``).
+from the path's counters (``fairring_pg.group_info.subgroup_stats``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from test_allreduce import (
 from values import compare_exact, reduce_op
 
 from fairring_pg.config import Config, lane_staging_bytes
-from fairring_pg.subgroups import subgroup_stats
+from fairring_pg.group_info import subgroup_stats
 
 SLICE_SIZE = 4 * 1024
 TOTAL_MEMORY = 64 * 1024
