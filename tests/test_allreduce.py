@@ -25,7 +25,8 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import DEFAULT_BACKEND, SHAPES, CaseJob, fairring_env, run_ranks
+from case_job import CaseJob
+from multiprocess import DEFAULT_BACKEND, SHAPES, fairring_env, run_ranks
 from values import FLOAT_DTYPES, INT_DTYPES, compare, compare_exact, reduce_op, reference
 from values import make_values as _make_values
 

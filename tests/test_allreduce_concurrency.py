@@ -18,7 +18,8 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import DEFAULT_BACKEND, SHAPES, CaseJob, fairring_env
+from case_job import CaseJob
+from multiprocess import DEFAULT_BACKEND, SHAPES, fairring_env
 from test_allreduce import make_values, reduce_exact
 from values import compare_exact
 

@@ -26,7 +26,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import CaseJob, fairring_env, launch, run_ranks
+from case_job import CaseJob
+from multiprocess import fairring_env, launch, run_ranks
 from reliability_helpers import run_bare
 from test_allreduce import (
     DTYPES,

@@ -15,7 +15,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import DEFAULT_BACKEND, SHAPES, CaseJob
+from case_job import CaseJob
+from multiprocess import DEFAULT_BACKEND, SHAPES
 
 BACKEND = DEFAULT_BACKEND
 MACHINES = SHAPES["2x2"]

@@ -28,7 +28,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import SHAPES, CaseJob, fairring_env
+from case_job import CaseJob
+from multiprocess import SHAPES, fairring_env
 from values import compare_exact
 
 JOB_ENV = fairring_env(

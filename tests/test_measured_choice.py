@@ -42,7 +42,8 @@ import pytest
 import stream_mutants
 import torch
 import torch.distributed as dist
-from multiprocess import CaseJob, fairring_env, launch, run_ranks
+from case_job import CaseJob
+from multiprocess import fairring_env, launch, run_ranks
 
 from fairring_pg import measured
 from fairring_pg.config import Config

@@ -30,7 +30,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import SHAPES, CaseJob, fairring_env, launch, run_ranks
+from case_job import CaseJob
+from multiprocess import SHAPES, fairring_env, launch, run_ranks
 from test_allreduce import (
     DTYPES,
     FLOAT_DTYPES,
