@@ -5,7 +5,7 @@ every sub-group (the world group included) at once after a failure.
 
 On CUDA the same code creates and connects every NCCL communicator at the first
 allreduce, drains the device at destroy, and gives ProcessGroupNCCL's Work semantics;
-the stream-only parts of that need a GPU (tests/test_cuda.py). Here each job makes a
+the stream-only parts of that need a GPU (tests/test_cuda*.py). Here each job makes a
 second fairring group with ``dist.new_group`` so that it can break or destroy it while
 the harness's default group stays.
 """
