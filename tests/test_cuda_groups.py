@@ -230,7 +230,7 @@ def test_groups_and_their_members(
     lane_count = len(lanes) if lanes else 2
     config = Config(lanes=lane_count, cuda_allreduce=path)
     # Whether the plan composes any call: here as the mode allows (the plan's rows,
-    # from the model, are tests/test_model.py's).
+    # from the model, are tests/test_model_gpu.py's).
     composes = config.slices_allreduces(topo.num_machines, topo.local_size)
     groups = build_subgroups(
         SimpleNamespace(lanes=[]),
