@@ -157,9 +157,11 @@ def test_plan_help_and_console_script(capsys: pytest.CaptureFixture[str]) -> Non
     pyproject = (REPO / "pyproject.toml").read_text()
     scripts = pyproject.split("[project.scripts]", 1)[1].split("\n[", 1)[0]
     assert 'fairring-plan = "fairring_pg.tools.plan_command:main"' in scripts.splitlines()
-    # an install (not editable) ships only the packages listed: the model must be one
-    packages = pyproject.split("\npackages = ", 1)[1].splitlines()[0]
-    assert '"fairring_pg.model"' in packages
+    # An install (not editable) ships only the packages listed: every subpackage must be
+    # one (the tool's and the model's among them).
+    packages = pyproject.split("\npackages = [", 1)[1].split("]", 1)[0]
+    for init in (REPO / "fairring_pg").glob("*/__init__.py"):
+        assert f'"fairring_pg.{init.parent.name}"' in packages, init.parent.name
 
 
 def test_plan_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
