@@ -47,21 +47,18 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cuda_allreduce_report import (  # noqa: E402
+    IN_FLIGHT,
+    IN_FLIGHT_SIZE,
+    PROFILED_SIZE,
+    SIZES,
+    render,
+    verdicts,
+)
+
 import common  # noqa: E402
 
-# 8 B to 1 MiB: where the plan composes nothing (one rank per machine under auto) the
-# allreduce is NCCL's own Work, and must cost what NCCL's does (the same target).
-SIZES = ("8", "4K", "64K", "1M", "25M", "100M")
-IN_FLIGHT = 16
-IN_FLIGHT_SIZE = "25M"
-PROFILED_SIZE = "25M"
 SMALL_RUN_BYTES = 4 * common.MIB
-# Issue 26's targets: fairring's speed as a fraction of NCCL's (NCCL's time / fairring's,
-# DDP: fairring's steps/s / NCCL's), same processes, for the default path (auto). With
-# one rank per machine the five steps send as many bytes per rank as NCCL's ring, so a
-# user must at least not lose by switching. Goal with many allreduces in flight: 1.2.
-TARGET_SPEED = 0.97
-IN_FLIGHT_GOAL = 1.2
 PATHS = ("auto", "lanes", "direct", "measured")
 # The sizes the measured group trials, each a class of its own (64 KiB and up), and the
 # composition each is timed against: pieces, rail exchange.
@@ -147,10 +144,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from fairring_pg.backend import cuda_plan
-    from fairring_pg.config import Config
-    from fairring_pg.sizing import lane_staging_bytes
-    from fairring_pg.subgroups import subgroup_stats
+    from fairring_pg.group_info import subgroup_stats
 
     if args.cpu_dry_run:
         os.environ["FAIRRING_TEST_CPU_SUBGROUPS"] = "on"
@@ -161,18 +155,73 @@ def worker(args: argparse.Namespace) -> None:
     common.init_worker(args.timeout)
     world = dist.get_world_size()
     barrier = dist.barrier
+    scale = 64 if args.cpu_dry_run else 1
+    groups, memory = _groups(args, dev, scale)
+    results: dict[str, Any] = {"sizes": {}, "memory": memory, "measured": {}}
+    for name, group in groups.items():
+        if name.startswith("fairring-measured"):
+            results["measured"][name] = _trials(group, dev, scale, barrier)
+    results["sizes"] = _time_sizes(args, groups, dev, scale)
+    flight = [
+        torch.ones(common.parse_size(IN_FLIGHT_SIZE) // scale // 4, device=dev)
+        for _ in range(IN_FLIGHT)
+    ]
+    variants = {name: _many(g, flight, dev) for name, g in groups.items() if name != "gloo"}
+    times = common.time_iterations(variants, max(2, args.iters // 2), 1, barrier)
+    results["in_flight"] = {n: common.median(v) for n, v in times.items()}
+    flight.clear()
+
+    # A 6-layer, 512-wide LM with an 8000-word vocabulary (~25M parameters: DDP's
+    # buckets are full 25 MiB ones); a toy in the dry run.
+    width, vocab = (32, 500) if args.cpu_dry_run else (512, 8000)
+    results["ddp_steps_per_s"] = {
+        name: _ddp_rate(g, args.ddp_steps, dev, width, vocab)
+        for name, g in groups.items()
+        if name != "gloo"
+    }
+    results["paths"] = {
+        name: subgroup_stats(g, dev.type) for name, g in groups.items() if name.startswith("fair")
+    }
+    fairring = {name: g for name, g in groups.items() if name.startswith("fair")}
+    results["host_per_piece"] = {n: _host_per_piece(g, dev, scale) for n, g in fairring.items()}
+    if args.profile is not None:
+        timed = {name: g for name, g in groups.items() if name != "gloo"}
+        size = common.parse_size(PROFILED_SIZE) // scale
+        t = torch.ones(size // 4, device=dev)
+        tensors = [torch.ones(size // 4, device=dev) for _ in range(IN_FLIGHT)]
+        cases = {
+            PROFILED_SIZE: {name: _one(t, g, 1, dev) for name, g in timed.items()},
+            "in_flight": {name: _many(g, tensors, dev) for name, g in timed.items()},
+        }
+        shape = f"{int(os.environ['NNODES'])}x{world // int(os.environ['NNODES'])}"
+        _profile(cases, args.profile, shape, dev, barrier)
+    common.write_worker_result(args.out, results)
+
+
+def _groups(
+    args: argparse.Namespace, dev: Any, scale: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The groups timed side by side (a fairring group per path and lane count, NCCL's,
+    Gloo's), and what each fairring group's sub-groups took on the GPU at their first
+    use, on every rank at once (mem_get_info sees the whole device, so the sum over
+    ranks)."""
+    import torch
+    import torch.distributed as dist
+
+    from fairring_pg.config import Config
+    from fairring_pg.group_info import cuda_plan
+    from fairring_pg.sizing import lane_staging_bytes
+
+    world = dist.get_world_size()
+    barrier = dist.barrier
     nccl = dist.new_group(backend="gloo" if args.cpu_dry_run else "nccl")
     gloo = None if args.no_gloo else dist.new_group(backend="gloo")
     lane_counts = [int(k) for k in args.lanes.split(",") if k] or [None]
     paths = args.paths.split(",")
-
-    # What fairring's sub-groups take on the GPU at their first use, on every rank
-    # at once (mem_get_info sees the whole device, so the sum over ranks).
     probe = torch.ones(8 << 20, device=dev)
     dist.all_reduce(probe, group=nccl)
     groups: dict[str, Any] = {}
     memory: dict[str, Any] = {}
-    scale = 64 if args.cpu_dry_run else 1
     for path, lanes in [(path, lanes) for path in paths for lanes in lane_counts]:
         name = variant_name(path, lanes)
         env = {"FAIRRING_CUDA_ALLREDUCE": path}
@@ -209,73 +258,52 @@ def worker(args: argparse.Namespace) -> None:
     groups["nccl"] = nccl
     if gloo is not None:
         groups["gloo"] = gloo
+    return groups, memory
 
-    def one(t: torch.Tensor, group: Any, reps: int) -> Any:
-        def run() -> None:
-            for _ in range(reps):
-                dist.all_reduce(t, group=group)
-            _sync(dev)
 
-        return run
+def _one(t: Any, group: Any, reps: int, dev: Any) -> Any:
+    """``reps`` allreduces of ``t`` one after another."""
+    import torch.distributed as dist
 
-    results: dict[str, Any] = {"sizes": {}, "memory": memory, "measured": {}}
-    for name, group in groups.items():
-        if name.startswith("fairring-measured"):
-            results["measured"][name] = _trials(group, dev, scale, barrier)
+    def run() -> None:
+        for _ in range(reps):
+            dist.all_reduce(t, group=group)
+        _sync(dev)
+
+    return run
+
+
+def _many(group: Any, tensors: list[Any], dev: Any) -> Any:
+    """An allreduce of each of ``tensors``, all in flight at once."""
+    import torch.distributed as dist
+
+    def run() -> None:
+        works = [dist.all_reduce(t, group=group, async_op=True) for t in tensors]
+        for w in works:
+            w.wait()
+        _sync(dev)
+
+    return run
+
+
+def _time_sizes(
+    args: argparse.Namespace, groups: dict[str, Any], dev: Any, scale: int
+) -> dict[str, dict[str, float]]:
+    """Seconds per allreduce of each size, per group."""
+    import torch
+    import torch.distributed as dist
+
+    sizes: dict[str, dict[str, float]] = {}
     for text in SIZES:
         reps = max(1, SMALL_RUN_BYTES // common.parse_size(text))
         if args.cpu_dry_run:
             reps = min(reps, 4)  # the script's shape, not its figures: seconds, not minutes
         size = common.parse_size(text) // scale
         t = torch.ones(size // 4, device=dev)
-        variants = {name: one(t, g, reps) for name, g in groups.items()}
-        times = common.time_iterations(variants, args.iters, 1, barrier)
-        results["sizes"][text] = {n: common.median(v) / reps for n, v in times.items()}
-
-    flight = [
-        torch.ones(common.parse_size(IN_FLIGHT_SIZE) // scale // 4, device=dev)
-        for _ in range(IN_FLIGHT)
-    ]
-
-    def many(group: Any, tensors: list[torch.Tensor] = flight) -> Any:
-        def run() -> None:
-            works = [dist.all_reduce(t, group=group, async_op=True) for t in tensors]
-            for w in works:
-                w.wait()
-            _sync(dev)
-
-        return run
-
-    variants = {name: many(g) for name, g in groups.items() if name != "gloo"}
-    times = common.time_iterations(variants, max(2, args.iters // 2), 1, barrier)
-    results["in_flight"] = {n: common.median(v) for n, v in times.items()}
-    flight.clear()
-
-    # A 6-layer, 512-wide LM with an 8000-word vocabulary (~25M parameters: DDP's
-    # buckets are full 25 MiB ones); a toy in the dry run.
-    width, vocab = (32, 500) if args.cpu_dry_run else (512, 8000)
-    results["ddp_steps_per_s"] = {
-        name: _ddp_rate(g, args.ddp_steps, dev, width, vocab)
-        for name, g in groups.items()
-        if name != "gloo"
-    }
-    results["paths"] = {
-        name: subgroup_stats(g, dev.type) for name, g in groups.items() if name.startswith("fair")
-    }
-    fairring = {name: g for name, g in groups.items() if name.startswith("fair")}
-    results["host_per_piece"] = {n: _host_per_piece(g, dev, scale) for n, g in fairring.items()}
-    if args.profile is not None:
-        timed = {name: g for name, g in groups.items() if name != "gloo"}
-        size = common.parse_size(PROFILED_SIZE) // scale
-        t = torch.ones(size // 4, device=dev)
-        tensors = [torch.ones(size // 4, device=dev) for _ in range(IN_FLIGHT)]
-        cases = {
-            PROFILED_SIZE: {name: one(t, g, 1) for name, g in timed.items()},
-            "in_flight": {name: many(g, tensors) for name, g in timed.items()},
-        }
-        shape = f"{int(os.environ['NNODES'])}x{world // int(os.environ['NNODES'])}"
-        _profile(cases, args.profile, shape, dev, barrier)
-    common.write_worker_result(args.out, results)
+        variants = {name: _one(t, g, reps, dev) for name, g in groups.items()}
+        times = common.time_iterations(variants, args.iters, 1, dist.barrier)
+        sizes[text] = {n: common.median(v) / reps for n, v in times.items()}
+    return sizes
 
 
 def _trials(group: Any, dev: Any, scale: int, barrier: Any) -> dict[str, Any]:
@@ -285,7 +313,7 @@ def _trials(group: Any, dev: Any, scale: int, barrier: Any) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from fairring_pg.backend import measured_choices
+    from fairring_pg.group_info import measured_choices
     from fairring_pg.measured import TRIAL_CALLS
 
     out: dict[str, Any] = {}
@@ -313,7 +341,7 @@ def _host_per_piece(group: Any, dev: Any, scale: int) -> float | None:
     import torch
     import torch.distributed as dist
 
-    from fairring_pg.subgroups import subgroup_stats
+    from fairring_pg.group_info import subgroup_stats
 
     # The dry run's sizes are scaled down, but this one must still compose (above
     # FAIRRING_DIRECT_BELOW).
@@ -434,122 +462,6 @@ def _ddp_rate(group: Any, steps: int, dev: Any, width: int, vocab: int) -> float
 
 
 # ------------------------------------------------------------------------ driver
-
-
-def judged_variant(names: list[str]) -> str | None:
-    """The group the targets are for: the default path's ('fairring', or with --lanes the
-    first 'fairring-k<n>')."""
-    return next((n for n in names if n == "fairring" or n.startswith("fairring-k")), None)
-
-
-def verdicts(data: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 26's targets for the default path: fairring's speed as a fraction of NCCL's
-    (NCCL's time / fairring's; DDP: steps/s over NCCL's), each at least TARGET_SPEED."""
-    judged = judged_variant(list(data["in_flight"]))
-    if judged is None:
-        return []
-    cases = [(text, data["sizes"][text]["nccl"] / data["sizes"][text][judged]) for text in SIZES]
-    flight = data["in_flight"]
-    cases.append((f"{IN_FLIGHT} x {IN_FLIGHT_SIZE} in flight", flight["nccl"] / flight[judged]))
-    rates = data["ddp_steps_per_s"]
-    cases.append(("DDP steps/s", rates[judged] / rates["nccl"]))
-    return [
-        {
-            "case": case,
-            "group": judged,
-            "speed": speed,
-            "target": TARGET_SPEED,
-            "met": speed >= TARGET_SPEED,
-        }
-        for case, speed in cases
-    ]
-
-
-def render(shape: str, data: dict[str, Any]) -> str:
-    names = list(data["in_flight"])
-    fair = [n for n in names if n.startswith("fairring")]
-    with_gloo = "gloo" in data["sizes"]["1M"]
-    judged = {v["case"]: v for v in verdicts(data)}
-    lines = [
-        f"### {shape}: seconds per allreduce (median of the slowest rank)",
-        "",
-        "Speed vs NCCL = NCCL's time / the group's (higher is better); the target is "
-        f"issue 26's, for {judged_variant(names)} (FAIRRING_CUDA_ALLREDUCE=auto).",
-        "",
-    ]
-    head = "| case | " + " | ".join(names + (["gloo"] if with_gloo else []))
-    head += " | " + " | ".join(f"{n} speed vs nccl" for n in fair) + " | target | met |"
-    lines += [head, "|" + "---|" * (head.count("|") - 1)]
-
-    def row(case: str, times: dict[str, float]) -> str:
-        cells = [f"{times[n] * 1e3:.3f} ms" for n in names]
-        if with_gloo:
-            cells.append(f"{times['gloo'] * 1e3:.3f} ms" if "gloo" in times else "-")
-        cells += [f"{times['nccl'] / times[n]:.2f}" for n in fair]
-        verdict = judged.get(case)
-        if verdict is None:
-            cells += ["", ""]
-        else:
-            cells += [f">= {verdict['target']:.2f}", "PASS" if verdict["met"] else "FAIL"]
-        return f"| {case} | " + " | ".join(cells) + " |"
-
-    for text in SIZES:
-        lines.append(row(text, data["sizes"][text]))
-    lines.append(row(f"{IN_FLIGHT} x {IN_FLIGHT_SIZE} in flight", data["in_flight"]))
-    rates = data["ddp_steps_per_s"]
-    ddp = judged.get("DDP steps/s")
-    lines += [
-        "",
-        "DDP Transformer (steps/s, higher is better): "
-        + ", ".join(f"{n} {rates[n]:.2f}" for n in rates)
-        + " — "
-        + ", ".join(f"{n}/nccl {rates[n] / rates['nccl']:.2f}" for n in fair)
-        + (
-            ""
-            if ddp is None
-            else f" (target >= {ddp['target']:.2f}: {'PASS' if ddp['met'] else 'FAIL'})"
-        ),
-        f"In flight, goal {IN_FLIGHT_GOAL:.1f}x NCCL's speed.",
-    ]
-    for n, m in data["memory"].items():
-        lines.append(
-            f"GPU memory, {n}: {m['outside_allocator_per_rank'] / common.MIB:.0f} MiB per rank "
-            f"outside torch's allocator at first use (NCCL communicators), "
-            f"{m['staging_bytes_per_rank'] / common.MIB:.1f} MiB staging"
-        )
-    for n, stats in data.get("paths", {}).items():
-        if stats is None:
-            lines.append(f"Path, {n}: the plan composes nothing: every allreduce NCCL's own")
-            continue
-        lines.append(
-            f"Path, {n}: {stats['operations']} allreduces ({stats['composed_calls']} composed, "
-            f"{stats['nccl_calls']} NCCL's own), {stats['direct_units']} tails, "
-            f"{stats['sliced_units']} pieces, {stats['events_created']} events made"
-        )
-    for n, per_size in data.get("measured", {}).items():
-        for text, trial in per_size.items():
-            d = trial["decision"]
-            if d is None:
-                lines.append(f"Measured choice, {n}, {text}: no decision")
-                continue
-            seen = ", ".join(
-                f"{way} {s * 1e3:.3f} ms" for way, s in zip(d["ways"], d["seconds"], strict=True)
-            )
-            lines.append(
-                f"Measured choice, {n}, {text}: {seen} per timed call (the slowest rank's; "
-                f"timing events on a GPU, the clock on CPU) -> {d['winner']}; its "
-                f"{len(trial['trial_s'])} trial and "
-                f"decision calls took {sum(trial['trial_s']) * 1e3:.1f} ms"
-            )
-    for n, seconds in data.get("host_per_piece", {}).items():
-        if seconds is not None:
-            lines.append(
-                f"Host time to issue, {n}: {seconds * 1e6:.1f} us per piece at {PROFILED_SIZE}"
-            )
-    if judged:
-        met = sum(v["met"] for v in judged.values())
-        lines.append(f"Targets met at {shape}: {met} of {len(judged)}")
-    return "\n".join(lines) + "\n"
 
 
 def driver(args: argparse.Namespace) -> int:

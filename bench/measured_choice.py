@@ -61,7 +61,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from fairring_pg.backend import measured_choices
+    from fairring_pg.group_info import measured_choices
     from fairring_pg.measured import TRIAL_CALLS
 
     common.init_worker()

@@ -23,6 +23,7 @@ does not validate.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -291,16 +292,16 @@ def gpu_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
     allreduce (as its plan ran) and of NCCL's, per case.
 
     ``data``: {"node": a node type of fairring-plan or the machine's facts (the JSON of
-    fairring_pg.node_facts.NodeFacts), "machines": M, "local_size": L, "nccl": "2.28",
+    fairring_pg.cuda.node_facts.NodeFacts), "machines": M, "local_size": L, "nccl": "2.28",
     "env": the job's FAIRRING_* variables, "plan": the plan that ran (CudaPlan's JSON;
     optional: else the model's own), "cases": [{"size": bytes, "in_flight": k,
     "fairring_s": seconds, "nccl_s": seconds}]}."""
+    from fairring_pg.cuda.node_facts import NodeFacts
     from fairring_pg.model import nccl
     from fairring_pg.model.composition import world_fabric
     from fairring_pg.model.cuda_plan import CudaPlan
     from fairring_pg.model.gpu import fairring_time
     from fairring_pg.model.nodes import NODE_TYPES
-    from fairring_pg.node_facts import NodeFacts
 
     machines, local_size = data["machines"], data["local_size"]
     given = data["node"]
@@ -420,6 +421,15 @@ def render(data: dict[str, Any]) -> tuple[str, Any]:
         )
         + ".\n\n",
     ]
+    parts.append(_cpu_table(rows))
+    parts += _cuda_section(data.get("cuda") or [])
+    parts += _loopback_section(data.get("loopback") or {})
+    return "".join(parts), functools.partial(_plot, rows)
+
+
+def _cpu_table(rows: list[dict[str, Any]]) -> str:
+    import report
+
     table_rows = []
     for r in rows:
         case = case_name(r["count"], r["size"])
@@ -434,24 +444,27 @@ def render(data: dict[str, Any]) -> tuple[str, Any]:
             ]
         cells.append(f"{r['fairring']['bound']} / {r['gloo']['bound']}")
         table_rows.append(cells)
-    parts.append(
-        report.table(
-            [
-                "link",
-                "M x L",
-                "case",
-                "fairring predicted ms",
-                "measured ms",
-                "error",
-                "Gloo predicted ms",
-                "measured ms",
-                "error",
-                "bound (fairring / Gloo)",
-            ],
-            table_rows,
-        )
+    return report.table(
+        [
+            "link",
+            "M x L",
+            "case",
+            "fairring predicted ms",
+            "measured ms",
+            "error",
+            "Gloo predicted ms",
+            "measured ms",
+            "error",
+            "bound (fairring / Gloo)",
+        ],
+        table_rows,
     )
-    cuda = data.get("cuda") or []
+
+
+def _cuda_section(cuda: list[dict[str, Any]]) -> list[str]:
+    import report
+
+    parts: list[str] = []
     if cuda:
         parts.append(
             "\n## Beside the CUDA runs on one H100 (bench/results/cuda/)\n\n"
@@ -486,8 +499,13 @@ def render(data: dict[str, Any]) -> tuple[str, Any]:
                 ],
             )  # fmt: skip
         )
+    return parts
 
-    loop = data.get("loopback") or {}
+
+def _loopback_section(loop: dict[str, Any]) -> list[str]:
+    import report
+
+    parts: list[str] = []
     if loop.get("other_machine"):
         parts.append(
             "\n## Beside the loopback runs\n\n"
@@ -514,32 +532,33 @@ def render(data: dict[str, Any]) -> tuple[str, Any]:
                 ],
             )
         )
+    return parts
 
-    def plot(path: Path) -> None:
-        import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(5.5, 5))
-        for backend, marker in (("fairring", "o"), ("gloo", "s")):
-            xs = [r[backend]["measured_s"] for r in rows]
-            ys = [r[backend]["predicted_s"] for r in rows]
-            ax.scatter(xs, ys, marker=marker, label=backend, alpha=0.8)
-        if rows:
-            lo = min(min(r[b]["measured_s"] for b in ("fairring", "gloo")) for r in rows) / 1.5
-            hi = max(max(r[b]["measured_s"] for b in ("fairring", "gloo")) for r in rows) * 1.5
-            ax.plot([lo, hi], [lo, hi], color="black", linewidth=0.8)
-            for f in (1 - TOLERANCE, 1 + TOLERANCE):
-                ax.plot([lo, hi], [lo * f, hi * f], color="grey", linewidth=0.6, linestyle="--")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("measured (s)")
-        ax.set_ylabel("predicted (s)")
-        ax.set_title(f"cost model vs netns cluster (±{TOLERANCE:.0%} dashed)")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Predicted against measured, both backends, with the tolerance dashed."""
+    import matplotlib.pyplot as plt
 
-    return "".join(parts), plot
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    for backend, marker in (("fairring", "o"), ("gloo", "s")):
+        xs = [r[backend]["measured_s"] for r in rows]
+        ys = [r[backend]["predicted_s"] for r in rows]
+        ax.scatter(xs, ys, marker=marker, label=backend, alpha=0.8)
+    if rows:
+        lo = min(min(r[b]["measured_s"] for b in ("fairring", "gloo")) for r in rows) / 1.5
+        hi = max(max(r[b]["measured_s"] for b in ("fairring", "gloo")) for r in rows) * 1.5
+        ax.plot([lo, hi], [lo, hi], color="black", linewidth=0.8)
+        for f in (1 - TOLERANCE, 1 + TOLERANCE):
+            ax.plot([lo, hi], [lo * f, hi * f], color="grey", linewidth=0.6, linestyle="--")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured (s)")
+    ax.set_ylabel("predicted (s)")
+    ax.set_title(f"cost model vs netns cluster (±{TOLERANCE:.0%} dashed)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -121,65 +121,96 @@ def _verdict(ok: bool) -> str:
     return "pass" if ok else "MISS"
 
 
+_MISSING = "not measured"
+
+
+def _row(target: str, measured: str, ok: bool | None) -> Row:
+    return [target, measured, _MISSING if ok is None else _verdict(ok)]
+
+
 def target_rows(out: Path) -> list[Row]:
-    rows: list[Row] = []
-    missing = "not measured"
-
-    def add(target: str, measured: str, ok: bool | None) -> None:
-        rows.append([target, measured, missing if ok is None else _verdict(ok)])
-
     loop = _load(out, "allreduce_sizes")
+    rows = _loopback_rows(out, loop)
+    shaped = _load(out, f"allreduce_sizes_netns_{LINK_RATE}")
+    rows += _shaped_rows(shaped)
+    rows += _small_message_rows(loop, shaped)
+    rows += _ddp_rows(out)
+    rows += fsdp_target_rows(out)
+    rows += model_target_rows(out)
+    return rows
+
+
+def _loopback_rows(out: Path, loop: Any) -> list[Row]:
+    """Throughput at 2x2 on loopback, one allreduce and 16 in flight."""
+    rows: list[Row] = []
     loop_2x2 = _sizes(loop, "2x2") if loop else {}
     for size in (25 * common.MIB, 100 * common.MIB):
         r = loop_2x2.get(size)
-        add(
-            f"loopback 2x2, {common.show_size(size)}: fairring >= 1.5x Gloo throughput",
-            f"{r['speedup']:.2f}x ({report.mbps(r['fairring_algbw'])} vs "
-            f"{report.mbps(r['gloo_algbw'])} MB/s algbw; best of: {r['speedup_best']:.2f}x)"
-            if r
-            else missing,
-            r["speedup"] >= 1.5 if r else None,
+        rows.append(
+            _row(
+                f"loopback 2x2, {common.show_size(size)}: fairring >= 1.5x Gloo throughput",
+                f"{r['speedup']:.2f}x ({report.mbps(r['fairring_algbw'])} vs "
+                f"{report.mbps(r['gloo_algbw'])} MB/s algbw; best of: {r['speedup_best']:.2f}x)"
+                if r
+                else _MISSING,
+                r["speedup"] >= 1.5 if r else None,
+            )
         )
 
     overlap = _load(out, "overlap")
     if overlap:
         t = {k: common.median(v) for k, v in overlap["inflight"].items()}
         best = {k: min(v) for k, v in overlap["inflight"].items()}
-        add(
-            "16 x 25 MiB in flight at once (2x2 loopback): >= 1.5x Gloo",
-            f"{t['gloo'] / t['fairring']:.2f}x ({report.ms(t['fairring'])} vs "
-            f"{report.ms(t['gloo'])} ms; best of: {best['gloo'] / best['fairring']:.2f}x)",
-            t["gloo"] / t["fairring"] >= 1.5,
+        rows.append(
+            _row(
+                "16 x 25 MiB in flight at once (2x2 loopback): >= 1.5x Gloo",
+                f"{t['gloo'] / t['fairring']:.2f}x ({report.ms(t['fairring'])} vs "
+                f"{report.ms(t['gloo'])} ms; best of: {best['gloo'] / best['fairring']:.2f}x)",
+                t["gloo"] / t["fairring"] >= 1.5,
+            )
         )
     else:
-        add("16 x 25 MiB in flight at once: >= 1.5x Gloo", missing, None)
+        rows.append(_row("16 x 25 MiB in flight at once: >= 1.5x Gloo", _MISSING, None))
+    return rows
 
-    shaped = _load(out, f"allreduce_sizes_netns_{LINK_RATE}")
+
+def _shaped_rows(shaped: Any) -> list[Row]:
+    """4x1 on a shaped 1 Gbit/s link: bus bandwidth and speed against Gloo."""
+    rows: list[Row] = []
     net = _sizes(shaped, "4x1") if shaped else {}
     big = {s: r for s, r in net.items() if s >= 25 * common.MIB}
     worst_big = min(big.values(), key=lambda r: r["fairring_busbw"]) if big else None
     goodput = (shaped or {}).get("link_goodput") or float("nan")
-    add(
-        "4x1 at 1 Gbit/s (netns, tbf): busbw >= 90% of link rate from 25 MiB",
-        f"worst {report.mbps(worst_big['fairring_busbw'])} MB/s = "
-        f"{worst_big['fairring_busbw'] / LINK_BYTES_PER_S:.1%} of 125 MB/s at "
-        f"{common.show_size(int(worst_big['size']))} (TCP goodput {report.mbps(goodput)} MB/s;"
-        f" Gloo {report.mbps(worst_big['gloo_busbw'])})"
-        if worst_big
-        else missing,
-        worst_big["fairring_busbw"] >= 0.9 * LINK_BYTES_PER_S if worst_big else None,
+    rows.append(
+        _row(
+            "4x1 at 1 Gbit/s (netns, tbf): busbw >= 90% of link rate from 25 MiB",
+            f"worst {report.mbps(worst_big['fairring_busbw'])} MB/s = "
+            f"{worst_big['fairring_busbw'] / LINK_BYTES_PER_S:.1%} of 125 MB/s at "
+            f"{common.show_size(int(worst_big['size']))} (TCP goodput {report.mbps(goodput)} MB/s;"
+            f" Gloo {report.mbps(worst_big['gloo_busbw'])})"
+            if worst_big
+            else _MISSING,
+            worst_big["fairring_busbw"] >= 0.9 * LINK_BYTES_PER_S if worst_big else None,
+        )
     )
     mid = {s: r for s, r in net.items() if s >= common.MIB}
     worst_mid = min(mid.values(), key=lambda r: r["speedup"]) if mid else None
-    add(
-        "4x1 at 1 Gbit/s: fairring >= Gloo at every size from 1 MiB",
-        f"worst {worst_mid['speedup']:.2f}x at {common.show_size(int(worst_mid['size']))}"
-        f" (best of: {worst_mid['speedup_best']:.2f}x)"
-        if worst_mid
-        else missing,
-        worst_mid["speedup"] >= 1.0 if worst_mid else None,
+    rows.append(
+        _row(
+            "4x1 at 1 Gbit/s: fairring >= Gloo at every size from 1 MiB",
+            f"worst {worst_mid['speedup']:.2f}x at {common.show_size(int(worst_mid['size']))}"
+            f" (best of: {worst_mid['speedup_best']:.2f}x)"
+            if worst_mid
+            else _MISSING,
+            worst_mid["speedup"] >= 1.0 if worst_mid else None,
+        )
     )
+    return rows
 
+
+def _small_message_rows(loop: Any, shaped: Any) -> list[Row]:
+    """Latency of messages up to 64 KiB against Gloo's, on every shape measured."""
+    rows: list[Row] = []
     small: list[tuple[str, dict[str, float]]] = []
     for data in (loop, shaped):
         for shape in (data or {}).get("runs", {}):
@@ -192,23 +223,36 @@ def target_rows(out: Path) -> list[Row]:
     if small:
         label, r = max(small, key=lambda x: x[1]["fairring_s"] / x[1]["gloo_s"])
         worst = r["fairring_s"] / r["gloo_s"]
-        add(
-            "messages <= 64 KiB: latency <= 1.5x Gloo's (every shape measured)",
-            f"worst {worst:.2f}x Gloo's latency ({label}: {report.ms(r['fairring_s'])} vs "
-            f"{report.ms(r['gloo_s'])} ms)",
-            worst <= 1.5,
+        rows.append(
+            _row(
+                "messages <= 64 KiB: latency <= 1.5x Gloo's (every shape measured)",
+                f"worst {worst:.2f}x Gloo's latency ({label}: {report.ms(r['fairring_s'])} vs "
+                f"{report.ms(r['gloo_s'])} ms)",
+                worst <= 1.5,
+            )
         )
     else:
-        add("messages <= 64 KiB: latency <= 1.5x Gloo's", missing, None)
+        rows.append(_row("messages <= 64 KiB: latency <= 1.5x Gloo's", _MISSING, None))
+    return rows
 
+
+def _ddp_rows(out: Path) -> list[Row]:
+    """DDP training steps/s against Gloo's, on loopback and at 1 Gbit/s."""
+    rows: list[Row] = []
     e2e = _load(out, "e2e")
     if e2e:
         from e2e import steps_per_s
 
         f, g = steps_per_s(e2e, "fairring"), steps_per_s(e2e, "gloo")
-        add("DDP Transformer 2x2: steps/s >= Gloo's", f"{f / g:.2f}x ({f:.3f} vs {g:.3f})", f >= g)
+        rows.append(
+            _row(
+                "DDP Transformer 2x2: steps/s >= Gloo's",
+                f"{f / g:.2f}x ({f:.3f} vs {g:.3f})",
+                f >= g,
+            )
+        )
     else:
-        add("DDP Transformer 2x2: steps/s >= Gloo's", missing, None)
+        rows.append(_row("DDP Transformer 2x2: steps/s >= Gloo's", _MISSING, None))
 
     e2e_link = _load(out, "e2e_netns_1gbit")
     label = "DDP Transformer 2x2 at 1 Gbit/s (the main job's setting): steps/s >= 1.1x Gloo's"
@@ -216,11 +260,9 @@ def target_rows(out: Path) -> list[Row]:
         from e2e import steps_per_s
 
         f, g = steps_per_s(e2e_link, "fairring"), steps_per_s(e2e_link, "gloo")
-        add(label, f"{f / g:.2f}x ({f:.3f} vs {g:.3f})", f >= 1.1 * g)
+        rows.append(_row(label, f"{f / g:.2f}x ({f:.3f} vs {g:.3f})", f >= 1.1 * g))
     else:
-        add(label, missing, None)
-    rows += fsdp_target_rows(out)
-    rows += model_target_rows(out)
+        rows.append(_row(label, _MISSING, None))
     return rows
 
 

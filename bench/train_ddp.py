@@ -18,6 +18,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -85,6 +86,45 @@ def machine_layout(world_size: int) -> tuple[int, int]:
     return world_size // local, local
 
 
+def _write_result(
+    args: argparse.Namespace,
+    model: Any,
+    cfg: ModelConfig,
+    layout: tuple[int, int, int],
+    elapsed: float,
+    final_loss: torch.Tensor,
+    step_s: list[float],
+) -> None:
+    """Rank 0's line of results: printed, and written where --json-out says."""
+    world, machines, local = layout
+    words = args.steps * world * args.batch * cfg.seq_len
+    result = {
+        "backend": args.backend,
+        "world_size": world,
+        "machines": machines,
+        "ranks_per_machine": local,
+        "steps": args.steps,
+        "seconds": round(elapsed, 4),
+        "steps_per_s": round(args.steps / elapsed, 4),
+        "words_per_s": round(words / elapsed, 1),
+        "final_loss": round(final_loss.item(), 6),
+        "step_ms": [round(1000 * x, 1) for x in step_s],
+        "optimizer": args.optimizer,
+        "lr": args.lr,
+        # Other jobs on a small shared host are the main source of noise.
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
+        "grad_mib": round(gradient_bytes(model) / 2**20, 2),
+    }
+    line = json.dumps(result)
+    print(line, flush=True)
+    if args.json_out:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(line + "\n")
+    if args.dump_params:
+        args.dump_params.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(model.module.state_dict(), args.dump_params)
+
+
 def main() -> None:
     args = parse_args()
     # Several ranks share few cores: more threads per rank only oversubscribes them.
@@ -144,32 +184,8 @@ def main() -> None:
     final_loss /= world
 
     if rank == 0:
-        words = args.steps * world * args.batch * cfg.seq_len
-        result = {
-            "backend": args.backend,
-            "world_size": world,
-            "machines": machines,
-            "ranks_per_machine": local,
-            "steps": args.steps,
-            "seconds": round(elapsed, 4),
-            "steps_per_s": round(args.steps / elapsed, 4),
-            "words_per_s": round(words / elapsed, 1),
-            "final_loss": round(final_loss.item(), 6),
-            "step_ms": [round(1000 * x, 1) for x in step_s],
-            "optimizer": args.optimizer,
-            "lr": args.lr,
-            # Other jobs on a small shared host are the main source of noise.
-            "load_avg": [round(x, 2) for x in os.getloadavg()],
-            "grad_mib": round(gradient_bytes(model) / 2**20, 2),
-        }
-        line = json.dumps(result)
-        print(line, flush=True)
-        if args.json_out:
-            args.json_out.parent.mkdir(parents=True, exist_ok=True)
-            args.json_out.write_text(line + "\n")
-        if args.dump_params:
-            args.dump_params.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(model.module.state_dict(), args.dump_params)
+        layout = (world, machines, local)
+        _write_result(args, model, cfg, layout, elapsed, final_loss, step_s)
     # Leave together, and drop DDP's reducer (which holds the process group) before
     # destroying the group: torch's Gloo group left to interpreter teardown
     # sometimes aborted a rank at exit ("terminate called without an active

@@ -18,20 +18,17 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fairring_pg import future_callbacks, measured, sizing
+from fairring_pg import group_info, measured, process_groups, sizing
 from fairring_pg.config import Config
-from fairring_pg.cuda import (
-    CudaDecision,
-    StandInAccelerator,
-    cuda_subgroup_kinds,
-    decide_for_job,
-    plan_for_job,
-)
+from fairring_pg.cpu import future_callbacks
+from fairring_pg.cuda.decision import CudaDecision, decide_for_job
+from fairring_pg.cuda.job_plan import plan_for_job
+from fairring_pg.cuda.subgroups import build_subgroups, cuda_subgroup_kinds
 from fairring_pg.model.cpu_plan import CpuPlan, plan_cpu_allreduce
 from fairring_pg.model.cuda_plan import CudaPlan
 from fairring_pg.network import listen_address
+from fairring_pg.process_groups import StandInAccelerator
 from fairring_pg.startup import publish_failure, wait_for
-from fairring_pg.subgroups import build_subgroups, gloo_group, gloo_maker, nccl_maker
 from fairring_pg.topology import Topology, discover
 
 _TOKEN_KEY = "fairring/job_token"
@@ -42,11 +39,6 @@ _core_factory: Callable[..., Any] | None = None
 # Private seam for tests: a device that takes CUDA's place (the stream vehicle of
 # tests/native/), with its own world group and sub-groups. None means CUDA.
 _stand_in_accelerator: StandInAccelerator | None = None
-# What each group decided for CUDA tensors, by group name (``cuda_decision``), and what
-# each size of its CUDA and CPU allreduces runs (``cuda_plan``, ``cpu_plan``).
-_cuda_decisions: dict[str, CudaDecision] = {}
-_cuda_plans: dict[str, CudaPlan] = {}
-_cpu_plans: dict[str, CpuPlan] = {}
 
 
 @dataclass
@@ -80,21 +72,23 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
     address = listen_address(config, single_host=len(set(topology.hostnames)) == 1)
     core_options(opts, config, topology, address, agreed.token, timeout, agreed.cuda_plan)
     opts.set_cpu_plan(agreed.cpu_plan.core_rows())
-    _cuda_decisions[group_id] = agreed.cuda_decision
-    _cuda_plans[group_id] = agreed.cuda_plan
-    _cpu_plans[group_id] = agreed.cpu_plan
-    cpu_delegate = make_gloo_delegate(store, rank, size, timeout, config, dist_backend_opts)
+    group_info.record(group_id, agreed.cuda_decision, agreed.cuda_plan, agreed.cpu_plan)
+    cpu_delegate = process_groups.make_gloo_delegate(
+        store, rank, size, timeout, config, dist_backend_opts
+    )
     if agreed.cpu_plan.uses_ring and not config.test_cpu_subgroups:
         # The ring's own Gloo group: on the delegate, the program's ring allreduces
         # would interleave with collectives issued from callbacks differently on
         # each rank.
-        opts.ring_delegate = make_gloo_delegate(
+        opts.ring_delegate = process_groups.make_gloo_delegate(
             store, rank, size, timeout, config, dist_backend_opts, role="ring"
         )
     _set_measured(agreed, opts, store, rank, size, timeout, dist_backend_opts)
     cuda_delegate = _cuda_side(agreed, store, rank, size, timeout, dist_backend_opts, cpu_delegate)
     if config.test_cpu_subgroups and _core_factory is None:
-        make = gloo_maker(store, timeout, config, _global_ranks(dist_backend_opts, size))
+        make = process_groups.gloo_maker(
+            store, timeout, config, _global_ranks(dist_backend_opts, size)
+        )
         opts.cpu_subgroups = build_subgroups(
             agreed.ext.Subgroups(),
             topology,
@@ -138,7 +132,7 @@ def _agree(store: Any, rank: int, size: int, timeout: timedelta, group_id: str) 
         config.check_consistent_across_ranks(store, rank, size, timeout)
         topology = discover(store, rank, size, config.machine_id, timeout)
         # From every rank's published GPU facts: the same on every rank, or a ValueError
-        # on every rank (fairring_pg/cuda.py).
+        # on every rank (fairring_pg/cuda/decision.py).
         cuda_decision, gpu_facts = decide_for_job(store, topology, timeout, config.cuda_delegate)
         if _stand_in_accelerator is not None:
             cuda_decision = CudaDecision("nccl", "a stand-in accelerator (tests)")
@@ -203,13 +197,17 @@ def _cuda_side(
         )
         makers["nccl"] = accelerator.maker(store, timeout, global_ranks)
     elif agreed.cuda_decision.delegate == "nccl":
-        cuda_delegate = make_nccl_delegate(store, rank, size, timeout, dist_backend_opts)
-        makers["nccl"] = nccl_maker(store, timeout, global_ranks, agreed.sub_group_ctas)
+        cuda_delegate = process_groups.make_nccl_delegate(
+            store, rank, size, timeout, dist_backend_opts
+        )
+        makers["nccl"] = process_groups.nccl_maker(
+            store, timeout, global_ranks, agreed.sub_group_ctas
+        )
     elif agreed.cuda_decision.delegate == "gloo":
         cuda_delegate = cpu_delegate
     kinds = cuda_subgroup_kinds(topology, agreed.cuda_decision.delegate, config.test_local_gloo)
     if kinds is not None and _core_factory is None:
-        makers["gloo"] = gloo_maker(store, timeout, config, global_ranks)
+        makers["gloo"] = process_groups.gloo_maker(store, timeout, config, global_ranks)
         opts.cuda_subgroups = build_subgroups(
             agreed.ext.Subgroups(),
             topology,
@@ -252,7 +250,7 @@ def _set_measured(
     composed = kinds is not None or config.test_cpu_subgroups or _stand_in_accelerator is not None
     if not (cpu_measures or (agreed.cuda_plan.measures and composed)):
         return
-    opts.measured_agreement = make_gloo_delegate(
+    opts.measured_agreement = process_groups.make_gloo_delegate(
         store, rank, size, timeout, config, dist_backend_opts, role="measure"
     )
     opts.accelerator_delegate_name = agreed.cuda_decision.delegate
@@ -341,78 +339,3 @@ class _Recorder(SimpleNamespace):
         part = _Recorder()
         setattr(self, name, part)
         return part
-
-
-def make_gloo_delegate(
-    store: Any,
-    rank: int,
-    size: int,
-    timeout: timedelta,
-    config: Config,
-    dist_backend_opts: Any,
-    role: str = "gloo",
-) -> Any:
-    """The Gloo group that runs every non-allreduce collective on CPU tensors
-    (``role="ring"``: the one that runs the allreduces given to Gloo's ring)."""
-    name = str(dist_backend_opts.group_id)
-    return gloo_group(
-        dist.PrefixStore(f"fairring/{role}/", store),
-        rank,
-        size,
-        timeout,
-        config,
-        list(dist_backend_opts.global_ranks_in_group),
-        name if role == "gloo" else f"{name}-{role}",
-    )
-
-
-def cuda_decision(group: Any = None) -> CudaDecision:
-    """Who runs collectives on CUDA tensors in ``group`` (default: the default group),
-    and why: the same on every rank."""
-    pg = dist.distributed_c10d._get_default_group() if group is None else group
-    return _cuda_decisions[pg.group_name]
-
-
-def cuda_plan(group: Any = None) -> CudaPlan:
-    """What each size of CUDA allreduce runs in ``group`` (default: the default group):
-    fairring_pg.model.cuda_plan's rows, with their reasons; the same on every rank."""
-    pg = dist.distributed_c10d._get_default_group() if group is None else group
-    return _cuda_plans[pg.group_name]
-
-
-def cpu_plan(group: Any = None) -> CpuPlan:
-    """What each size of CPU allreduce runs in ``group`` (default: the default group):
-    fairring_pg.model.cpu_plan's rows, with their reasons; the same on every rank."""
-    pg = dist.distributed_c10d._get_default_group() if group is None else group
-    return _cpu_plans[pg.group_name]
-
-
-def measured_choices(group: Any = None) -> list[dict[str, Any]]:
-    """The measured choice's decisions in ``group`` (default: the default group) so far,
-    one per size class decided, CPU and CUDA (``fairring_pg.measured`` says what each
-    holds): the same on every rank, once every rank has made the class's decision
-    call."""
-    import torch
-
-    pg = dist.distributed_c10d._get_default_group() if group is None else group
-    choices: list[dict[str, Any]] = []
-    for device in ("cpu", "cuda"):
-        try:
-            backend = pg._get_backend(torch.device(device))
-        except RuntimeError:
-            continue  # no backend for that device in this group
-        choices += measured.decisions_of(backend, (device,))
-    return choices
-
-
-def make_nccl_delegate(
-    store: Any, rank: int, size: int, timeout: timedelta, dist_backend_opts: Any
-) -> Any:
-    """The NCCL group for CUDA tensors (every rank has CUDA and NCCL: cuda.decide)."""
-    from torch._C._distributed_c10d import ProcessGroupNCCL
-
-    options = ProcessGroupNCCL.Options()
-    options._timeout = timeout
-    options.global_ranks_in_group = list(dist_backend_opts.global_ranks_in_group)
-    options.group_name = str(dist_backend_opts.group_id)
-    return ProcessGroupNCCL(dist.PrefixStore("fairring/nccl/", store), rank, size, options)

@@ -2,7 +2,7 @@
 # The CUDA check, on a machine with one GPU and a CUDA build of torch (>= 2.11), no
 # network needed: installs fairring_pg from this checkout, starts MPS when it can, and
 # runs four parts:
-#   tests   tests/test_cuda.py under MPS (M = 2, 3, 4 simulated machines x 1 rank on
+#   tests   tests/test_cuda*.py under MPS (M = 2, 3, 4 simulated machines x 1 rank on
 #           cuda:0, each with its own FAIRRING_MACHINE_ID and NCCL_HOSTID, 2 x 2 with
 #           Gloo local groups and 2 x 2 with NCCL ones, a rank its own NCCL host: the
 #           async delegated all-gather of a temporary, calls in flight, capture, what
@@ -28,6 +28,9 @@
 #   bash scripts/run_cuda_tests.sh --no-bench | --bench-only  # as --parts tests,faults | bench
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The tests that need a GPU (marker cuda), one file per part of the CUDA path.
+CUDA_TESTS=(tests/test_cuda.py tests/test_cuda_capture.py tests/test_cuda_ddp_and_delegated.py
+    tests/test_cuda_faults.py tests/test_cuda_like_nccl.py)
 
 out_dir=${OUT:-bench/results/tmp/cuda}
 mkdir -p "$out_dir"
@@ -117,7 +120,7 @@ if wants tests; then
     # be scheduled while its peers spin would hang the job).
     export NCCL_MAX_NCHANNELS=${user_nchannels:-4}
     start_mps
-    python -m pytest -q -m "cuda and not cuda_fault" tests/test_cuda.py \
+    python -m pytest -q -m "cuda and not cuda_fault" "${CUDA_TESTS[@]}" \
         tests/test_subgroup_logic.py -p no:cacheprovider --durations=15 "$@" 2>&1 \
         | tee "$out_dir/cuda_tests.log"
     note_status "${PIPESTATUS[0]}"
@@ -128,7 +131,7 @@ if wants blocking; then
     set +e
     export NCCL_MAX_NCHANNELS=${user_nchannels:-4}
     start_mps
-    TORCH_NCCL_BLOCKING_WAIT=1 python -m pytest -q -m "cuda and not cuda_fault" tests/test_cuda.py \
+    TORCH_NCCL_BLOCKING_WAIT=1 python -m pytest -q -m "cuda and not cuda_fault" "${CUDA_TESTS[@]}" \
         -k "2x1 or concurrent or same_memory or bucket_views or blocking or gather_of_a_temporary" \
         -p no:cacheprovider --durations=10 "$@" 2>&1 | tee "$out_dir/cuda_blocking_tests.log"
     note_status "${PIPESTATUS[0]}"
@@ -144,7 +147,7 @@ if wants faults; then
     # machines each rank has a GPU of its own, so the tests in which a rank dies or
     # fails run without MPS, each rank in a context of its own.
     stop_mps
-    python -m pytest -q -m cuda_fault tests/test_cuda.py -p no:cacheprovider \
+    python -m pytest -q -m cuda_fault tests/test_cuda_faults.py -p no:cacheprovider \
         --durations=5 "$@" 2>&1 | tee "$out_dir/cuda_fault_tests.log"
     note_status "${PIPESTATUS[0]}"
     set -e

@@ -242,13 +242,34 @@ def _kill_bound(job: Job, gloo_worst: float | None) -> float:
     return max(base, (gloo_worst or 0.0) * GLOO_MARGIN)
 
 
+def _no_time(rank: int, event: str, problems: list[str]) -> Verdict:
+    problems.append(f"rank {rank} left no time of {event}")
+    return Verdict(problems, "FAILED")
+
+
+def _not_fairrings_error(job: Job, r: dict[str, Any]) -> bool:
+    """Whether a failed call's error is another's: Gloo's own (a delegated collective's,
+    naming an address; or an allreduce on Gloo's ring), or DDP's refusal after a failure."""
+    if job.calls[r["index"]].kind in DELEGATED or r.get("after_ddp_failure"):
+        return True
+    return bool(_ring(job, r["index"]) and "on Gloo's ring" in r["error"])
+
+
+def _completed_after(
+    rank: int, job: Job, r: dict[str, Any], first: int, fault: str, problems: list[str]
+) -> None:
+    """A problem where call ``r``, from index ``first`` on, completed despite the fault."""
+    # A broadcast is Gloo's: from a root that lives it may still reach this rank.
+    if r["index"] >= first and r["error"] is None and not _delegated(job, r):
+        problems.append(f"rank {rank}: {_what(job, r)}, {fault}, completed")
+
+
 def _killed(
     job: Job, survivors: dict[int, Any], files: dict[str, float], problems: list[str]
 ) -> Verdict:
     fault = job.fault
     if "kill_at" not in files:
-        problems.append(f"rank {fault.rank} left no time of death")
-        return Verdict(problems, "FAILED")
+        return _no_time(fault.rank, "death", problems)
     killed_at = files["kill_at"]
     gloo_times = []
     for v in survivors.values():
@@ -262,19 +283,14 @@ def _killed(
     worst = 0.0
 
     def named(r: dict[str, Any]) -> bool:
-        if job.calls[r["index"]].kind in DELEGATED or r.get("after_ddp_failure"):
-            return True  # Gloo's own error (names an address), or DDP's refusal
-        ring = _ring(job, r["index"]) and "on Gloo's ring" in r["error"]
-        return ring or _names(r["error"], {fault.rank})
+        return _not_fairrings_error(job, r) or _names(r["error"], {fault.rank})
 
     for rank, v in survivors.items():
         records = _fairring(v)
         for r in records:
-            # A broadcast is Gloo's: from a root that lives it may still reach this rank.
-            if r["index"] > fault.turn and r["error"] is None and not _delegated(job, r):
-                problems.append(
-                    f"rank {rank}: {_what(job, r)}, after rank {fault.rank} died, completed"
-                )
+            _completed_after(
+                rank, job, r, fault.turn + 1, f"after rank {fault.rank} died", problems
+            )
             _exact_or(rank, job, r, named, problems)
             if r["error"] is not None and r["ended_at"] < killed_at - EARLY_S:
                 problems.append(
@@ -300,8 +316,7 @@ def _frozen(
 ) -> Verdict:
     fault = job.fault
     if "freeze_at" not in files:
-        problems.append(f"rank {fault.rank} left no time of freezing")
-        return Verdict(problems, "FAILED")
+        return _no_time(fault.rank, "freezing", problems)
     frozen_at = files["freeze_at"]
     timeout = job.group_timeout_s
     errored = [r for v in survivors.values() for r in _fairring(v) if r["error"] is not None]
@@ -310,9 +325,7 @@ def _frozen(
     gloo_times = []
 
     def named(r: dict[str, Any]) -> bool:
-        if job.calls[r["index"]].kind in DELEGATED or r.get("after_ddp_failure"):
-            return True
-        if _ring(job, r["index"]) and "on Gloo's ring" in r["error"]:
+        if _not_fairrings_error(job, r):
             return True
         # The first rank to time out names the peers it waits for: the frozen rank, or
         # a rank that waits for it (a chain of waits no rank sees whole).
@@ -321,11 +334,7 @@ def _frozen(
     for rank, v in survivors.items():
         records = _fairring(v)
         for r in records:
-            # A broadcast is Gloo's: from a root that lives it may still reach this rank.
-            if r["index"] >= fault.turn and r["error"] is None and not _delegated(job, r):
-                problems.append(
-                    f"rank {rank}: {_what(job, r)}, with rank {fault.rank} frozen, completed"
-                )
+            _completed_after(rank, job, r, fault.turn, f"with rank {fault.rank} frozen", problems)
             _exact_or(rank, job, r, named, problems)
         first = _first_raise(records)
         if first is not None:

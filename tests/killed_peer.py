@@ -1,6 +1,6 @@
 """A peer SIGKILLed in the middle of an allreduce (tests/test_faults.py): the rank
 function, the survivors' outcomes, and the bound they are held to. (The sub-group path
-issues synchronously on CPU, so tests/test_subgroups.py kills its peer between
+issues synchronously on CPU, so tests/test_subgroup_faults.py kills its peer between
 allreduces instead.)"""
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ the others get ``abort_grace_s`` to finish before they are killed the same way.
 importable module (a test module is fine: the parent's ``sys.path`` is handed over).
 
 Set FAIRRING_TEST_KEEP_JOBS=DIR to keep every job's folder (rank logs, results) there.
-This file is also the rank entry point: ``python multiprocess.py JOB_DIR RANK``.
+A rank's side is rank_child.py; many checks in one job, case_job.py.
 """
 
 from __future__ import annotations
@@ -33,20 +33,19 @@ import dataclasses
 import functools
 import os
 import pickle
-import re
-import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
+import rank_child
 import rank_zygote
+from native_stacks import native_stacks
 
 # A rank's process: started fresh, or forked from the zygote (tests/rank_zygote.py).
 RankProcess = subprocess.Popen[bytes] | rank_zygote.ForkedRank
@@ -247,13 +246,7 @@ def launch(
     """
     import torch.distributed as dist  # the parent only hosts the store
 
-    if len(machine_ids) != world_size:
-        raise ValueError(f"machine_ids has {len(machine_ids)} entries for world_size {world_size}")
-    if getattr(fn, "__module__", None) == "__main__":
-        raise ValueError(
-            f"{fn.__name__} is defined in __main__, which the ranks cannot import: "
-            "define it in an importable module"
-        )
+    _check_job(fn, world_size, machine_ids)
     backend = DEFAULT_BACKEND if backend is None else backend
     pg_timeout_s = timeout_s if pg_timeout_s is None else pg_timeout_s
     if backend == "fairring":
@@ -265,14 +258,7 @@ def launch(
         wait_for_workers=False,
         timeout=timedelta(seconds=pg_timeout_s),
     )
-    keep_under = os.environ.get("FAIRRING_TEST_KEEP_JOBS")
-    if keep_under:
-        # Debugging: keep every job's logs, results and phases under this folder.
-        Path(keep_under).mkdir(parents=True, exist_ok=True)
-        job_ctx: Any = contextlib.nullcontext(tempfile.mkdtemp(prefix="job_", dir=keep_under))
-    else:
-        job_ctx = tempfile.TemporaryDirectory(prefix="fairring_job_")
-    with job_ctx as tmp:
+    with _job_folder() as tmp:
         job_dir = Path(tmp)
         # Plain types only: the rank unpickles this before it has the parent's path.
         spec = {
@@ -294,7 +280,7 @@ def launch(
                 child_env = rank_environment(
                     rank, machine_ids, store.port, agent, env, (rank_env or {}).get(rank, {})
                 )
-                procs.append(spawn_rank(__file__, job_dir, rank, child_env))
+                procs.append(spawn_rank(rank_child.__file__, job_dir, rank, child_env))
             times = _Times()
             killed = _supervise(procs, job_dir, timeout_s, abort_grace_s, times)
         finally:
@@ -309,6 +295,26 @@ def launch(
             o.returned_at = times.returned.get(o.rank)
             o.exited_at = times.exited.get(o.rank)
         return outcomes
+
+
+def _check_job(fn: Callable[..., Any], world_size: int, machine_ids: Sequence[str]) -> None:
+    if len(machine_ids) != world_size:
+        raise ValueError(f"machine_ids has {len(machine_ids)} entries for world_size {world_size}")
+    if getattr(fn, "__module__", None) == "__main__":
+        raise ValueError(
+            f"{fn.__name__} is defined in __main__, which the ranks cannot import: "
+            "define it in an importable module"
+        )
+
+
+def _job_folder() -> contextlib.AbstractContextManager[str]:
+    """A temporary folder for the job's spec, logs and results; kept under
+    FAIRRING_TEST_KEEP_JOBS where that is set (debugging)."""
+    keep_under = os.environ.get("FAIRRING_TEST_KEEP_JOBS")
+    if not keep_under:
+        return tempfile.TemporaryDirectory(prefix="fairring_job_")
+    Path(keep_under).mkdir(parents=True, exist_ok=True)
+    return contextlib.nullcontext(tempfile.mkdtemp(prefix="job_", dir=keep_under))
 
 
 def spawn_rank(launcher: str, job_dir: Path, rank: int, env: Mapping[str, str]) -> RankProcess:
@@ -379,118 +385,6 @@ def memoised(job: Callable[..., _T]) -> Callable[..., _T]:
         return value
 
     return run
-
-
-# ---------------------------------------------------------------------------- case jobs
-
-
-def _run_case_list(
-    rank: int,
-    world_size: int,
-    runner: Callable[[int, int, Any], str | None],
-    cases: Sequence[Any],
-) -> dict[str, str | None]:
-    """Rank side of a CaseJob: run every case in order, report each one's error."""
-    results: dict[str, str | None] = {}
-    for case in cases:
-        print(f"case {case.id} at {time.time():.2f}", flush=True)  # in the log, if it hangs
-        try:
-            results[case.id] = runner(rank, world_size, case)
-        except Exception as exc:  # noqa: BLE001 - reported per case
-            results[case.id] = f"{type(exc).__name__}: {exc}"
-    return results
-
-
-class CaseJob:
-    """Many checks in one process group: each rank runs ``runner(rank, world_size,
-    case)`` for every case (same order on all ranks); the runner returns None if the
-    case passed, else what went wrong, and an exception fails only its case. Cases
-    need a unique ``id`` and must pickle. The job runs once, on the first ``check``;
-    ``check(case_id)`` then fails the calling test with the errors of every rank."""
-
-    def __init__(
-        self,
-        name: str,
-        runner: Callable[[int, int, Any], str | None],
-        cases: Sequence[Any],
-        machine_ids: Sequence[str],
-        backend: str | None = None,
-        env: Mapping[str, str | int | None] | None = None,
-        timeout_s: float = 300,
-        pg_timeout_s: float | None = None,
-    ) -> None:
-        ids = [c.id for c in cases]
-        if len(ids) != len(set(ids)):
-            raise ValueError(f"{name}: case ids are not unique")
-        self.name = name
-        self.runner = runner
-        self.cases = list(cases)
-        self.machine_ids = list(machine_ids)
-        self.backend = DEFAULT_BACKEND if backend is None else backend
-        self.env = env
-        self.timeout_s = timeout_s
-        self.pg_timeout_s = pg_timeout_s
-        self._errors: dict[str, list[tuple[int, str]]] | None = None
-        self._failure: RankFailure | None = None
-        self._failure_shown = False
-
-    @property
-    def case_ids(self) -> list[str]:
-        return [c.id for c in self.cases]
-
-    def _run(self) -> None:
-        if self._errors is not None or self._failure is not None:
-            return
-        try:
-            per_rank = run_ranks(
-                _run_case_list,
-                len(self.machine_ids),
-                self.machine_ids,
-                backend=self.backend,
-                env=self.env,
-                timeout_s=self.timeout_s,
-                pg_timeout_s=self.pg_timeout_s,
-                runner=self.runner,
-                cases=self.cases,
-            )
-        except RankFailure as exc:
-            self._failure = exc
-            return
-        errors: dict[str, list[tuple[int, str]]] = {i: [] for i in self.case_ids}
-        for rank, results in enumerate(per_rank):
-            for case_id in errors:
-                if case_id not in results:
-                    errors[case_id].append((rank, "no result from this rank"))
-                elif results[case_id] is not None:
-                    errors[case_id].append((rank, results[case_id]))
-        self._errors = errors
-
-    def errors(self) -> dict[str, list[tuple[int, str]]]:
-        """Case id -> [(rank, error)] (empty if the case passed on every rank); runs the
-        job if it has not run. Raises RankFailure if the job as a whole failed."""
-        self._run()
-        if self._failure is not None:
-            raise self._failure
-        assert self._errors is not None
-        return self._errors
-
-    def check(self, case_id: str) -> None:
-        import pytest
-
-        self._run()
-        if self._failure is not None:
-            if self._failure_shown:
-                first = str(self._failure).splitlines()[0]
-                pytest.fail(f"the {self.name} job failed (its first case shows why): {first}")
-            self._failure_shown = True
-            pytest.fail(f"the {self.name} job failed:\n{self._failure}")
-        assert self._errors is not None
-        errors = self._errors[case_id]
-        if errors:
-            pytest.fail(
-                f"{case_id} on {self.backend} {self.machine_ids}:\n"
-                + "\n".join(f"  rank {rank}: {err}" for rank, err in errors)
-            )
 
 
 # ---------------------------------------------------------------------------- parent
@@ -578,7 +472,7 @@ def kill_rank(proc: RankProcess, dump_stacks: bool, log: Path | None = None) -> 
         if dump_stacks:
             if log is not None:
                 with open(log, "a") as out:
-                    out.write(_native_stacks(proc.pid))
+                    out.write(native_stacks(proc.pid))
             os.kill(proc.pid, signal.SIGUSR1)
             try:
                 proc.wait(timeout=1.0)
@@ -588,56 +482,6 @@ def kill_rank(proc: RankProcess, dump_stacks: bool, log: Path | None = None) -> 
     except ProcessLookupError:
         pass
     proc.wait()
-
-
-def _native_stacks(pid: int) -> str:
-    """One line per thread of ``pid``: its innermost frames, from gdb without loading
-    the libraries' symbols (seconds, not minutes, with torch loaded); fairring's own
-    frames named by addr2line, the others as library+offset."""
-    gdb = shutil.which("gdb")
-    if gdb is None:
-        return "(no gdb: native stacks not shown)\n"
-    try:
-        maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
-        dump = subprocess.run(
-            [gdb, "-p", str(pid), "-batch", "-nx", "-iex", "set auto-solib-add off"]
-            + ["-ex", "thread apply all bt 10"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        ).stdout
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"(native stacks not shown: {exc})\n"
-    threads: list[list[str]] = []
-    for line in dump.splitlines():
-        if line.startswith("Thread "):
-            threads.append([])
-        elif threads and (frame := re.match(r"#\d+\s+(?:(0x[0-9a-f]+) in )?(\S+)", line)):
-            address, name = frame.groups()
-            threads[-1].append(
-                name if name != "??" or address is None else _where(int(address, 16), maps)
-            )
-    lines = [f"native thread {i}: " + " < ".join(frames) for i, frames in enumerate(threads)]
-    return "native stacks (innermost first), from gdb:\n" + "\n".join(lines) + "\n"
-
-
-def _where(address: int, maps: list[str]) -> str:
-    for mapping in maps:
-        fields = mapping.split()
-        low, high = (int(x, 16) for x in fields[0].split("-"))
-        if low <= address < high and len(fields) >= 6:
-            path, offset = fields[5], address - low + int(fields[2], 16)
-            if "fairring_pg" in path and shutil.which("addr2line"):
-                out = subprocess.run(
-                    ["addr2line", "-f", "-C", "-e", path, hex(offset)],
-                    capture_output=True,
-                    text=True,
-                    check=False,
-                ).stdout.split("\n")[0]
-                return out[:80] or f"{Path(path).name}+{offset:#x}"
-            return f"{Path(path).name}+{offset:#x}"
-    return hex(address)
 
 
 def _read_result(job_dir: Path, rank: int) -> tuple[str | None, Any]:
@@ -702,96 +546,3 @@ def _collect(rank: int, proc: RankProcess, job_dir: Path, killed: bool) -> RankO
 def _indent(text: str, n: int) -> str:
     pad = " " * n
     return "\n".join(pad + line for line in text.splitlines())
-
-
-# ---------------------------------------------------------------------------- child
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def _start_together(store: Any, world_size: int) -> None:
-    """Wait until every rank has imported torch (seconds apart on a loaded machine), so
-    that a short group timeout bounds what the test is about, not the start-up."""
-    if store.add("fairring_test/started", 1) == world_size:
-        store.set("fairring_test/go", b"1")
-    store.wait(["fairring_test/go"])
-
-
-def _child_main(job_dir: Path, rank: int) -> int:
-    import faulthandler
-
-    faulthandler.enable()
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-
-    def phase(name: str) -> None:
-        _write_atomic(job_dir / f"rank{rank}.phase", name.encode())
-
-    spec: dict[str, Any] = pickle.loads((job_dir / "spec.pkl").read_bytes())
-    for entry in reversed(spec["sys_path"]):
-        if entry not in sys.path:
-            sys.path.insert(0, entry)
-    result_path = job_dir / f"rank{rank}.result"
-    try:
-        phase("import")
-        import torch.distributed as dist
-
-        if spec["backend"] == "fairring" and not spec["bare"]:
-            import fairring_pg  # noqa: F401 - registers the backend
-
-        fn = pickle.loads(spec["fn"])
-        kwargs = pickle.loads(spec["kwargs"])
-        phase("init")
-        timeout = timedelta(seconds=spec["pg_timeout_s"])
-        if spec["bare"]:
-            store = dist.TCPStore("127.0.0.1", spec["store_port"], is_master=False, timeout=timeout)
-            phase("fn")
-            value = fn(rank, spec["world_size"], store, **kwargs)
-            _write_atomic(result_path, pickle.dumps(("ok", value)))
-            phase("exit")
-            print("fn returned; exiting", flush=True)
-            return 0
-        if spec["init_group"]:
-            store = dist.TCPStore(
-                "127.0.0.1", spec["store_port"], is_master=False, timeout=timedelta(seconds=600)
-            )
-            _start_together(store, spec["world_size"])
-            store.set_timeout(timeout)
-            dist.init_process_group(
-                spec["backend"],
-                store=store,
-                rank=rank,
-                world_size=spec["world_size"],
-                timeout=timeout,
-            )
-        phase("fn")
-        value = fn(rank, spec["world_size"], **kwargs)
-        payload = pickle.dumps(("ok", value))
-    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
-        tb = traceback.format_exc()
-        try:
-            exc_bytes: bytes | None = pickle.dumps(exc)
-        except Exception:  # noqa: BLE001
-            exc_bytes = None
-        payload = pickle.dumps(
-            ("error", (type(exc).__qualname__, str(exc), tb, exc_bytes, time.time()))
-        )
-        _write_atomic(result_path, payload)
-        return 1
-    _write_atomic(result_path, payload)
-    phase("destroy")
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    phase("exit")
-    return 0
-
-
-if __name__ == "__main__":
-    if sys.argv[1:] == ["--zygote"]:
-        import rank_zygote
-
-        sys.exit(_child_main(*rank_zygote.serve()))
-    sys.exit(_child_main(Path(sys.argv[1]), int(sys.argv[2])))

@@ -2,7 +2,7 @@
 
 A fresh ``python`` that imports torch spends about 2 CPU-seconds before it runs a line
 of the test, and the suite starts hundreds of ranks on 2 cores: that start-up was most
-of its time. The zygote (``python multiprocess.py --zygote``, one per test process,
+of its time. The zygote (``python rank_child.py --zygote``, one per test process,
 started on first use) imports torch and torch.distributed once, then forks each rank on
 request. The child becomes what ``spawn_rank`` would have started: a session of its own,
 the rank's environment, stdin from /dev/null, stdout and stderr into the rank's log,

@@ -76,8 +76,7 @@ def ensure_built() -> None:
 def stand_in() -> Any:
     """The accelerator fairring's creator builds the CUDA side from."""
     from fairring_pg.config import Config
-    from fairring_pg.cuda import StandInAccelerator
-    from fairring_pg.subgroups import gloo_group, gloo_maker
+    from fairring_pg.process_groups import StandInAccelerator, gloo_group, gloo_maker
 
     vehicle = install()
     config = Config.from_env()

@@ -25,7 +25,8 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import DEFAULT_BACKEND, SHAPES, CaseJob, fairring_env, run_ranks
+from case_job import CaseJob
+from multiprocess import DEFAULT_BACKEND, SHAPES, fairring_env, run_ranks
 from values import FLOAT_DTYPES, INT_DTYPES, compare, compare_exact, reduce_op, reference
 from values import make_values as _make_values
 
@@ -213,129 +214,150 @@ def _make_base(rank: int, case: Case, world: int, shape: tuple[int, ...]) -> tor
 # ----------------------------------------------------------------- the rank side
 
 
+def _plain_or_view(rank: int, world: int, case: Case) -> str | None:
+    shape, view_of = _view_of(case.kind, case.numel)
+    bases = [_make_base(r, case, world, shape) for r in range(world)]
+    base = bases[rank].clone(memory_format=torch.preserve_format)
+    view = view_of(base)
+    dist.all_reduce(view, op=reduce_op(case.op))
+    expected, tolerance = reference([view_of(b) for b in bases], case.op, case.dtype)
+    if err := compare(view, expected, tolerance, "result"):
+        return err
+    # Elements outside the view must not change.
+    expected_base = bases[rank].clone(memory_format=torch.preserve_format)
+    view_of(expected_base).copy_(view)
+    return compare_exact(base, expected_base, "base tensor (elements outside the view)")
+
+
+def _async_or_future(rank: int, world: int, case: Case) -> str | None:
+    inputs = [make_input(r, case, case.numel, world) for r in range(world)]
+    expected = reduce_exact(inputs, case.op, case.dtype)
+    tensor = inputs[rank].clone()
+    work = dist.all_reduce(tensor, op=reduce_op(case.op), async_op=True)
+    assert work is not None
+    if case.kind == "async":
+        work.wait()
+        if not work.is_completed():
+            return "work.is_completed() is False after wait()"
+        return compare_exact(tensor, expected, "result")
+    fut = work.get_future().then(lambda f: f.value()[0] * 2)
+    doubled = fut.wait()
+    return compare_exact(doubled, expected * 2, "value of the chained future") or compare_exact(
+        tensor, expected, "result"
+    )
+
+
+def _coalesced(rank: int, world: int, case: Case) -> str | None:
+    sizes = (5, 1, 1001, 3000)
+    all_inputs = [
+        [
+            make_input(r, dataclasses.replace(case, id=f"{case.id}/{i}"), n, world)
+            for i, n in enumerate(sizes)
+        ]
+        for r in range(world)
+    ]
+    tensors = [t.clone() for t in all_inputs[rank]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # deprecated, still there
+        dist.all_reduce_coalesced(tensors, op=reduce_op(case.op))
+    for i, tensor in enumerate(tensors):
+        expected = reduce_exact([ins[i] for ins in all_inputs], case.op, case.dtype)
+        err = compare_exact(tensor, expected, f"tensor {i} of {len(sizes)}")
+        if err:
+            return err
+    return None
+
+
+def _complex_sum(rank: int, world: int, case: Case) -> str | None:
+    # torch hands complex SUM to the backend as a float view (view_as_real).
+    def complex_input(r: int) -> torch.Tensor:
+        real = make_values(r, case.id + "/re", "SUM", "float32", case.numel, world)
+        imag = make_values(r, case.id + "/im", "SUM", "float32", case.numel, world)
+        return torch.complex(real.float(), imag.float())
+
+    inputs = [complex_input(r) for r in range(world)]
+    tensor = inputs[rank].clone()
+    dist.all_reduce(tensor)
+    expected = torch.stack([t.to(torch.complex128) for t in inputs]).sum(0)
+    return compare_exact(tensor, expected.to(torch.complex64), "result")
+
+
+def _avg_fraction(rank: int, world: int, case: Case) -> str | None:
+    # Averages that are not integers: compare within a rounding error.
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{case.id}/{rank}".encode()))
+    mine = torch.randint(-50, 51, (case.numel,), generator=gen).to(_dtype(case.dtype))
+    inputs = []
+    for r in range(world):
+        g = torch.Generator().manual_seed(zlib.crc32(f"{case.id}/{r}".encode()))
+        inputs.append(torch.randint(-50, 51, (case.numel,), generator=g).to(torch.float64))
+    expected = (torch.stack(inputs).sum(0) / world).to(_dtype(case.dtype))
+    dist.all_reduce(mine, op=dist.ReduceOp.AVG)
+    try:
+        torch.testing.assert_close(mine, expected)
+    except AssertionError as exc:
+        return f"AVG off by more than rounding: {exc}"
+    return None
+
+
+def _avg_error(rank: int, world: int, case: Case) -> str | None:
+    tensor = make_input(rank, dataclasses.replace(case, op="SUM"), case.numel, world)
+    try:
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.AVG, async_op=True)
+        assert work is not None
+        work.wait()
+    except Exception as exc:  # noqa: BLE001 - any error type, the message matters
+        msg = str(exc)
+        # The dtype as Python users spell it: "int8", not c10's "Char".
+        if "AVG" in msg and case.dtype in msg:
+            return None
+        return f"error does not name 'AVG' and '{case.dtype}': {type(exc).__name__}: {msg}"
+    return f"AVG on {case.dtype} did not raise"
+
+
+def _unsupported(rank: int, world: int, case: Case) -> str | None:
+    # Straight to the process group: dist.all_reduce would hand the backend a float
+    # view of a complex tensor (and refuse MAX on it itself). A complex SUM may be
+    # supported (Gloo does it) but must then be exact; MAX has no meaning on
+    # complex numbers and must raise. Either error must name the dtype as Python
+    # users know it ("complex64", not c10's "ComplexFloat").
+    inputs = [
+        torch.complex(
+            make_values(r, case.id, "SUM", "float32", case.numel, world).float(),
+            make_values(r, case.id + "/im", "SUM", "float32", case.numel, world).float(),
+        )
+        for r in range(world)
+    ]
+    tensor = inputs[rank].clone()
+    pg = dist.distributed_c10d._get_default_group()
+    try:
+        pg.allreduce([tensor], reduce_op(case.op)).wait()
+    except Exception as exc:  # noqa: BLE001
+        msg = str(exc)
+        if case.dtype in msg:
+            return None
+        return f"error does not name the dtype {case.dtype}: {type(exc).__name__}: {msg}"
+    if case.op != "SUM":
+        return f"allreduce {case.op} of {case.dtype} did not raise"
+    expected = torch.stack([t.to(torch.complex128) for t in inputs]).sum(0)
+    return compare_exact(tensor, expected.to(torch.complex64), "result of a complex SUM")
+
+
 def run_case(rank: int, world: int, case: Case) -> str | None:
     """Run one case on this rank; None if it passed, else what went wrong."""
     if case.kind in ("plain",) + VIEW_KINDS:
-        shape, view_of = _view_of(case.kind, case.numel)
-        bases = [_make_base(r, case, world, shape) for r in range(world)]
-        base = bases[rank].clone(memory_format=torch.preserve_format)
-        view = view_of(base)
-        dist.all_reduce(view, op=reduce_op(case.op))
-        expected, tolerance = reference([view_of(b) for b in bases], case.op, case.dtype)
-        if err := compare(view, expected, tolerance, "result"):
-            return err
-        # Elements outside the view must not change.
-        expected_base = bases[rank].clone(memory_format=torch.preserve_format)
-        view_of(expected_base).copy_(view)
-        return compare_exact(base, expected_base, "base tensor (elements outside the view)")
-
+        return _plain_or_view(rank, world, case)
     if case.kind in ("async", "future_then"):
-        inputs = [make_input(r, case, case.numel, world) for r in range(world)]
-        expected = reduce_exact(inputs, case.op, case.dtype)
-        tensor = inputs[rank].clone()
-        work = dist.all_reduce(tensor, op=reduce_op(case.op), async_op=True)
-        assert work is not None
-        if case.kind == "async":
-            work.wait()
-            if not work.is_completed():
-                return "work.is_completed() is False after wait()"
-            return compare_exact(tensor, expected, "result")
-        fut = work.get_future().then(lambda f: f.value()[0] * 2)
-        doubled = fut.wait()
-        return compare_exact(doubled, expected * 2, "value of the chained future") or compare_exact(
-            tensor, expected, "result"
-        )
-
+        return _async_or_future(rank, world, case)
     if case.kind == "coalesced":
-        sizes = (5, 1, 1001, 3000)
-        all_inputs = [
-            [
-                make_input(r, dataclasses.replace(case, id=f"{case.id}/{i}"), n, world)
-                for i, n in enumerate(sizes)
-            ]
-            for r in range(world)
-        ]
-        tensors = [t.clone() for t in all_inputs[rank]]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # deprecated, still there
-            dist.all_reduce_coalesced(tensors, op=reduce_op(case.op))
-        for i, tensor in enumerate(tensors):
-            expected = reduce_exact([ins[i] for ins in all_inputs], case.op, case.dtype)
-            err = compare_exact(tensor, expected, f"tensor {i} of {len(sizes)}")
-            if err:
-                return err
-        return None
-
+        return _coalesced(rank, world, case)
     if case.kind == "complex_sum":
-        # torch hands complex SUM to the backend as a float view (view_as_real).
-        def complex_input(r: int) -> torch.Tensor:
-            real = make_values(r, case.id + "/re", "SUM", "float32", case.numel, world)
-            imag = make_values(r, case.id + "/im", "SUM", "float32", case.numel, world)
-            return torch.complex(real.float(), imag.float())
-
-        inputs = [complex_input(r) for r in range(world)]
-        tensor = inputs[rank].clone()
-        dist.all_reduce(tensor)
-        expected = torch.stack([t.to(torch.complex128) for t in inputs]).sum(0)
-        return compare_exact(tensor, expected.to(torch.complex64), "result")
-
+        return _complex_sum(rank, world, case)
     if case.kind == "avg_fraction":
-        # Averages that are not integers: compare within a rounding error.
-        gen = torch.Generator().manual_seed(zlib.crc32(f"{case.id}/{rank}".encode()))
-        mine = torch.randint(-50, 51, (case.numel,), generator=gen).to(_dtype(case.dtype))
-        inputs = []
-        for r in range(world):
-            g = torch.Generator().manual_seed(zlib.crc32(f"{case.id}/{r}".encode()))
-            inputs.append(torch.randint(-50, 51, (case.numel,), generator=g).to(torch.float64))
-        expected = (torch.stack(inputs).sum(0) / world).to(_dtype(case.dtype))
-        dist.all_reduce(mine, op=dist.ReduceOp.AVG)
-        try:
-            torch.testing.assert_close(mine, expected)
-        except AssertionError as exc:
-            return f"AVG off by more than rounding: {exc}"
-        return None
-
+        return _avg_fraction(rank, world, case)
     if case.kind == "avg_error":
-        tensor = make_input(rank, dataclasses.replace(case, op="SUM"), case.numel, world)
-        try:
-            work = dist.all_reduce(tensor, op=dist.ReduceOp.AVG, async_op=True)
-            assert work is not None
-            work.wait()
-        except Exception as exc:  # noqa: BLE001 - any error type, the message matters
-            msg = str(exc)
-            # The dtype as Python users spell it: "int8", not c10's "Char".
-            if "AVG" in msg and case.dtype in msg:
-                return None
-            return f"error does not name 'AVG' and '{case.dtype}': {type(exc).__name__}: {msg}"
-        return f"AVG on {case.dtype} did not raise"
-
+        return _avg_error(rank, world, case)
     if case.kind == "unsupported":
-        # Straight to the process group: dist.all_reduce would hand the backend a float
-        # view of a complex tensor (and refuse MAX on it itself). A complex SUM may be
-        # supported (Gloo does it) but must then be exact; MAX has no meaning on
-        # complex numbers and must raise. Either error must name the dtype as Python
-        # users know it ("complex64", not c10's "ComplexFloat").
-        inputs = [
-            torch.complex(
-                make_values(r, case.id, "SUM", "float32", case.numel, world).float(),
-                make_values(r, case.id + "/im", "SUM", "float32", case.numel, world).float(),
-            )
-            for r in range(world)
-        ]
-        tensor = inputs[rank].clone()
-        pg = dist.distributed_c10d._get_default_group()
-        try:
-            pg.allreduce([tensor], reduce_op(case.op)).wait()
-        except Exception as exc:  # noqa: BLE001
-            msg = str(exc)
-            if case.dtype in msg:
-                return None
-            return f"error does not name the dtype {case.dtype}: {type(exc).__name__}: {msg}"
-        if case.op != "SUM":
-            return f"allreduce {case.op} of {case.dtype} did not raise"
-        expected = torch.stack([t.to(torch.complex128) for t in inputs]).sum(0)
-        return compare_exact(tensor, expected.to(torch.complex64), "result of a complex SUM")
-
+        return _unsupported(rank, world, case)
     raise ValueError(f"unknown case kind {case.kind}")
 
 

@@ -18,7 +18,8 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import DEFAULT_BACKEND, SHAPES, CaseJob, fairring_env
+from case_job import CaseJob
+from multiprocess import DEFAULT_BACKEND, SHAPES, fairring_env
 from test_allreduce import make_values, reduce_exact
 from values import compare_exact
 
@@ -91,87 +92,102 @@ def _issue_all(rank: int, world: int, batch: list[_Op]) -> tuple[list, list, lis
     return tensors, works, inputs
 
 
+def _batch_in_order(rank: int, world: int, case: Case) -> str | None:
+    batch = _batch(case)
+    tensors, works, inputs = _issue_all(rank, world, batch)
+    order = list(range(len(batch)))[::-1]
+    if case.kind == "random":
+        # A different order on every rank.
+        random.Random(f"{case.id}/{rank}").shuffle(order)
+    if case.kind == "wait_all_futures":
+        torch.futures.wait_all([w.get_future() for w in works])
+    else:
+        for i in order:
+            works[i].wait()
+    errors = [_check(i, batch[i], tensors[i], inputs[i]) for i in order]
+    errors = [e for e in errors if e]
+    return None if not errors else f"{len(errors)} wrong: " + "; ".join(errors[:5])
+
+
+def _big(rank: int, world: int, case: Case) -> str | None:
+    # Far larger than the staging pool, alone.
+    op = _Op(case.id, "SUM", "float32", case.numel)
+    inputs = _inputs(op, world)
+    t = inputs[rank].clone()
+    dist.all_reduce(t)
+    return _check(0, op, t, inputs)
+
+
+def _big_and_small(rank: int, world: int, case: Case) -> str | None:
+    # Big tensors in flight with small ones queued behind and between them.
+    batch = [
+        _Op(f"{case.id}/{i}", "SUM", "float32", 300_000 if i % 10 == 0 else 50)
+        for i in range(case.count)
+    ]
+    tensors, works, inputs = _issue_all(rank, world, batch)
+    for i in reversed(range(len(batch))):
+        works[i].wait()
+    errors = [_check(i, batch[i], tensors[i], inputs[i]) for i in range(len(batch))]
+    errors = [e for e in errors if e]
+    return None if not errors else f"{len(errors)} wrong: " + "; ".join(errors[:5])
+
+
+def _with_delegated(rank: int, world: int, case: Case) -> str | None:
+    # Allreduces (fairring's own path) and delegated collectives in flight together.
+    batch = _batch(case)
+    tensors, works, inputs = [], [], []
+    others = []
+    for i, op in enumerate(batch):
+        ins = _inputs(op, world)
+        t = ins[rank].clone()
+        works.append(dist.all_reduce(t, op=getattr(dist.ReduceOp, op.op), async_op=True))
+        tensors.append(t)
+        inputs.append(ins)
+        if i % 5 == 0:
+            src = i % world
+            b = torch.full((257,), float(rank))
+            others.append(("broadcast", src, b, dist.broadcast(b, src=src, async_op=True)))
+            g = [torch.empty(3, dtype=torch.int64) for _ in range(world)]
+            mine = torch.full((3,), rank * 1000 + i, dtype=torch.int64)
+            others.append(("all_gather", i, g, dist.all_gather(g, mine, async_op=True)))
+    errors = []
+    for kind, arg, out, work in reversed(others):
+        work.wait()
+        if kind == "broadcast" and not torch.equal(out, torch.full((257,), float(arg))):
+            errors.append(f"broadcast from {arg} wrong")
+        if kind == "all_gather":
+            want = [torch.full((3,), r * 1000 + arg, dtype=torch.int64) for r in range(world)]
+            if not all(torch.equal(a, b) for a, b in zip(out, want, strict=True)):
+                errors.append(f"all_gather #{arg} wrong")
+    for i in reversed(range(len(batch))):
+        works[i].wait()
+        err = _check(i, batch[i], tensors[i], inputs[i])
+        if err:
+            errors.append(err)
+    return None if not errors else f"{len(errors)} wrong: " + "; ".join(errors[:5])
+
+
+def _repeated_batches(rank: int, world: int, case: Case) -> str | None:
+    # Back-to-back batches: slots must be reusable after everything was waited.
+    for rep in range(5):
+        sub = dataclasses.replace(case, id=f"{case.id}/{rep}", kind="reverse", count=20)
+        err = run_case(rank, world, sub)
+        if err:
+            return f"batch {rep}: {err}"
+    return None
+
+
 def run_case(rank: int, world: int, case: Case) -> str | None:
     if case.kind in ("reverse", "random", "wait_all_futures"):
-        batch = _batch(case)
-        tensors, works, inputs = _issue_all(rank, world, batch)
-        order = list(range(len(batch)))[::-1]
-        if case.kind == "random":
-            # A different order on every rank.
-            random.Random(f"{case.id}/{rank}").shuffle(order)
-        if case.kind == "wait_all_futures":
-            torch.futures.wait_all([w.get_future() for w in works])
-        else:
-            for i in order:
-                works[i].wait()
-        errors = [_check(i, batch[i], tensors[i], inputs[i]) for i in order]
-        errors = [e for e in errors if e]
-        return None if not errors else f"{len(errors)} wrong: " + "; ".join(errors[:5])
-
+        return _batch_in_order(rank, world, case)
     if case.kind == "big":
-        # Far larger than the staging pool, alone.
-        op = _Op(case.id, "SUM", "float32", case.numel)
-        inputs = _inputs(op, world)
-        t = inputs[rank].clone()
-        dist.all_reduce(t)
-        return _check(0, op, t, inputs)
-
+        return _big(rank, world, case)
     if case.kind == "big_and_small":
-        # Big tensors in flight with small ones queued behind and between them.
-        batch = [
-            _Op(f"{case.id}/{i}", "SUM", "float32", 300_000 if i % 10 == 0 else 50)
-            for i in range(case.count)
-        ]
-        tensors, works, inputs = _issue_all(rank, world, batch)
-        for i in reversed(range(len(batch))):
-            works[i].wait()
-        errors = [_check(i, batch[i], tensors[i], inputs[i]) for i in range(len(batch))]
-        errors = [e for e in errors if e]
-        return None if not errors else f"{len(errors)} wrong: " + "; ".join(errors[:5])
-
+        return _big_and_small(rank, world, case)
     if case.kind == "with_delegated":
-        # Allreduces (fairring's own path) and delegated collectives in flight together.
-        batch = _batch(case)
-        tensors, works, inputs = [], [], []
-        others = []
-        for i, op in enumerate(batch):
-            ins = _inputs(op, world)
-            t = ins[rank].clone()
-            works.append(dist.all_reduce(t, op=getattr(dist.ReduceOp, op.op), async_op=True))
-            tensors.append(t)
-            inputs.append(ins)
-            if i % 5 == 0:
-                src = i % world
-                b = torch.full((257,), float(rank))
-                others.append(("broadcast", src, b, dist.broadcast(b, src=src, async_op=True)))
-                g = [torch.empty(3, dtype=torch.int64) for _ in range(world)]
-                mine = torch.full((3,), rank * 1000 + i, dtype=torch.int64)
-                others.append(("all_gather", i, g, dist.all_gather(g, mine, async_op=True)))
-        errors = []
-        for kind, arg, out, work in reversed(others):
-            work.wait()
-            if kind == "broadcast" and not torch.equal(out, torch.full((257,), float(arg))):
-                errors.append(f"broadcast from {arg} wrong")
-            if kind == "all_gather":
-                want = [torch.full((3,), r * 1000 + arg, dtype=torch.int64) for r in range(world)]
-                if not all(torch.equal(a, b) for a, b in zip(out, want, strict=True)):
-                    errors.append(f"all_gather #{arg} wrong")
-        for i in reversed(range(len(batch))):
-            works[i].wait()
-            err = _check(i, batch[i], tensors[i], inputs[i])
-            if err:
-                errors.append(err)
-        return None if not errors else f"{len(errors)} wrong: " + "; ".join(errors[:5])
-
+        return _with_delegated(rank, world, case)
     if case.kind == "repeated_batches":
-        # Back-to-back batches: slots must be reusable after everything was waited.
-        for rep in range(5):
-            sub = dataclasses.replace(case, id=f"{case.id}/{rep}", kind="reverse", count=20)
-            err = run_case(rank, world, sub)
-            if err:
-                return f"batch {rep}: {err}"
-        return None
-
+        return _repeated_batches(rank, world, case)
     raise ValueError(case.kind)
 
 

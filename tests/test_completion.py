@@ -24,7 +24,8 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import DEFAULT_BACKEND, SHAPES, CaseJob, fairring_env, run_ranks
+from case_job import CaseJob
+from multiprocess import DEFAULT_BACKEND, SHAPES, fairring_env, run_ranks
 
 BACKEND = DEFAULT_BACKEND
 MACHINES = SHAPES["2x2"]

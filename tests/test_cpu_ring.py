@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from case_job import CaseJob
 from collective_forms import issue
-from multiprocess import CaseJob, fairring_env
+from multiprocess import fairring_env
 from values import compare, make_values, reference
 
 MIB = 1 << 20

@@ -1,10 +1,10 @@
 """Which groups the CUDA path is built from, decided without a GPU.
 
-``fairring_pg.cuda`` decides who runs CUDA collectives (NCCL, or Gloo where ranks of a
+``fairring_pg.cuda.decision`` decides who runs CUDA collectives (NCCL, or Gloo where ranks of a
 host really share its GPUs, hosts told apart as NCCL does: ``NCCL_HOSTID``, else the
 hostname) from the facts every rank publishes (CUDA, NCCL, the UUIDs of the GPUs it
 sees), so that the choice is the same on every rank whatever ``CUDA_VISIBLE_DEVICES``
-each one has; and whether allreduces are composed of sub-groups. ``fairring_pg.subgroups``
+each one has; and whether allreduces are composed of sub-groups. ``fairring_pg.cuda.subgroups``
 builds the groups: two over the machine's ranks, one per lane over the rail, where
 allreduces are sliced at all (FAIRRING_CUDA_ALLREDUCE; by default not with one rank per
 machine, nor on one machine: then only the world group). Here the facts are faked and
@@ -22,12 +22,13 @@ import pytest
 import torch.distributed as dist
 from multiprocess import launch, run_ranks
 
-from fairring_pg import cuda
 from fairring_pg.config import Config
-from fairring_pg.cuda import GpuFacts
+from fairring_pg.cuda import decision as gpu_decision
+from fairring_pg.cuda import job_plan
+from fairring_pg.cuda.decision import GpuFacts, decide
+from fairring_pg.cuda.subgroups import build_subgroups, cuda_subgroup_kinds
 from fairring_pg.model.cuda_plan import plan_allreduce
 from fairring_pg.model.nodes import NODE_TYPES
-from fairring_pg.subgroups import build_subgroups
 from fairring_pg.topology import build_topology
 
 
@@ -58,12 +59,12 @@ def host_of(hosts: int, per_host: int, sees: str) -> list[GpuFacts]:
 def test_a_gpu_per_rank_is_nccl_whatever_each_rank_sees(sees: str) -> None:
     # 2 hosts of 8 ranks: with CUDA_VISIBLE_DEVICES per task each rank sees 1 GPU,
     # which a count of this process's GPUs took for 8 ranks sharing one.
-    decision = cuda.decide(host_of(2, 8, sees))
+    decision = decide(host_of(2, 8, sees))
     assert decision.delegate == "nccl" and decision.warning is None, decision
 
 
 def test_ranks_really_sharing_a_gpu_go_to_gloo_said_once() -> None:
-    decision = cuda.decide(host_of(2, 2, "first"))
+    decision = decide(host_of(2, 2, "first"))
     assert decision.delegate == "gloo", decision
     assert "2 ranks run on host host0 but see 1 GPU(s)" in decision.reason
     assert (
@@ -77,15 +78,15 @@ def test_one_sharing_host_sends_the_whole_job_to_gloo() -> None:
         GpuFacts("host1", True, True, (gpu(9),)),
         GpuFacts("host1", True, True, (gpu(9),)),
     ]
-    decision = cuda.decide(facts)
+    decision = decide(facts)
     assert decision.delegate == "gloo" and "host host1" in decision.reason
     assert decision.warning_rank == 2
 
 
 def test_simulated_machines_on_one_gpu_use_nccl_with_their_own_hostid() -> None:
     facts = [GpuFacts(f"m{i}", True, True, (gpu(0),)) for i in range(3)]
-    assert cuda.decide(facts).delegate == "nccl"
-    assert cuda.cuda_subgroup_kinds(
+    assert decide(facts).delegate == "nccl"
+    assert cuda_subgroup_kinds(
         topology(1, ["m0", "m1", "m2"], ["m0", "m1", "m2"]), "nccl", False
     ) == (
         "nccl",
@@ -96,17 +97,17 @@ def test_simulated_machines_on_one_gpu_use_nccl_with_their_own_hostid() -> None:
 def test_local_gloo_switch_keeps_nccl_rails() -> None:
     ids = ["m0", "m0", "m1", "m1"]  # two ranks per simulated machine on one GPU
     facts = [GpuFacts(ids[r], True, True, (gpu(0),)) for r in range(4)]
-    decision = cuda.decide(facts)
+    decision = decide(facts)
     assert decision.delegate == "gloo"
     topo = topology(2, ids, ids)
-    assert cuda.cuda_subgroup_kinds(topo, decision.delegate, True) == ("gloo", "nccl")
-    assert cuda.cuda_subgroup_kinds(topo, decision.delegate, False) is None
+    assert cuda_subgroup_kinds(topo, decision.delegate, True) == ("gloo", "nccl")
+    assert cuda_subgroup_kinds(topo, decision.delegate, False) is None
 
 
 def test_no_gpu_anywhere_or_on_some_ranks_means_no_delegate() -> None:
-    assert cuda.decide([GpuFacts("a", False, True), GpuFacts("b", False, True)]).delegate == "none"
+    assert decide([GpuFacts("a", False, True), GpuFacts("b", False, True)]).delegate == "none"
     facts = host_of(1, 2, "own") + [GpuFacts("cpu-node", False, False)]
-    decision = cuda.decide(facts)
+    decision = decide(facts)
     assert decision.delegate == "none" and "rank 2 of 3 see no GPU" in decision.reason
 
 
@@ -116,19 +117,19 @@ def test_nccl_on_some_ranks_only_fails_naming_them() -> None:
     with pytest.raises(
         ValueError, match=r"rank 3 run a torch without NCCL, ranks 0, 1, 2 one with it"
     ):
-        cuda.decide(facts)
+        decide(facts)
 
 
 def test_explicit_choices() -> None:
     sharing = host_of(1, 2, "first")
-    assert cuda.decide(sharing, "nccl").delegate == "nccl"
-    assert cuda.decide(host_of(1, 2, "own"), "gloo").delegate == "gloo"
+    assert decide(sharing, "nccl").delegate == "nccl"
+    assert decide(host_of(1, 2, "own"), "gloo").delegate == "gloo"
     no_nccl = [GpuFacts("a", True, False, (gpu(0),)), GpuFacts("b", True, False, (gpu(1),))]
-    assert cuda.decide(no_nccl).delegate == "gloo"
+    assert decide(no_nccl).delegate == "gloo"
     with pytest.raises(
         ValueError, match="FAIRRING_CUDA_DELEGATE=nccl but no rank's torch has NCCL"
     ):
-        cuda.decide(no_nccl, "nccl")
+        decide(no_nccl, "nccl")
 
 
 # ------------------------------------------------- the decision, made by every rank
@@ -137,19 +138,19 @@ def test_explicit_choices() -> None:
 def decide_with_faked_gpus(rank: int, world: int, facts: list[GpuFacts]) -> str:
     """Create a fairring group with this rank's faked GPU facts and return what it
     decided; NCCL's groups are stood in for by Gloo's (there is no GPU here)."""
-    import fairring_pg.backend as backend
+    from fairring_pg import group_info, process_groups
 
-    cuda.local_gpu_facts = lambda host: facts[rank]
-    backend.make_nccl_delegate = _gloo_world
-    backend.nccl_maker = _gloo_stand_in
+    gpu_decision.local_gpu_facts = lambda host: facts[rank]
+    process_groups.make_nccl_delegate = _gloo_world
+    process_groups.nccl_maker = _gloo_stand_in
     dist.init_process_group("fairring")
-    decision = backend.cuda_decision()
-    return f"{decision.delegate}: {decision.reason}"
+    decided = group_info.cuda_decision()
+    return f"{decided.delegate}: {decided.reason}"
 
 
 def _gloo_world(store: Any, rank: int, size: int, timeout: Any, opts: Any) -> Any:
     from fairring_pg.config import Config as Cfg
-    from fairring_pg.subgroups import gloo_group
+    from fairring_pg.process_groups import gloo_group
 
     prefixed = dist.PrefixStore("stand-in-for-nccl/", store)
     return gloo_group(prefixed, rank, size, timeout, Cfg.from_env(), list(range(size)), "world")
@@ -157,7 +158,7 @@ def _gloo_world(store: Any, rank: int, size: int, timeout: Any, opts: Any) -> An
 
 def _gloo_stand_in(store: Any, timeout: Any, global_ranks: list[int], max_ctas: int = 0) -> Any:
     from fairring_pg.config import Config as Cfg
-    from fairring_pg.subgroups import gloo_maker
+    from fairring_pg.process_groups import gloo_maker
 
     return gloo_maker(store, timeout, Cfg.from_env(), global_ranks)
 
@@ -232,7 +233,7 @@ def test_groups_and_their_members(
     lane_count = len(lanes) if lanes else 2
     config = Config(lanes=lane_count, cuda_allreduce=path)
     # Whether the plan composes any call (its rows, from the model, are
-    # tests/test_model.py's).
+    # tests/test_model_gpu.py's).
     node = dataclasses.replace(NODE_TYPES["a100-4x200g"], gpus=topo.local_size)
     M, L = topo.num_machines, topo.local_size
     composes = plan_allreduce(node, M, config, local_size=L, measured=path == "auto").composes
@@ -275,17 +276,17 @@ def test_groups_and_their_members(
 
 
 def plan_of_group(rank: int, world: int) -> str:
-    import fairring_pg.backend as backend
+    from fairring_pg import group_info
 
     dist.init_process_group("fairring")
-    return backend.cuda_plan().to_json()
+    return group_info.cuda_plan().to_json()
 
 
 def test_every_rank_runs_rank_zeros_plan_from_the_node_named() -> None:
     """FAIRRING_NODE names the machines; rank 0 plans and every rank runs that plan, the
     one the model gives for those facts at 3 machines x 2 ranks (auto's: the sizes it
     would compose, or is not sure of, measured)."""
-    from fairring_pg import node_facts
+    from fairring_pg.cuda import node_facts
     from fairring_pg.model.cuda_plan import CudaPlan, plan_allreduce
 
     machines = ["m0", "m0", "m1", "m1", "m2", "m2"]
@@ -334,7 +335,7 @@ def test_a_bad_node_fails_init_on_every_rank() -> None:
 def test_sub_group_ctas_leave_room_for_every_communicator(
     sms: int, sharing: int, world: int, lanes: int, local: int, want: int
 ) -> None:
-    ctas = cuda.co_resident_ctas(sms, sharing, world, lanes, local)
+    ctas = job_plan.co_resident_ctas(sms, sharing, world, lanes, local)
     assert ctas == want
     if ctas >= 1:
         # At one CTA per SM: the world's, and every sub-group's, on the process's share.
@@ -343,19 +344,19 @@ def test_sub_group_ctas_leave_room_for_every_communicator(
 
 
 def test_world_ctas_follow_nccl_limits() -> None:
-    assert cuda.world_ctas({}) == 64
-    assert cuda.world_ctas({"NCCL_MAX_NCHANNELS": "4"}) == 4
-    assert cuda.world_ctas({"NCCL_MAX_CTAS": "16", "NCCL_MAX_NCHANNELS": "32"}) == 16
-    assert cuda.world_ctas({"NCCL_MAX_CTAS": "garbage"}) == 64
+    assert job_plan.world_ctas({}) == 64
+    assert job_plan.world_ctas({"NCCL_MAX_NCHANNELS": "4"}) == 4
+    assert job_plan.world_ctas({"NCCL_MAX_CTAS": "16", "NCCL_MAX_NCHANNELS": "32"}) == 16
+    assert job_plan.world_ctas({"NCCL_MAX_CTAS": "garbage"}) == 64
 
 
 def test_processes_per_gpu_counts_ranks_pinned_to_one_gpu() -> None:
-    one = cuda.GpuFacts("h0", True, True, (gpu(0),), sms=132)
-    assert cuda.processes_per_gpu([one] * 4) == 4  # simulated machines on one GPU
-    eight = [cuda.GpuFacts("h0", True, True, tuple(gpu(i) for i in range(8)))] * 8
-    assert cuda.processes_per_gpu(eight) == 1  # each sees all eight, uses its own
-    own = [cuda.GpuFacts("h0", True, True, (gpu(i),)) for i in range(8)]
-    assert cuda.processes_per_gpu(own) == 1
+    one = GpuFacts("h0", True, True, (gpu(0),), sms=132)
+    assert job_plan.processes_per_gpu([one] * 4) == 4  # simulated machines on one GPU
+    eight = [GpuFacts("h0", True, True, tuple(gpu(i) for i in range(8)))] * 8
+    assert job_plan.processes_per_gpu(eight) == 1  # each sees all eight, uses its own
+    own = [GpuFacts("h0", True, True, (gpu(i),)) for i in range(8)]
+    assert job_plan.processes_per_gpu(own) == 1
 
 
 def test_a_plan_whose_communicators_cannot_fit_composes_nothing() -> None:
@@ -364,13 +365,13 @@ def test_a_plan_whose_communicators_cannot_fit_composes_nothing() -> None:
     config = Config(lanes=2)
     plan = forced_plan("0:compose:2:alltoall", 4, config, 1)
     assert plan.composes
-    world = cuda.world_ctas()  # NCCL_MAX_CTAS / NCCL_MAX_NCHANNELS of this process, or 64
+    world = job_plan.world_ctas()  # NCCL_MAX_CTAS / NCCL_MAX_NCHANNELS of this process, or 64
     for sharing in (1, 2, 4, 8):
-        facts = [cuda.GpuFacts(f"h{i}", True, True, (gpu(0),), sms=132) for i in range(sharing)]
-        fitted, ctas = cuda._fit_on_the_gpu(plan, facts, lanes=2, local_size=1)
-        room = cuda.co_resident_ctas(132, sharing, world, 2, 1)
+        facts = [GpuFacts(f"h{i}", True, True, (gpu(0),), sms=132) for i in range(sharing)]
+        fitted, ctas = job_plan._fit_on_the_gpu(plan, facts, lanes=2, local_size=1)
+        room = job_plan.co_resident_ctas(132, sharing, world, 2, 1)
         assert (fitted.composes, ctas) == ((True, room) if room >= 1 else (False, 0)), sharing
         if room < 1:
             assert "cannot hold" in fitted.rows[0].reason
     # No GPU facts (the test vehicles): no cap, the plan as it was.
-    assert cuda._fit_on_the_gpu(plan, [cuda.GpuFacts("h", False, False)] * 4, 2, 1) == (plan, 0)
+    assert job_plan._fit_on_the_gpu(plan, [GpuFacts("h", False, False)] * 4, 2, 1) == (plan, 0)

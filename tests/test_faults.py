@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -420,39 +421,57 @@ def _mismatch_job() -> tuple[RankOutcome, ...]:
     )
 
 
-@pytest.mark.parametrize("kind", list(MISMATCHES))
-def test_mismatch_every_rank_raises_naming_the_difference(kind: str) -> None:
-    outcomes = _mismatch_job()
+def _mismatch_values(
+    outcomes: tuple[RankOutcome, ...], kind: str
+) -> tuple[list[str], list[tuple[int, dict[str, Any]]]]:
+    """Every rank's record of mismatch ``kind`` once the job ran clean: the problems so
+    far (a rank that met an unexpected error) and (rank, record) of the others."""
     bad = [o for o in outcomes if not o.ok]
     assert not bad, "\n".join(o.describe() for o in bad)
-    _, descriptions = MISMATCHES[kind]
-    problems = []
+    problems, values = [], []
     for o in outcomes:
         v = o.value[kind]
         if "unexpected" in v:
             problems.append(f"rank {o.rank}: unexpected error: {v['unexpected']}")
-            continue
+        else:
+            values.append((o.rank, v))
+    return problems, values
+
+
+def _lacking(rank: int, message: str, words: Sequence[str | tuple[str, ...]]) -> list[str]:
+    """A problem for each of ``words`` (a word, or a tuple of its spellings) that
+    ``message`` lacks."""
+    problems = []
+    for word in words:
+        spellings = (word,) if isinstance(word, str) else word
+        if not any(w in message for w in spellings):
+            problems.append(f"rank {rank}: error lacks {spellings}: {message}")
+    return problems
+
+
+@pytest.mark.parametrize("kind", list(MISMATCHES))
+def test_mismatch_every_rank_raises_naming_the_difference(kind: str) -> None:
+    _, descriptions = MISMATCHES[kind]
+    problems, values = _mismatch_values(_mismatch_job(), kind)
+    for rank, v in values:
         if v["message"] is None:
-            problems.append(f"rank {o.rank}: the mismatched allreduce did not raise")
+            problems.append(f"rank {rank}: the mismatched allreduce did not raise")
             continue
-        for word in ("differs between ranks", *descriptions):
-            spellings = (word,) if isinstance(word, str) else word
-            if not any(w in v["message"] for w in spellings):
-                problems.append(f"rank {o.rank}: error lacks {spellings}: {v['message']}")
+        problems += _lacking(rank, v["message"], ("differs between ranks", *descriptions))
         if v["elapsed_s"] > MISMATCH_DETECT_S:  # detected, not timed out
             problems.append(
-                f"rank {o.rank}: raised only after {v['elapsed_s']:.1f} s (group timeout "
+                f"rank {rank}: raised only after {v['elapsed_s']:.1f} s (group timeout "
                 f"{MISMATCH_GROUP_TIMEOUT_S:.0f} s): {v['message']}"
             )
         if v["after_message"] is None or v["after_s"] > 1.0:
             problems.append(
-                f"rank {o.rank}: the next call took {v['after_s']:.2f} s and raised "
+                f"rank {rank}: the next call took {v['after_s']:.2f} s and raised "
                 f"{v['after_message']!r}"
             )
         if not v["earlier_intact"]:
-            problems.append(f"rank {o.rank}: the result of an earlier allreduce changed")
+            problems.append(f"rank {rank}: the result of an earlier allreduce changed")
         if not v["bystander_intact"]:
-            problems.append(f"rank {o.rank}: a tensor no allreduce touched changed")
+            problems.append(f"rank {rank}: a tensor no allreduce touched changed")
     assert not problems, "\n".join(problems)
 
 
@@ -549,29 +568,20 @@ def _ring_mismatch_job() -> tuple[RankOutcome, ...]:
 
 @pytest.mark.parametrize("kind", list(RING_MISMATCHES))
 def test_a_mismatch_on_the_ring_raises_on_every_rank_naming_both(kind: str) -> None:
-    outcomes = _ring_mismatch_job()
-    bad = [o for o in outcomes if not o.ok]
-    assert not bad, "\n".join(o.describe() for o in bad)
     _, descriptions = RING_MISMATCHES[kind]
-    problems = []
-    for o in outcomes:
-        v = o.value[kind]
-        if "unexpected" in v:
-            problems.append(f"rank {o.rank}: unexpected error: {v['unexpected']}")
-            continue
+    problems, values = _mismatch_values(_ring_mismatch_job(), kind)
+    for rank, v in values:
         if v["ring_calls"] != 1:
-            problems.append(f"rank {o.rank}: the earlier allreduce was not on the ring")
+            problems.append(f"rank {rank}: the earlier allreduce was not on the ring")
         if not v["earlier_intact"]:
-            problems.append(f"rank {o.rank}: the earlier allreduce on the ring was not exact")
+            problems.append(f"rank {rank}: the earlier allreduce on the ring was not exact")
         if v["message"] is None:
-            problems.append(f"rank {o.rank}: the mismatched allreduce completed")
+            problems.append(f"rank {rank}: the mismatched allreduce completed")
             continue
-        for word in ("differs between ranks", f"rank {RING_ODD_RANK}", *descriptions):
-            spellings = (word,) if isinstance(word, str) else word
-            if not any(w in v["message"] for w in spellings):
-                problems.append(f"rank {o.rank}: error lacks {spellings}: {v['message']}")
+        words = ("differs between ranks", f"rank {RING_ODD_RANK}", *descriptions)
+        problems += _lacking(rank, v["message"], words)
         if v["elapsed_s"] > MISMATCH_DETECT_S:
-            problems.append(f"rank {o.rank}: raised only after {v['elapsed_s']:.1f} s")
+            problems.append(f"rank {rank}: raised only after {v['elapsed_s']:.1f} s")
         if v["after_message"] is None or v["after_s"] > 1.0:
-            problems.append(f"rank {o.rank}: the next call: {v['after_message']!r}")
+            problems.append(f"rank {rank}: the next call: {v['after_message']!r}")
     assert not problems, "\n".join(problems)

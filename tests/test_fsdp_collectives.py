@@ -28,7 +28,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import SHAPES, CaseJob, fairring_env
+from case_job import CaseJob
+from multiprocess import SHAPES, fairring_env
 from values import compare_exact
 
 JOB_ENV = fairring_env(
@@ -186,155 +187,176 @@ def _op(name: str) -> dist.ReduceOp.RedOpType:
 # ----------------------------------------------------------------- the rank side
 
 
-def run_case(rank: int, world: int, case: Case) -> str | None:
+def _reduce_scatter(rank: int, world: int, case: Case) -> str | None:
     dt = _dtype(case.dtype)
     n = case.numel
     op = _op(case.op)
-    if case.kind.startswith("rs"):
-        wide = big_inputs(case, world)
-        expected = rs_expected(wide, rank, case)
-        mine = wide[rank].to(dt)
-        before = mine.clone()
-        if case.kind in ("rs", "rs_async"):
-            out = torch.full((n,), 3, dtype=dt)
-            work = dist.reduce_scatter_single(out, mine, op=op, async_op=case.kind == "rs_async")
-            if case.kind == "rs_async":
-                assert work is not None
-                doubled = (
-                    work.get_future().then(lambda f: f.value()[0].to(torch.float64) * 2).wait()
-                )
-                if not work.is_completed():
-                    return "work.is_completed() is False once its future is done"
-                err = compare_exact(
-                    doubled, expected.to(torch.float64) * 2, "value of the chained future"
-                )
-                if err:
-                    return err
-            return compare_exact(out, expected, "output") or compare_exact(
-                mine, before, "input (must not change)"
+    wide = big_inputs(case, world)
+    expected = rs_expected(wide, rank, case)
+    mine = wide[rank].to(dt)
+    before = mine.clone()
+    if case.kind in ("rs", "rs_async"):
+        out = torch.full((n,), 3, dtype=dt)
+        work = dist.reduce_scatter_single(out, mine, op=op, async_op=case.kind == "rs_async")
+        if case.kind == "rs_async":
+            assert work is not None
+            doubled = work.get_future().then(lambda f: f.value()[0].to(torch.float64) * 2).wait()
+            if not work.is_completed():
+                return "work.is_completed() is False once its future is done"
+            err = compare_exact(
+                doubled, expected.to(torch.float64) * 2, "value of the chained future"
             )
-        if case.kind == "rs_list":
-            out = torch.empty(n, dtype=dt)
-            dist.reduce_scatter(out, list(mine.chunk(world)), op=op)
-            return compare_exact(out, expected, "output")
-        if case.kind == "rs_coalesced":
-            # Two tensors of different sizes in one coalesced call.
-            other = dataclasses.replace(case, numel=13)
-            wide2 = big_inputs(other, world, "/2")
-            outs = [torch.empty(n, dtype=dt), torch.empty(13, dtype=dt)]
-            with dist._coalescing_manager(async_ops=True) as cm:
-                dist.reduce_scatter_single(outs[0], mine, op=op)
-                dist.reduce_scatter_single(outs[1], wide2[rank].to(dt), op=op)
-            cm.wait()
-            return compare_exact(outs[0], expected, "output 0") or compare_exact(
-                outs[1], rs_expected(wide2, rank, other), "output 1"
-            )
-        if case.kind == "rs_strided":
-            # A strided input (every other element of a base) and a transposed output.
-            base = torch.zeros(2 * world * n, dtype=dt)
-            base[::2] = mine
-            out_base = torch.full((n, 3), 7, dtype=dt)
-            out = out_base[:, 1]
-            dist.reduce_scatter_single(out, base[::2], op=op)
-            untouched = torch.full((n, 3), 7, dtype=dt)
-            untouched[:, 1] = expected
-            return compare_exact(
-                out_base, untouched, "output base (the view holds the result, the rest unchanged)"
-            )
-        if case.kind == "rs_inplace":
-            # The output is this rank's own part of the input, as FSDP may pass it.
-            buf = mine.clone()
-            out = buf[rank * n : (rank + 1) * n]
-            dist.reduce_scatter_single(out, buf, op=op)
-            return compare_exact(out, expected, "output")
-    if case.kind.startswith("ag"):
-        parts = part_inputs(case, world)
-        expected = torch.cat(parts)
-        mine = parts[rank].clone()
-        if case.kind in ("ag", "ag_async"):
-            out = torch.full((world * n,), 3, dtype=dt)
-            work = dist.all_gather_single(out, mine, async_op=case.kind == "ag_async")
-            if case.kind == "ag_async":
-                assert work is not None
-                got = work.get_future().then(lambda f: f.value()[0].clone()).wait()
-                err = compare_exact(got, expected, "value of the chained future")
-                if err:
-                    return err
-            return compare_exact(out, expected, "output") or compare_exact(
-                mine, parts[rank], "input (must not change)"
-            )
-        if case.kind == "ag_list":
-            outs = [torch.empty(n, dtype=dt) for _ in range(world)]
-            dist.all_gather(outs, mine)
-            return compare_exact(torch.cat(outs), expected, "outputs")
-        if case.kind == "ag_coalesced":
-            other = dataclasses.replace(case, numel=13)
-            parts2 = part_inputs(other, world, "/2")
-            outs = [torch.empty(world * n, dtype=dt), torch.empty(world * 13, dtype=dt)]
-            with dist._coalescing_manager(async_ops=True) as cm:
-                dist.all_gather_single(outs[0], mine)
-                dist.all_gather_single(outs[1], parts2[rank].clone())
-            cm.wait()
-            return compare_exact(outs[0], expected, "output 0") or compare_exact(
-                outs[1], torch.cat(parts2), "output 1"
-            )
-        if case.kind == "ag_strided":
-            base = torch.zeros(3 * n, dtype=dt)
-            base[1::3] = mine
-            out_base = torch.full((world * n, 2), 7, dtype=dt)
-            dist.all_gather_single(out_base[:, 0], base[1::3])
-            want = torch.full((world * n, 2), 7, dtype=dt)
-            want[:, 0] = expected
-            return compare_exact(
-                out_base, want, "output base (the view holds the result, the rest unchanged)"
-            )
-        if case.kind == "ag_inplace":
-            out = torch.zeros(world * n, dtype=dt)
-            out[rank * n : (rank + 1) * n] = mine
-            dist.all_gather_single(out, out[rank * n : (rank + 1) * n])
-            return compare_exact(out, expected, "output")
-    if case.kind == "interleaved":
-        # Reduce-scatters, all-gathers and allreduces in flight at once, more than the
-        # staging holds: each must pair with the same operation on every rank.
-        works, checks = [], []
-        for i in range(6):
-            sub = dataclasses.replace(case, id=f"{case.id}/{i}", numel=n + i)
-            if i % 3 == 0:
-                wide = big_inputs(sub, world)
-                out = torch.empty(sub.numel, dtype=dt)
-                works.append(dist.reduce_scatter_single(out, wide[rank].to(dt), async_op=True))
-                checks.append((out, rs_expected(wide, rank, sub)))
-            elif i % 3 == 1:
-                parts = part_inputs(sub, world)
-                out = torch.empty(world * sub.numel, dtype=dt)
-                works.append(dist.all_gather_single(out, parts[rank].clone(), async_op=True))
-                checks.append((out, torch.cat(parts)))
-            else:
-                wide = big_inputs(sub, world)
-                t = wide[rank].to(dt)
-                works.append(dist.all_reduce(t, async_op=True))
-                checks.append((t, reduce_exact(wide, "SUM", case.dtype)))
-        for w in works:
-            w.wait()
-        for i, (got, want) in enumerate(checks):
-            err = compare_exact(got, want, f"operation {i}")
             if err:
                 return err
-        return None
+        return compare_exact(out, expected, "output") or compare_exact(
+            mine, before, "input (must not change)"
+        )
+    if case.kind == "rs_list":
+        out = torch.empty(n, dtype=dt)
+        dist.reduce_scatter(out, list(mine.chunk(world)), op=op)
+        return compare_exact(out, expected, "output")
+    if case.kind == "rs_coalesced":
+        # Two tensors of different sizes in one coalesced call.
+        other = dataclasses.replace(case, numel=13)
+        wide2 = big_inputs(other, world, "/2")
+        outs = [torch.empty(n, dtype=dt), torch.empty(13, dtype=dt)]
+        with dist._coalescing_manager(async_ops=True) as cm:
+            dist.reduce_scatter_single(outs[0], mine, op=op)
+            dist.reduce_scatter_single(outs[1], wide2[rank].to(dt), op=op)
+        cm.wait()
+        return compare_exact(outs[0], expected, "output 0") or compare_exact(
+            outs[1], rs_expected(wide2, rank, other), "output 1"
+        )
+    if case.kind == "rs_strided":
+        # A strided input (every other element of a base) and a transposed output.
+        base = torch.zeros(2 * world * n, dtype=dt)
+        base[::2] = mine
+        out_base = torch.full((n, 3), 7, dtype=dt)
+        out = out_base[:, 1]
+        dist.reduce_scatter_single(out, base[::2], op=op)
+        untouched = torch.full((n, 3), 7, dtype=dt)
+        untouched[:, 1] = expected
+        return compare_exact(
+            out_base, untouched, "output base (the view holds the result, the rest unchanged)"
+        )
+    if case.kind == "rs_inplace":
+        # The output is this rank's own part of the input, as FSDP may pass it.
+        buf = mine.clone()
+        out = buf[rank * n : (rank + 1) * n]
+        dist.reduce_scatter_single(out, buf, op=op)
+        return compare_exact(out, expected, "output")
+    raise ValueError(case.kind)
+
+
+def _all_gather(rank: int, world: int, case: Case) -> str | None:
+    dt = _dtype(case.dtype)
+    n = case.numel
+    parts = part_inputs(case, world)
+    expected = torch.cat(parts)
+    mine = parts[rank].clone()
+    if case.kind in ("ag", "ag_async"):
+        out = torch.full((world * n,), 3, dtype=dt)
+        work = dist.all_gather_single(out, mine, async_op=case.kind == "ag_async")
+        if case.kind == "ag_async":
+            assert work is not None
+            got = work.get_future().then(lambda f: f.value()[0].clone()).wait()
+            err = compare_exact(got, expected, "value of the chained future")
+            if err:
+                return err
+        return compare_exact(out, expected, "output") or compare_exact(
+            mine, parts[rank], "input (must not change)"
+        )
+    if case.kind == "ag_list":
+        outs = [torch.empty(n, dtype=dt) for _ in range(world)]
+        dist.all_gather(outs, mine)
+        return compare_exact(torch.cat(outs), expected, "outputs")
+    if case.kind == "ag_coalesced":
+        other = dataclasses.replace(case, numel=13)
+        parts2 = part_inputs(other, world, "/2")
+        outs = [torch.empty(world * n, dtype=dt), torch.empty(world * 13, dtype=dt)]
+        with dist._coalescing_manager(async_ops=True) as cm:
+            dist.all_gather_single(outs[0], mine)
+            dist.all_gather_single(outs[1], parts2[rank].clone())
+        cm.wait()
+        return compare_exact(outs[0], expected, "output 0") or compare_exact(
+            outs[1], torch.cat(parts2), "output 1"
+        )
+    if case.kind == "ag_strided":
+        base = torch.zeros(3 * n, dtype=dt)
+        base[1::3] = mine
+        out_base = torch.full((world * n, 2), 7, dtype=dt)
+        dist.all_gather_single(out_base[:, 0], base[1::3])
+        want = torch.full((world * n, 2), 7, dtype=dt)
+        want[:, 0] = expected
+        return compare_exact(
+            out_base, want, "output base (the view holds the result, the rest unchanged)"
+        )
+    if case.kind == "ag_inplace":
+        out = torch.zeros(world * n, dtype=dt)
+        out[rank * n : (rank + 1) * n] = mine
+        dist.all_gather_single(out, out[rank * n : (rank + 1) * n])
+        return compare_exact(out, expected, "output")
+    raise ValueError(case.kind)
+
+
+def _interleaved(rank: int, world: int, case: Case) -> str | None:
+    dt = _dtype(case.dtype)
+    n = case.numel
+    # Reduce-scatters, all-gathers and allreduces in flight at once, more than the
+    # staging holds: each must pair with the same operation on every rank.
+    works, checks = [], []
+    for i in range(6):
+        sub = dataclasses.replace(case, id=f"{case.id}/{i}", numel=n + i)
+        if i % 3 == 0:
+            wide = big_inputs(sub, world)
+            out = torch.empty(sub.numel, dtype=dt)
+            works.append(dist.reduce_scatter_single(out, wide[rank].to(dt), async_op=True))
+            checks.append((out, rs_expected(wide, rank, sub)))
+        elif i % 3 == 1:
+            parts = part_inputs(sub, world)
+            out = torch.empty(world * sub.numel, dtype=dt)
+            works.append(dist.all_gather_single(out, parts[rank].clone(), async_op=True))
+            checks.append((out, torch.cat(parts)))
+        else:
+            wide = big_inputs(sub, world)
+            t = wide[rank].to(dt)
+            works.append(dist.all_reduce(t, async_op=True))
+            checks.append((t, reduce_exact(wide, "SUM", case.dtype)))
+    for w in works:
+        w.wait()
+    for i, (got, want) in enumerate(checks):
+        err = compare_exact(got, want, f"operation {i}")
+        if err:
+            return err
+    return None
+
+
+def _avg_int(rank: int, world: int, case: Case) -> str | None:
+    dt = _dtype(case.dtype)
+    n = case.numel
+    op = _op(case.op)
+    # Refused at once, on the rank, as the allreduce refuses it; the group stays usable.
+    try:
+        dist.reduce_scatter_single(torch.empty(n, dtype=dt), torch.ones(world * n, dtype=dt), op=op)
+    except Exception as exc:  # noqa: BLE001 - the message matters
+        msg = str(exc)
+        return (
+            None
+            if "AVG" in msg and case.dtype in msg
+            else f"error does not name AVG and {case.dtype}: {msg}"
+        )
+    return "AVG of int32 did not raise"
+
+
+def run_case(rank: int, world: int, case: Case) -> str | None:
+    if case.kind.startswith("rs"):
+        return _reduce_scatter(rank, world, case)
+    if case.kind.startswith("ag"):
+        return _all_gather(rank, world, case)
+    if case.kind == "interleaved":
+        return _interleaved(rank, world, case)
     if case.kind == "avg_int":
-        # Refused at once, on the rank, as the allreduce refuses it; the group stays usable.
-        try:
-            dist.reduce_scatter_single(
-                torch.empty(n, dtype=dt), torch.ones(world * n, dtype=dt), op=op
-            )
-        except Exception as exc:  # noqa: BLE001 - the message matters
-            msg = str(exc)
-            return (
-                None
-                if "AVG" in msg and case.dtype in msg
-                else f"error does not name AVG and {case.dtype}: {msg}"
-            )
-        return "AVG of int32 did not raise"
+        return _avg_int(rank, world, case)
     raise ValueError(case.kind)
 
 

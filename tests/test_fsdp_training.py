@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from multiprocess import SHAPES, fairring_env, run_ranks
 
-from fairring_pg.timeline import load_trace
+from fairring_pg.tools.timeline_command import load_trace
 
 STEPS = 6
 LR = 0.5

@@ -1,4 +1,4 @@
-"""fairring_pg.future_callbacks: the mark that tells an allreduce it is issued from a
+"""fairring_pg.cpu.future_callbacks: the mark that tells an allreduce it is issued from a
 torch Future's callback, whichever thread runs it (docs/design.md, "Completion order and
 comm hooks"). tests/test_completion.py covers ``then()``; this covers
 ``add_done_callback()`` run inline on some ranks and on completion threads on others,

@@ -30,8 +30,9 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
+from case_job import CaseJob
 from collective_forms import FORMS, Issued, issue
-from multiprocess import SHAPES, CaseJob, fairring_env
+from multiprocess import SHAPES, fairring_env
 
 from fairring_pg.sizing import staging_slot_bytes
 

@@ -42,11 +42,12 @@ import pytest
 import stream_mutants
 import torch
 import torch.distributed as dist
-from multiprocess import CaseJob, fairring_env, launch, run_ranks
+from case_job import CaseJob
+from multiprocess import fairring_env, launch, run_ranks
 
 from fairring_pg import measured
-from fairring_pg.backend import measured_choices
 from fairring_pg.config import Config
+from fairring_pg.group_info import measured_choices
 from fairring_pg.model import cpu_plan, cuda_plan
 from fairring_pg.model.nodes import NODE_TYPES
 

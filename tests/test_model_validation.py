@@ -10,14 +10,17 @@ what was measured fails here. Tolerance: bench/model_validation.py's, 15%.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from test_model import ROUND
 
 from fairring_pg.config import MIB, Config
 from fairring_pg.model import calibration
+from fairring_pg.model.cpu import CpuCluster, predict_cpu
 from fairring_pg.model.cuda_plan import COMPOSE_MARGIN, plan_allreduce
 from fairring_pg.model.gpu import predict_gpu
 from fairring_pg.model.nodes import NODE_TYPES
@@ -139,3 +142,48 @@ def test_a_gpu_measurement_is_checked_against_the_plan_that_ran() -> None:
     assert _gpu_misses(facts) == []
     with pytest.raises(ValueError, match="cannot take"):
         _validation().gpu_rows({**data, "node": {"arch": "ampere"}})
+
+
+# --- the validation report ----------------------------------------------------------
+
+
+def test_validation_rows_compare_the_model_with_measurements(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # CI installs no matplotlib (the "bench" extra): the module must import without it.
+    for name in ("model_validation", "report", "matplotlib", "matplotlib.pyplot"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # importing it raises
+    validation = _validation()
+    size = 8 * MIB
+    runs = {
+        "800mbit 2x2": {"world": 4, "cases": {f"1x{size}": {"fairring": [0.1, 0.2, 0.3],
+                                                            "gloo": [0.2, 0.4]}}},
+        "800mbit 4x1": {"world": 4, "cases": {f"1x{size}": {"fairring": [0.5], "gloo": [0.5]},
+                                              f"1x{MIB // 4}": {"fairring": [0.1],
+                                                                "gloo": [0.3]}}},
+    }  # fmt: skip
+    rows = validation.predictions(runs, ROUND)
+    row = rows[0]
+    expected = predict_cpu(CpuCluster(2, 2, 1e8, 0.9), [size], ROUND)
+    assert row["fairring"]["measured_s"] == 0.2 and row["gloo"]["measured_s"] == pytest.approx(0.3)
+    assert row["fairring"]["error"] == pytest.approx((expected.fairring_s - 0.2) / 0.2)
+    assert row["gloo"]["error"] == pytest.approx((expected.reference_s - 0.3) / 0.3)
+    assert validation.within(row) == (
+        abs(row["fairring"]["error"]) <= 0.15 and abs(row["gloo"]["error"]) <= 0.15
+    )
+    # At 4 x 1 an allreduce of 1 MiB or more is Gloo's ring on both sides: not counted.
+    assert [(r["shape"], r["size"], r["engine"]) for r in rows] == [
+        ("2x2", size, True),
+        ("4x1", size, False),
+        ("4x1", MIB // 4, True),
+    ]
+    assert validation.counted(rows) == [rows[0], rows[2]]
+    cases = ["64K", "256K", "1M", "16x25M"]
+    assert validation.engine_cases(cases, 4, 1, Config()) == ["64K", "256K"]
+    assert validation.engine_cases(cases, 3, 2, Config()) == cases
+    args = validation.parse_args([])
+    assert validation.shape_cases(args, 4, 1, Config()) == ["64K", "256K"]
+    assert validation.shape_cases(args, 3, 2, Config()) == ["1M", "25M", "100M", "16x25M"]
+    assert args.shapes.split(",") == ["2x2", "4x1", "2x3", "3x2"]
+    assert math.isclose(validation.parse_case("16x25M")[1], 25 * MIB)

@@ -1,4 +1,4 @@
-"""fairring_pg.node_facts: what a machine is made of (detected through injected probes,
+"""fairring_pg.cuda.node_facts: what a machine is made of (detected through injected probes,
 or named by FAIRRING_NODE), merged across ranks into the job's answer the CUDA
 allreduce's plan is made from. No GPU, no sysfs of this host: every probe is a fake."""
 
@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from fairring_pg import node_facts
 from fairring_pg.config import Config
+from fairring_pg.cuda import node_facts
+from fairring_pg.cuda.node_facts import NodeFacts, Probes
 from fairring_pg.model.cuda_plan import plan_allreduce
 from fairring_pg.model.nodes import NODE_TYPES
-from fairring_pg.node_facts import NodeFacts, Probes
 
 
 def fake_sysfs(files: dict[str, str], dirs: dict[str, list[str]], **probes: object) -> Probes:

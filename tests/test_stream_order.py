@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from multiprocess import SHAPES, fairring_env, memoised, run_ranks
 
-from fairring_pg.subgroups import subgroup_stats
+from fairring_pg.group_info import subgroup_stats
 
 DEVICE = stream_vehicle.DEVICE
 SLICE_SIZE = 4 * 1024  # 512 float64: several slices per tensor, on both lanes

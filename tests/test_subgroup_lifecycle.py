@@ -5,7 +5,7 @@ every sub-group (the world group included) at once after a failure.
 
 On CUDA the same code creates and connects every NCCL communicator at the first
 allreduce, drains the device at destroy, and gives ProcessGroupNCCL's Work semantics;
-the stream-only parts of that need a GPU (tests/test_cuda.py). Here each job makes a
+the stream-only parts of that need a GPU (tests/test_cuda*.py). Here each job makes a
 second fairring group with ``dist.new_group`` so that it can break or destroy it while
 the harness's default group stays.
 """
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from multiprocess import fairring_env, launch, run_ranks
 
-from fairring_pg.subgroups import subgroup_stats
+from fairring_pg.group_info import subgroup_stats
 
 SHAPE = ["m0", "m0", "m1", "m1"]  # 2 machines x 2 ranks: local groups and lanes
 
@@ -57,9 +57,9 @@ def with_reversed_rails(rank: int, world: int) -> str:
     """A second fairring group whose lanes number the machines of the rail backwards
     (a consistent, connected Gloo group, but not the one fairring asked for): its first
     allreduce must refuse it on every rank instead of putting shards in wrong places."""
-    import fairring_pg.backend as backend
+    from fairring_pg import process_groups
 
-    made = backend.gloo_maker
+    made = process_groups.gloo_maker
 
     def reversed_lanes(store: Any, timeout: Any, config: Any, global_ranks: list[int]) -> Any:
         make = made(store, timeout, config, global_ranks)
@@ -71,11 +71,11 @@ def with_reversed_rails(rank: int, world: int) -> str:
 
         return make_group
 
-    backend.gloo_maker = reversed_lanes
+    process_groups.gloo_maker = reversed_lanes
     try:
         group = dist.new_group(backend="fairring")
     finally:
-        backend.gloo_maker = made
+        process_groups.gloo_maker = made
     t = value(rank, 4000)
     dist.all_reduce(t, group=group)
     return f"allreduce on misbuilt lanes returned {t[:3].tolist()}"

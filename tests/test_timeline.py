@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from multiprocess import SHAPES, fairring_env, run_ranks
 
-from fairring_pg.timeline import load_trace, merge
+from fairring_pg.tools.timeline_command import load_trace, merge
 
 SLICE = 64 * 1024
 NUMEL = 3 * SLICE // 4 + 5  # float32: three full slices and a short one

@@ -13,7 +13,7 @@ NCCL's ring and tree on GPU), calibrated from this machine's primitives.
     plan_allreduce(NODE_TYPES["a100-4x200g"], 16, Config()).row_for(25 << 20)
 
 The formulas, parameters and validation are in docs/design.md, "The cost model";
-`fairring-plan` (fairring_pg/plan.py) is the command line. ``plan_allreduce`` is what
+`fairring-plan` (fairring_pg/tools/plan_command.py) is the command line. ``plan_allreduce`` is what
 ``FAIRRING_CUDA_ALLREDUCE=auto`` decides with (a table made once per group);
 ``prefer_fairring`` compares one prediction.
 """

@@ -20,11 +20,11 @@ Each step's time is NCCL's own model of that collective on that communicator
 (fairring_pg.model.nccl); the all-to-all, which NCCL's tuning does not model, is
 charged by message as NCCL charges its own algorithms (fairring_pg.model.alltoall):
 protocol, latency, payload rate by message size, and its proxy posts 2(M-1) messages
-at NCCL's network overhead each. With ``overlap`` (the design of issue 34)
-each step runs on a stream of its own and waits only for the step before it, so the
-reduce-scatter of a piece, the rail exchange of the one before and the all-gather of
-the one before that run at once; without it (as built before issue 34, and the Fairring
-seed) a slice's steps run one after another on its lane. The host issues every step
+at NCCL's network overhead each. With ``overlap`` each step runs on a stream of its
+own and waits only for the step before it, so the reduce-scatter of a piece, the rail
+exchange of the one before and the all-gather of the one before that run at once;
+without it (whole slices, as on the H100 of bench/results/cuda/, and the Fairring seed)
+a slice's steps run one after another on its lane. The host issues every step
 (``Implementation.host_s``) in the order of ``issue_order``; a lane is one communicator,
 so its pieces take turns, and the transfers of all lanes share the machine's NICs.
 """
@@ -43,15 +43,16 @@ from fairring_pg.model.pipeline import Piece, Stage
 from fairring_pg.sizing import PIECE_ALIGNMENT
 
 ALLTOALL, REDUCE_SCATTER = "alltoall", "reduce_scatter"
-# Only for what ran before issue 34 and the Fairring seed:
+# Only for whole slices (FAIRRING_PG_SLICES, the runs of bench/results/cuda/) and the
+# Fairring seed:
 ALLTOALL_ALLGATHER, MESSAGES = "alltoall_allgather", "messages"
 
 
 @dataclass(frozen=True)
 class Implementation:
-    """A reduction-server allreduce on GPUs: this project's, as designed or as built
-    before issue 34, or the Fairring seed's. The defaults of fairring's own costs are
-    fairring_pg.model.constants'."""
+    """A reduction-server allreduce on GPUs: this project's (pieces overlapped, or whole
+    slices as on the H100 of bench/results/cuda/), or the Fairring seed's. The defaults
+    of fairring's own costs are fairring_pg.model.constants'."""
 
     name: str
     # Proxy (CPU) seconds per rail message posted, one GPU's; None: NCCL's own, by
@@ -78,10 +79,10 @@ FAIRRING_PG = Implementation(
     overlap=OVERLAP.value,
     planned=True,
 )
-# What ran on the H100 in bench/results/cuda/ (and what src/subgroups/ builds until
-# issue 34 lands): whole slices, the five steps in a row on a lane, the all-to-all.
+# What ran on the H100 in bench/results/cuda/: whole slices, the five steps in a row on
+# a lane, the all-to-all; bench/model_validation.py holds those runs to it.
 FAIRRING_PG_SLICES = Implementation(
-    "fairring_pg before issue 34 (whole slices, five steps in a row)",
+    "fairring_pg in whole slices (five steps in a row)",
     message_s=None,
     exchanges=(ALLTOALL_ALLGATHER,),
     overlap=False,
@@ -215,7 +216,7 @@ def _piece_stages(
     tuning = nccl.TUNINGS[version]
     L = node.gpus
     lane_queue = f"lane {lane}"
-    # As built before issue 34 a slice's steps all run on its lane's stream.
+    # Without the overlap a slice's steps all run on its lane's stream.
     own = () if impl.overlap else (lane_queue,)
     stages: list[Stage] = []
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from fairring_pg.model.nccl import AMD, CPU_VENDORS, INTEL, UNKNOWN_CPU
 
 # NDR 400G InfiniBand moves about 46-48 GB/s of payload per NIC in collective
-# benchmarks (figures quoted in issue 27 for H100 clusters): 0.94 of 50 GB/s. The same
+# benchmarks (published figures for H100 clusters): 0.94 of 50 GB/s. The same
 # share is assumed for HDR 200G and EDR 100G.
 IB_EFFICIENCY = 0.94
 
@@ -73,7 +73,7 @@ H100_8X400G = GpuNode(
         "DGX H100 / HGX H100: 8 x H100 SXM5, NVSwitch, 8 x ConnectX-7 NDR 400 Gb/s, "
         "2 x Intel Xeon Platinum 8480C (NVIDIA DGX H100 datasheet)",
         "NVLink effective allreduce bus bandwidth about 370 GB/s; NDR 46-48 GB/s per NIC; "
-        "2 x 8 H100 allreduce busbw about 435-470 GB/s (issue 27's published figures)",
+        "2 x 8 H100 allreduce busbw about 435-470 GB/s (published figures)",
         "H100 SXM5 HBM3 3.35 TB/s (NVIDIA H100 datasheet)",
     ),
 )

@@ -46,7 +46,7 @@ _GPU_OPTIONS = (
 _CPU_OPTIONS = ("ranks_per_machine", "link")
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fairring-plan",
         description="Predict fairring's allreduce time against Gloo (CPU tensors) or NCCL "
@@ -74,7 +74,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "in the netns cluster)",
     )
     cpu.add_argument("--recalibrate", action="store_true", help="measure the primitives again")
-    gpu = p.add_argument_group("GPU clusters")
+    _add_gpu_options(p.add_argument_group("GPU clusters"))
+    return p
+
+
+def _add_gpu_options(gpu: argparse._ArgumentGroup) -> None:
     gpu.add_argument("--node", choices=sorted(NODE_TYPES), help="a node type (sets all below)")
     gpu.add_argument("--gpus-per-machine", type=int, help="GPUs per machine (default 8)")
     gpu.add_argument("--nic", help="one NIC's rate, e.g. 400gbit")
@@ -108,6 +112,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="write speedup against machines for H100+8x400G, H100+2x200G, A100+4x200G and "
         "V100+4x100G (at --size, one at a time and --in-flight) to this file",
     )
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = _parser()
     args = p.parse_args(argv)
     given = {k for k, v in vars(args).items() if v not in (None, False)}
     if args.device is None:

@@ -1,6 +1,6 @@
 """Merge the per-rank Timeline traces (``FAIRRING_TIMELINE``) into one Chrome trace.
 
-    python -m fairring_pg.timeline merged.json trace.rank*.json
+    python -m fairring_pg.tools.timeline_command merged.json trace.rank*.json
 
 Each rank writes its own file (the ranks share no clock but the host's, and must not
 share a file); every event already carries its rank as ``pid``, so merging is a

@@ -1,0 +1,135 @@
+"""The c10d process groups fairring's creator makes and hands to the core.
+
+Delegates run what fairring does not do itself: the Gloo group for CPU tensors (and,
+under their own store prefixes, the group of Gloo's ring and the measured choice's
+agreement group), the NCCL group for CUDA tensors. Makers build the sub-groups an
+allreduce is composed of (fairring_pg.cuda.subgroups): NCCL's for CUDA tensors, Gloo's
+for the CPU test path, or a stand-in accelerator's in tests.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from fairring_pg.config import Config
+
+# make(prefix, rank in the group, group size, global ranks, name) -> a c10d Backend
+GroupMaker = Callable[[str, int, int, list[int], str], Any]
+
+
+@dataclass(frozen=True)
+class StandInAccelerator:
+    """A device that stands in for CUDA in tests (the stream vehicle, tests/native/):
+    its tensors take the CUDA side of the backend, and its groups replace NCCL's."""
+
+    device_type: str
+    # (store, rank, size, timeout, global ranks, name) -> the world group
+    make_world: Callable[[Any, int, int, timedelta, list[int], str], Any]
+    # (store, timeout, global ranks) -> a maker of sub-groups
+    maker: Callable[[Any, timedelta, list[int]], GroupMaker]
+
+
+def gloo_group(
+    store: Any,
+    rank: int,
+    size: int,
+    timeout: timedelta,
+    config: Config,
+    global_ranks: list[int],
+    name: str,
+) -> Any:
+    """A ProcessGroupGloo on ``store`` (already prefixed)."""
+    if config.socket_ifname is None or os.environ.get("GLOO_SOCKET_IFNAME"):
+        # Gloo picks its interface itself (GLOO_SOCKET_IFNAME or the hostname).
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(interface=config.socket_ifname)]
+    options._timeout = timeout
+    options.global_ranks_in_group = global_ranks
+    options.group_name = name
+    return dist.ProcessGroupGloo(store, rank, size, options)
+
+
+def make_gloo_delegate(
+    store: Any,
+    rank: int,
+    size: int,
+    timeout: timedelta,
+    config: Config,
+    dist_backend_opts: Any,
+    role: str = "gloo",
+) -> Any:
+    """The Gloo group that runs every non-allreduce collective on CPU tensors
+    (``role="ring"``: the one that runs the allreduces given to Gloo's ring;
+    ``role="measure"``: the measured choice's agreement group)."""
+    name = str(dist_backend_opts.group_id)
+    return gloo_group(
+        dist.PrefixStore(f"fairring/{role}/", store),
+        rank,
+        size,
+        timeout,
+        config,
+        list(dist_backend_opts.global_ranks_in_group),
+        name if role == "gloo" else f"{name}-{role}",
+    )
+
+
+def make_nccl_delegate(
+    store: Any, rank: int, size: int, timeout: timedelta, dist_backend_opts: Any
+) -> Any:
+    """The NCCL group for CUDA tensors (every rank has CUDA and NCCL:
+    fairring_pg.cuda.decision.decide)."""
+    from torch._C._distributed_c10d import ProcessGroupNCCL
+
+    options = ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    options.global_ranks_in_group = list(dist_backend_opts.global_ranks_in_group)
+    options.group_name = str(dist_backend_opts.group_id)
+    return ProcessGroupNCCL(dist.PrefixStore("fairring/nccl/", store), rank, size, options)
+
+
+def nccl_maker(
+    store: Any, timeout: timedelta, global_ranks: list[int], max_ctas: int = 0
+) -> GroupMaker:
+    """Makes ProcessGroupNCCLs from ``store``; ``global_ranks`` maps the fairring
+    group's ranks to the job's (for NCCL's and torch's logs); ``max_ctas`` (0: NCCL's
+    own) caps each communicator's CTAs so that all of one composed call fit on the GPU
+    at once (fairring_pg.cuda.job_plan.co_resident_ctas)."""
+    from torch._C._distributed_c10d import ProcessGroupNCCL
+
+    def make(prefix: str, rank: int, size: int, members: list[int], name: str) -> Any:
+        options = ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        options.is_high_priority_stream = False
+        if max_ctas > 0:
+            options.config.max_ctas = max_ctas
+        options.global_ranks_in_group = [global_ranks[r] for r in members]
+        options.group_name = name
+        return ProcessGroupNCCL(dist.PrefixStore(prefix, store), rank, size, options)
+
+    return make
+
+
+def gloo_maker(
+    store: Any, timeout: timedelta, config: Config, global_ranks: list[int]
+) -> GroupMaker:
+    """Makes ProcessGroupGloos from ``store``, on TP_SOCKET_IFNAME where it is set."""
+
+    def make(prefix: str, rank: int, size: int, members: list[int], name: str) -> Any:
+        return gloo_group(
+            dist.PrefixStore(prefix, store),
+            rank,
+            size,
+            timeout,
+            config,
+            [global_ranks[r] for r in members],
+            name,
+        )
+
+    return make
