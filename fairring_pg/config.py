@@ -185,7 +185,7 @@ def _verbose(name: str, raw: str) -> bool:
 
 
 def _node(name: str, raw: str) -> str:
-    # What the value means (a node type, a file of facts) is fairring_pg.node_facts's,
+    # What the value means (a node type, a file of facts) is fairring_pg.cuda.node_facts's,
     # which reads it when the job's facts are gathered.
     return raw.strip() or "detect"
 

@@ -201,7 +201,7 @@ void bindBackend(py::module_& m) {
 }
 
 // What the process as a whole needs: the exit hook, and the marks
-// fairring_pg.future_callbacks puts around Python callbacks.
+// fairring_pg.cpu.future_callbacks puts around Python callbacks.
 void bindProcess(py::module_& m) {
   m.def(
       "shutdown_all", &fairring::AllreduceEngine::shutdownAll, py::arg("grace"),
@@ -209,7 +209,7 @@ void bindProcess(py::module_& m) {
       "Stop every fairring engine of this process (run at interpreter exit), letting posted "
       "operations finish within `grace` first.");
 
-  // fairring_pg.future_callbacks calls these around every Python callback of a future
+  // fairring_pg.cpu.future_callbacks calls these around every Python callback of a future
   // fairring handed out or one made from it, and asks these which futures those are.
   m.def("enter_future_callback", &fairring::enterPythonFutureCallback);
   m.def("exit_future_callback", &fairring::exitPythonFutureCallback);

@@ -19,6 +19,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 80
+
+
 def source_files() -> list[Path]:
     """src/**/*.{h,cpp}, fairring_pg/**/*.py, tests/**/*.py, tests/native/*, bench/*.py,
     scripts/*."""
@@ -182,13 +184,11 @@ def _strongly_connected(graph: Mapping[str, set[str]]) -> list[set[str]]:
 def import_cycles(modules: Mapping[str, tuple[str, bool]]) -> list[set[str]]:
     """The import circles among ``modules`` (name -> (text, is a package)): each set of
     modules that import one another, directly or through others. A module inside a
-    package is not counted as importing that package: importing ``a.b`` runs ``a`` first, but ``a`` finishes
-    without waiting for ``a.b`` unless it imports it itself."""
+    package is not counted as importing that package: importing ``a.b`` runs ``a``
+    first, but ``a`` finishes without waiting for ``a.b`` unless it imports it itself."""
     graph = {
         name: {
-            m
-            for m in imports_of(name, text, is_package, modules)
-            if not name.startswith(m + ".")
+            m for m in imports_of(name, text, is_package, modules) if not name.startswith(m + ".")
         }
         for name, (text, is_package) in modules.items()
     }

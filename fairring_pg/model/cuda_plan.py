@@ -1,6 +1,6 @@
 """``FAIRRING_CUDA_ALLREDUCE``'s decision, per call, as a table made once.
 
-From the job's node facts (fairring_pg.node_facts, merged across ranks), its shape (M
+From the job's node facts (fairring_pg.cuda.node_facts, merged across ranks), its shape (M
 machines of L ranks) and its configuration, the plan is a sorted table of rows
 
     (from_bytes, path, pieces, exchange, reason)
@@ -272,7 +272,7 @@ def _plan(
     )
     if not impl.planned:
         exchange = impl.exchanges[0]
-        why = "as built before issue 34: every allreduce of FAIRRING_DIRECT_BELOW and more"
+        why = "an unplanned implementation: every allreduce of FAIRRING_DIRECT_BELOW and more"
         rows = [PlanRow(config.direct_below, COMPOSE, 1, exchange, why)]
         start = [below] if config.direct_below else []
         return CudaPlan(M, L, name, tuple(start + rows), largest)

@@ -65,7 +65,7 @@ struct BackendOptions {
   // (tests/native/), a PrivateUse1 device that records every stream order.
   c10::DeviceType acceleratorType{c10::kCUDA};
   // Why there is no CUDA delegate, decided alike on every rank
-  // (fairring_pg/cuda.py): what a collective on CUDA tensors raises.
+  // (fairring_pg/cuda/decision.py): what a collective on CUDA tensors raises.
   std::string cudaUnavailable;
   // Gloo groups that make CPU tensors take the sub-group path instead of the
   // TCP engine: the test switch FAIRRING_TEST_CPU_SUBGROUPS.

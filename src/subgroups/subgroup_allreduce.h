@@ -26,7 +26,7 @@
 namespace fairring {
 
 // The process groups the allreduce is composed of, made in Python from the
-// store (fairring_pg/subgroups.py): ProcessGroupNCCL for CUDA tensors, and
+// store (fairring_pg/cuda/subgroups.py): ProcessGroupNCCL for CUDA tensors, and
 // ProcessGroupGloo for the CPU test path that runs this same code in CI.
 struct Subgroups {
   // Every rank of the job: the tails of pieces (and the delegate's own
