@@ -55,7 +55,8 @@ def long_functions(text: str):
 def main() -> int:
     root = Path(__file__).resolve().parent.parent
     bad = 0
-    for path in sorted(p for d in ("src", "tests/native") for p in (root / d).rglob("*") if p.suffix in (".h", ".cpp")):
+    sources = (p for d in ("src", "tests/native") for p in (root / d).rglob("*"))
+    for path in sorted(p for p in sources if p.suffix in (".h", ".cpp")):
         text = path.read_text()
         rel = path.relative_to(root)
         lines = text.count("\n")
