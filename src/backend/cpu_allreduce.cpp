@@ -35,7 +35,7 @@ c10::intrusive_ptr<c10::ivalue::Future> tensorListFuture() {
 
 CpuAllreduce::CpuAllreduce(
     int rank,
-    AllreduceEngine& engine,
+    CollectiveEngine& engine,
     EngineOptions callbackOptions,
     c10::intrusive_ptr<c10d::Store> store)
     : rank_(rank), engine_(engine), callbackOptions_([&] {
@@ -62,7 +62,7 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::run(
     const Observe& observe) {
   const RingCall call{work.numel(), work.scalar_type(), op};
   return runOn(
-      [&](AllreduceEngine& engine) {
+      [&](CollectiveEngine& engine) {
         return engine.enqueue(std::move(work), op, std::move(outputs), std::move(finish));
       },
       opType, profilingTitle, inputs, ring, call, observe);
@@ -130,7 +130,7 @@ void CpuAllreduce::refuseIfFailed() {
   // call's turn on and tells its peers, whose same call would otherwise wait
   // for this rank, then report its close at destroy instead (chaos seed 0).
   const std::string refusal = engine_.failure().refusal();
-  std::shared_ptr<AllreduceEngine> engine;
+  std::shared_ptr<CollectiveEngine> engine;
   {
     std::lock_guard<std::mutex> lock(mu_);
     engine = callbackEngine_;
@@ -147,14 +147,14 @@ CpuAllreduce::Stats CpuAllreduce::stats() const {
 
 void CpuAllreduce::barrier() {
   auto work = runOn(
-      [](AllreduceEngine& engine) { return engine.barrier(); }, c10d::OpType::BARRIER, "fairring:barrier", {});
+      [](CollectiveEngine& engine) { return engine.barrier(); }, c10d::OpType::BARRIER, "fairring:barrier", {});
   // Marked after every earlier operation's future: bounded, since each fails
   // at the group's timeout if it cannot finish.
   work->wait();
 }
 
-AllreduceEngine& CpuAllreduce::callbackEngine() {
-  std::shared_ptr<AllreduceEngine> engine;
+CollectiveEngine& CpuAllreduce::callbackEngine() {
+  std::shared_ptr<CollectiveEngine> engine;
   {
     std::unique_lock<std::mutex> lock(mu_);
     // Another callback may be starting it: wait for that, holding nothing.
@@ -166,7 +166,7 @@ AllreduceEngine& CpuAllreduce::callbackEngine() {
     if (callbackEngine_) {
       return *callbackEngine_;
     }
-    engine = std::make_shared<AllreduceEngine>(engine_.layout(), callbackOptions_);
+    engine = std::make_shared<CollectiveEngine>(engine_.layout(), callbackOptions_);
     starting_ = engine;
   }
   // Every rank starts it at its first allreduce from a callback, up to the
@@ -192,8 +192,8 @@ AllreduceEngine& CpuAllreduce::callbackEngine() {
 }
 
 void CpuAllreduce::shutdown() {
-  std::shared_ptr<AllreduceEngine> engine;
-  std::shared_ptr<AllreduceEngine> starting;
+  std::shared_ptr<CollectiveEngine> engine;
+  std::shared_ptr<CollectiveEngine> starting;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopped_) {

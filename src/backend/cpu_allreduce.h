@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "backend/ring_calls.h"
-#include "pipeline/allreduce_engine.h"
+#include "pipeline/collective_engine.h"
 #include "pipeline/ordered_completion.h"
 
 namespace fairring {
@@ -27,13 +27,13 @@ namespace fairring {
 // each (docs/design.md, "Completion order and comm hooks").
 class CpuAllreduce {
  public:
-  using Post = std::function<c10::intrusive_ptr<c10::ivalue::Future>(AllreduceEngine&)>;
+  using Post = std::function<c10::intrusive_ptr<c10::ivalue::Future>(CollectiveEngine&)>;
   using Ring = std::function<c10::intrusive_ptr<c10::ivalue::Future>()>;
   // Told of the future of the call's own way (the engine's or the ring's,
   // before the wait for earlier calls that the caller's future adds): the
   // measured choice times a trial call by it.
   using Observe = std::function<void(const c10::intrusive_ptr<c10::ivalue::Future>&)>;
-  // What a call handed to the ring announces at its turn (AllreduceEngine::announce).
+  // What a call handed to the ring announces at its turn (CollectiveEngine::announce).
   struct RingCall {
     int64_t numel;
     at::ScalarType dtype;
@@ -44,12 +44,12 @@ class CpuAllreduce {
   // second engine.
   CpuAllreduce(
       int rank,
-      AllreduceEngine& engine,
+      CollectiveEngine& engine,
       EngineOptions callbackOptions,
       c10::intrusive_ptr<c10d::Store> store);
   ~CpuAllreduce();
 
-  // Reduces `work` in place (see AllreduceEngine::enqueue) and returns the
+  // Reduces `work` in place (see CollectiveEngine::enqueue) and returns the
   // caller's Work. Throws at once on bad input or a failed group.
   c10::intrusive_ptr<c10d::Work> run(
       at::Tensor work,
@@ -105,13 +105,13 @@ class CpuAllreduce {
   void shutdown();
 
  private:
-  AllreduceEngine& callbackEngine();
+  CollectiveEngine& callbackEngine();
   // From a callback: throws the group's failure if it has failed, failing the
   // callbacks' engine with it (so that its peers hear of it too).
   void refuseIfFailed();
 
   const int rank_;
-  AllreduceEngine& engine_;
+  CollectiveEngine& engine_;
   const EngineOptions callbackOptions_;
   c10::intrusive_ptr<c10d::Store> store_;
   OrderedCompletion completion_;
@@ -119,8 +119,8 @@ class CpuAllreduce {
   // connect, a start): destroy, abort and barrier take it.
   std::mutex mu_;
   std::condition_variable started_;
-  std::shared_ptr<AllreduceEngine> callbackEngine_;
-  std::shared_ptr<AllreduceEngine> starting_; // the callback engine, while it connects
+  std::shared_ptr<CollectiveEngine> callbackEngine_;
+  std::shared_ptr<CollectiveEngine> starting_; // the callback engine, while it connects
   std::string startFailure_; // a failed start is not retried
   bool stopped_{false};
   std::atomic<uint64_t> engineOps_{0};

@@ -40,7 +40,7 @@ CpuPath::CpuPath(
         (plan_[row].way == CpuWay::kMeasured) == (measured_ && measured_->measures(row)),
         "fairring: the CPU plan's measured rows and the measured choice's differ at row ", row);
   }
-  engine_ = std::make_unique<AllreduceEngine>(std::move(layout), options);
+  engine_ = std::make_unique<CollectiveEngine>(std::move(layout), options);
   engine_->start(*store);
   cpuAllreduce_ = std::make_unique<CpuAllreduce>(
       rank, *engine_, options, c10::make_intrusive<c10d::PrefixStore>("callbacks/", store));

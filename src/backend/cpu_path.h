@@ -10,7 +10,7 @@
 #include "backend/cpu_sharded.h"
 #include "backend/device_path.h"
 #include "measured/measured_choice.h"
-#include "pipeline/allreduce_engine.h"
+#include "pipeline/collective_engine.h"
 
 namespace fairring {
 
@@ -104,7 +104,7 @@ class CpuPath : public DevicePath {
   const std::vector<CpuPlanRow> plan_;
   const std::unique_ptr<MeasuredChoice> measured_; // where a row is measured
   TrialTimers timers_;
-  std::unique_ptr<AllreduceEngine> engine_;
+  std::unique_ptr<CollectiveEngine> engine_;
   std::unique_ptr<CpuAllreduce> cpuAllreduce_; // uses engine_: declared after it
   std::unique_ptr<CpuSharded> cpuSharded_; // uses cpuAllreduce_
 };

@@ -140,7 +140,7 @@ c10::intrusive_ptr<c10d::Work> CpuSharded::issue(
     const char* profilingTitle,
     const std::vector<at::Tensor>& inputs) {
   return runner_.runOn(
-      [&](AllreduceEngine& engine) {
+      [&](CollectiveEngine& engine) {
         if (!call.problem.empty()) {
           engine.refuse(
               std::string("fairring: ") + opKindName(call.kind) + " on " +

@@ -15,7 +15,7 @@ namespace fairring {
 // on a flat contiguous input and output: list and coalesced forms are packed
 // into one (a copy) and unpacked when it is done, non-contiguous tensors go
 // through dense copies. A malformed call is refused on every rank
-// (AllreduceEngine::refuse): the peers would otherwise wait for it.
+// (CollectiveEngine::refuse): the peers would otherwise wait for it.
 // Futures and callbacks behave as the allreduce's (CpuAllreduce).
 class CpuSharded {
  public:

@@ -34,7 +34,7 @@ struct RingCalls::Call {
 // queue: nothing that calls into the engine or Gloo runs under it, since either
 // may run callbacks that take it.
 struct RingCalls::State {
-  AllreduceEngine* engine{nullptr};
+  CollectiveEngine* engine{nullptr};
   std::mutex mu;
   std::deque<std::shared_ptr<Call>> waiting; // in turn order, not on Gloo yet
   bool draining{false}; // one thread hands calls to Gloo at a time, in order
@@ -44,7 +44,7 @@ struct RingCalls::State {
   std::atomic<uint64_t> abandoned{0};
 
   // The engine, or null once shut down; counted until release().
-  AllreduceEngine* use() {
+  CollectiveEngine* use() {
     ++using_;
     if (stopped.load()) {
       --using_;
@@ -57,7 +57,7 @@ struct RingCalls::State {
   }
 };
 
-RingCalls::RingCalls(AllreduceEngine& engine) : state_(std::make_shared<State>()) {
+RingCalls::RingCalls(CollectiveEngine& engine) : state_(std::make_shared<State>()) {
   state_->engine = &engine;
 }
 
@@ -85,7 +85,7 @@ c10::intrusive_ptr<c10::ivalue::Future> RingCalls::issue(
     int64_t numel,
     at::ScalarType dtype,
     c10d::ReduceOp::RedOpType op) {
-  AllreduceEngine* engine = state_->use();
+  CollectiveEngine* engine = state_->use();
   if (engine == nullptr) {
     throw c10::DistBackendError("fairring: the process group was shut down");
   }
@@ -144,7 +144,7 @@ void RingCalls::startReady(const std::shared_ptr<State>& state) {
 }
 
 void RingCalls::start(const std::shared_ptr<State>& state, const std::shared_ptr<Call>& call) {
-  AllreduceEngine* engine = state->use();
+  CollectiveEngine* engine = state->use();
   if (engine == nullptr) {
     call->fail("fairring: the process group was shut down");
     return;
@@ -172,7 +172,7 @@ void RingCalls::start(const std::shared_ptr<State>& state, const std::shared_ptr
   source->addCallback([weak, call](c10::ivalue::Future& f) {
     std::string failed = f.hasError() ? f.tryRetrieveErrorMessage() : "";
     auto state = weak.lock();
-    AllreduceEngine* engine = state ? state->use() : nullptr;
+    CollectiveEngine* engine = state ? state->use() : nullptr;
     if (engine != nullptr) {
       if (f.hasError()) {
         // Its turn failed on this rank: it fails the group from there on,

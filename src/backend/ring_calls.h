@@ -7,13 +7,13 @@
 #include <functional>
 #include <memory>
 
-#include "pipeline/allreduce_engine.h"
+#include "pipeline/collective_engine.h"
 
 namespace fairring {
 
 // The program's allreduces that go to Gloo's ring (one rank per machine,
 // FAIRRING_CPU_ALLREDUCE). Each takes its turn on the engine by announcing
-// the call there (AllreduceEngine::announce), and reaches Gloo only once every
+// the call there (CollectiveEngine::announce), and reaches Gloo only once every
 // rank has announced the same call: Gloo reduces whatever it is given (an op
 // or a dtype that differs completes, wrong, on every rank) and ends the
 // process on a size that differs (gloo::EnforceNotMet on its own thread).
@@ -24,7 +24,7 @@ class RingCalls {
  public:
   using Ring = std::function<c10::intrusive_ptr<c10::ivalue::Future>()>;
 
-  explicit RingCalls(AllreduceEngine& engine);
+  explicit RingCalls(CollectiveEngine& engine);
   ~RingCalls();
 
   // `ring` hands the call to Gloo and returns its future. Throws the group's

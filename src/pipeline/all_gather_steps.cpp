@@ -48,40 +48,40 @@ class AllGatherSteps final : public KindSteps {
     const Range mine = t.op.sharded.segment(t.slice.index, t.seg.index);
     const size_t bytes = static_cast<size_t>(mine.size()) * t.op.elemSize;
     for (int k = 1; k < M; ++k) {
-      t.ctx.send(t, layout_.rankOf((m + k) % M, l), Phase::kCollect, 0, t.op.inputAt(mine), bytes);
+      t.ctx.send(t, layout_.rankOf((m + k) % M, l), Route::kAlongRail, 0, t.op.inputAt(mine), bytes);
     }
     for (int k = 1; k < L; ++k) {
-      t.ctx.send(t, layout_.rankOf(m, (l + k) % L), Phase::kReduceScatter, 0, nullptr, 0);
+      t.ctx.send(t, layout_.rankOf(m, (l + k) % L), Route::kWithinMachine, 0, nullptr, 0);
     }
   }
 
   Next run(Turn& t) const override {
     switch (t.seg.step) {
       case kCopyOwn: return copyOwn(t);
-      case kGatherRail: return t.seg.got(Phase::kCollect) < M - 1 ? Next::kWait : Next::kDone;
+      case kGatherRail: return t.seg.got(Route::kAlongRail) < M - 1 ? Next::kWait : Next::kDone;
       case kForward: return forward(t);
-      case kFinish: return settled(t.seg, Phase::kAllGather, (L - 1) * M) ? Next::kDone : Next::kWait;
+      case kFinish: return settled(t.seg, Route::kWithinMachineBack, (L - 1) * M) ? Next::kDone : Next::kWait;
       default: return Next::kWait;
     }
   }
 
-  std::optional<Landing> landing(const Turn& t, Phase phase, int from, int piece) const override {
+  std::optional<Landing> landing(const Turn& t, Route route, int from, int piece) const override {
     const Range mine = t.op.sharded.segment(t.slice.index, t.seg.index);
     Range range;
-    switch (phase) {
-      case Phase::kReduceScatter: return Landing{Range{0, 0}, nullptr}; // ready: no body
-      case Phase::kCollect: range = t.op.sharded.ofRank(layout_.rankOf(from, l), mine); break;
-      case Phase::kAllGather: range = t.op.sharded.ofRank(layout_.rankOf(piece, from), mine); break;
+    switch (route) {
+      case Route::kWithinMachine: return Landing{Range{0, 0}, nullptr}; // ready: no body
+      case Route::kAlongRail: range = t.op.sharded.ofRank(layout_.rankOf(from, l), mine); break;
+      case Route::kWithinMachineBack: range = t.op.sharded.ofRank(layout_.rankOf(piece, from), mine); break;
       default: return std::nullopt;
     }
     return Landing{range, t.op.at(range)};
   }
 
-  int piecesPer(Phase phase) const override {
-    switch (phase) {
-      case Phase::kReduceScatter: return 1;
-      case Phase::kCollect: return 1;
-      case Phase::kAllGather: return M;
+  int piecesPer(Route route) const override {
+    switch (route) {
+      case Route::kWithinMachine: return 1;
+      case Route::kAlongRail: return 1;
+      case Route::kWithinMachineBack: return M;
       default: return 0;
     }
   }
@@ -94,11 +94,11 @@ class AllGatherSteps final : public KindSteps {
   bool staged() const override {
     return false;
   }
-  std::string phaseLabel(Phase phase) const override {
-    switch (phase) {
-      case Phase::kReduceScatter: return "ready";
-      case Phase::kCollect: return "rail gather";
-      default: return phaseName(phase);
+  std::string label(Route route) const override {
+    switch (route) {
+      case Route::kWithinMachine: return "ready";
+      case Route::kAlongRail: return "rail gather";
+      default: return KindSteps::label(route);
     }
   }
 
@@ -130,14 +130,14 @@ class AllGatherSteps final : public KindSteps {
       if (t.seg.forwarded[j]) {
         continue;
       }
-      if (!t.seg.announced[static_cast<int>(Phase::kReduceScatter)][j]) {
+      if (!t.seg.announced[static_cast<int>(Route::kWithinMachine)][j]) {
         waiting = true; // not ready: it may not have posted this operation yet
         continue;
       }
       t.seg.forwarded[j] = 1;
       for (int mm = 0; mm < M; ++mm) {
         uint8_t* part = mm == m ? t.op.inputAt(mine) : t.op.at(t.op.sharded.ofRank(layout_.rankOf(mm, l), mine));
-        t.ctx.send(t, layout_.rankOf(m, j), Phase::kAllGather, mm, part, bytes);
+        t.ctx.send(t, layout_.rankOf(m, j), Route::kWithinMachineBack, mm, part, bytes);
       }
     }
     return waiting ? Next::kWait : Next::kDone;

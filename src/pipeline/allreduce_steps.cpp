@@ -50,7 +50,7 @@ class AllreduceSteps final : public KindSteps {
   void open(Turn& t) const override {
     for (int k = 1; k < L; ++k) {
       const int j = (l + k) % L;
-      sendRange(t, layout_.rankOf(m, j), Phase::kReduceScatter, t.op.plan.chunk(t.slice.index, t.seg.index, j));
+      sendRange(t, layout_.rankOf(m, j), Route::kWithinMachine, t.op.plan.chunk(t.slice.index, t.seg.index, j));
     }
   }
 
@@ -62,30 +62,30 @@ class AllreduceSteps final : public KindSteps {
       case kDiffuse: return diffuse(t);
       case kGatherShards: return gatherShards(t);
       case kAllGather: return allGather(t);
-      case kFinish: return settled(t.seg, Phase::kAllGather, L - 1) ? Next::kDone : Next::kWait;
+      case kFinish: return settled(t.seg, Route::kWithinMachineBack, L - 1) ? Next::kDone : Next::kWait;
       default: return Next::kWait;
     }
   }
 
-  std::optional<Landing> landing(const Turn& t, Phase phase, int from, int piece) const override {
+  std::optional<Landing> landing(const Turn& t, Route route, int from, int piece) const override {
     const SlicePlan& plan = t.op.plan;
     const int64_t s = t.slice.index;
     const int g = t.seg.index;
     const int64_t elem = static_cast<int64_t>(t.op.elemSize);
-    switch (phase) {
-      case Phase::kReduceScatter: {
+    switch (route) {
+      case Route::kWithinMachine: {
         const int64_t at = (from < l ? from : from - 1) * chunkBytes(t.op) + plan.chunkOffset(g) * elem;
         return Landing{plan.chunk(s, g, l), t.slice.staging + at};
       }
-      case Phase::kCollect: {
+      case Route::kAlongRail: {
         const int64_t at = shardsAt(t.op) + (from < m ? from : from - 1) * shardBytes(t.op) + plan.shardOffset(g) * elem;
         return Landing{plan.shard(s, g, l, m), t.slice.staging + at};
       }
-      case Phase::kDiffuse: {
+      case Route::kAlongRailBack: {
         const Range range = plan.shard(s, g, l, from);
         return Landing{range, t.op.at(range)};
       }
-      case Phase::kAllGather: {
+      case Route::kWithinMachineBack: {
         const Range range = plan.chunk(s, g, from);
         return Landing{range, t.op.at(range)};
       }
@@ -93,7 +93,7 @@ class AllreduceSteps final : public KindSteps {
     return std::nullopt;
   }
 
-  int piecesPer(Phase) const override {
+  int piecesPer(Route) const override {
     return 1;
   }
   int64_t toEachLocalPeer() const override {
@@ -129,7 +129,7 @@ class AllreduceSteps final : public KindSteps {
   }
 
   Next reduceScatter(Turn& t) const {
-    if (t.seg.got(Phase::kReduceScatter) < L - 1) {
+    if (t.seg.got(Route::kWithinMachine) < L - 1) {
       return Next::kWait;
     }
     if (L == 1) {
@@ -146,13 +146,13 @@ class AllreduceSteps final : public KindSteps {
     for (int k = 1; k < M; ++k) {
       const int to = (m + k) % M;
       sendRange(
-          t, layout_.rankOf(to, l), Phase::kCollect, t.op.plan.shard(t.slice.index, t.seg.index, l, to));
+          t, layout_.rankOf(to, l), Route::kAlongRail, t.op.plan.shard(t.slice.index, t.seg.index, l, to));
     }
     return Next::kDone;
   }
 
   Next reduce(Turn& t) const {
-    if (t.seg.got(Phase::kCollect) < M - 1) {
+    if (t.seg.got(Route::kAlongRail) < M - 1) {
       return Next::kWait;
     }
     const int64_t elem = static_cast<int64_t>(t.op.elemSize);
@@ -169,25 +169,25 @@ class AllreduceSteps final : public KindSteps {
     for (int k = 1; k < M; ++k) {
       const int to = (m + k) % M;
       sendRange(
-          t, layout_.rankOf(to, l), Phase::kDiffuse, t.op.plan.shard(t.slice.index, t.seg.index, l, m));
+          t, layout_.rankOf(to, l), Route::kAlongRailBack, t.op.plan.shard(t.slice.index, t.seg.index, l, m));
     }
     return Next::kDone;
   }
 
   Next gatherShards(Turn& t) const {
-    return t.seg.got(Phase::kDiffuse) < M - 1 ? Next::kWait : Next::kDone;
+    return t.seg.got(Route::kAlongRailBack) < M - 1 ? Next::kWait : Next::kDone;
   }
 
   Next allGather(Turn& t) const {
     for (int k = 1; k < L; ++k) {
       const int j = (l + k) % L;
-      sendRange(t, layout_.rankOf(m, j), Phase::kAllGather, t.op.plan.chunk(t.slice.index, t.seg.index, l));
+      sendRange(t, layout_.rankOf(m, j), Route::kWithinMachineBack, t.op.plan.chunk(t.slice.index, t.seg.index, l));
     }
     return Next::kDone;
   }
 
-  static void sendRange(Turn& t, int peer, Phase phase, Range range) {
-    t.ctx.send(t, peer, phase, 0, t.op.at(range), static_cast<size_t>(range.size()) * t.op.elemSize);
+  static void sendRange(Turn& t, int peer, Route route, Range range) {
+    t.ctx.send(t, peer, route, 0, t.op.at(range), static_cast<size_t>(range.size()) * t.op.elemSize);
   }
 
   // Reduces `count` staged pieces, `stride` bytes apart from `first`, into

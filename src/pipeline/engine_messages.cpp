@@ -10,13 +10,13 @@
 
 #include "faults/fault_points.h"
 #include "ops/reduce_kind.h"
-#include "pipeline/allreduce_engine.h"
+#include "pipeline/collective_engine.h"
 
 namespace fairring {
 
 using RedOp = c10d::ReduceOp::RedOpType;
 
-void AllreduceEngine::onMessage(int peer, Lane lane, Status status, std::string header, size_t bytes) {
+void CollectiveEngine::onMessage(int peer, Lane lane, Status status, std::string header, size_t bytes) {
   const std::optional<Abort> abort = status.ok() ? decodeAbort(header) : std::nullopt;
   if (abort) {
     faults::hit(faults::kEngineAbort, peer); // outside the lock: a delay here holds only this connection
@@ -24,7 +24,7 @@ void AllreduceEngine::onMessage(int peer, Lane lane, Status status, std::string 
   Actions actions;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_ || meshClosed_) {
+    if (!life_.is(EngineLife::kOpen)) {
       return;
     }
     if (!status.ok()) {
@@ -37,7 +37,7 @@ void AllreduceEngine::onMessage(int peer, Lane lane, Status status, std::string 
           abort->fromSeq);
       // Finish reading it: earlier operations' messages queue behind it.
       discard(peer, lane, bytes, actions);
-    } else if (auto h = decodeData(header); !h || laneOf(h->phase) != lane) {
+    } else if (auto h = decodeData(header); !h || laneOf(h->route) != lane) {
       failLocked("fairring: malformed message from " + layout_.describe(peer), actions);
     } else {
       onData(peer, lane, *h, bytes, actions);
@@ -46,7 +46,7 @@ void AllreduceEngine::onMessage(int peer, Lane lane, Status status, std::string 
   run(actions);
 }
 
-void AllreduceEngine::onData(int peer, Lane lane, const DataHeader& h, size_t bytes, Actions& actions) {
+void CollectiveEngine::onData(int peer, Lane lane, const DataHeader& h, size_t bytes, Actions& actions) {
   if (failure_.fails(h.opSeq)) {
     discard(peer, lane, bytes, actions);
     return;
@@ -56,7 +56,7 @@ void AllreduceEngine::onData(int peer, Lane lane, const DataHeader& h, size_t by
     Operation& op = *it->second;
     if (!sameOp(op, h)) {
       failLocked(describeMismatch(op, peer, h), actions, op.seq);
-    } else if (!op.slices[h.slice].active) {
+    } else if (!op.slices[h.slice].active()) {
       parked_[{h.opSeq, h.slice}].push_back(Parked{peer, h, bytes});
     } else {
       deliver(op, op.slices[h.slice], peer, h, bytes, actions);
@@ -73,7 +73,7 @@ void AllreduceEngine::onData(int peer, Lane lane, const DataHeader& h, size_t by
   }
 }
 
-void AllreduceEngine::deliver(
+void CollectiveEngine::deliver(
     Operation& op,
     Slice& slice,
     int peer,
@@ -85,23 +85,23 @@ void AllreduceEngine::deliver(
     return;
   }
   const KindSteps& steps = stepsOf(op);
-  const bool intraNode = h.phase == Phase::kReduceScatter || h.phase == Phase::kAllGather;
+  const bool intraNode = withinMachine(h.route);
   const bool samePlace = intraNode ? layout_.machineOf(peer) == layout_.machine()
                                    : layout_.localRankOf(peer) == layout_.localRank();
   const int from = intraNode ? layout_.localRankOf(peer) : layout_.machineOf(peer);
-  const int phase = static_cast<int>(h.phase);
-  const int pieces = steps.piecesPer(h.phase);
+  const int route = static_cast<int>(h.route);
+  const int pieces = steps.piecesPer(h.route);
   Segment& seg = slice.segments[h.segment];
   const size_t index = static_cast<size_t>(from) * pieces + h.piece;
   Turn t{op, slice, seg, *this, actions};
   std::optional<Landing> landing;
   if (samePlace && peer != layout_.rank() && h.piece >= 0 && h.piece < pieces &&
-      index < seg.announced[phase].size() && !seg.announced[phase][index]) {
-    landing = steps.landing(t, h.phase, from, h.piece);
+      index < seg.announced[route].size() && !seg.announced[route][index]) {
+    landing = steps.landing(t, h.route, from, h.piece);
   }
   if (!landing) {
     failLocked(
-        "fairring: unexpected " + steps.phaseLabel(h.phase) + " message from " + layout_.describe(peer) + " for " +
+        "fairring: unexpected " + steps.label(h.route) + " message from " + layout_.describe(peer) + " for " +
             opKindName(op.kind) + " #" + std::to_string(op.seq),
         actions);
     return;
@@ -110,25 +110,25 @@ void AllreduceEngine::deliver(
   if (bytes != expected) {
     failLocked(
         "fairring: " + layout_.describe(peer) + " sent " + std::to_string(bytes) + " bytes for the " +
-            steps.phaseLabel(h.phase) + " of " + opKindName(op.kind) + " #" + std::to_string(op.seq) + " where " +
+            steps.label(h.route) + " of " + opKindName(op.kind) + " #" + std::to_string(op.seq) + " where " +
             std::to_string(expected) + " were expected",
         actions);
     return;
   }
-  seg.announced[phase][index] = 1;
+  seg.announced[route][index] = 1;
   ++seg.pendingReads;
-  actions.push_back([this, peer, p = h.phase, dst = landing->dst, bytes, seq = op.seq, s = h.slice, g = h.segment] {
+  actions.push_back([this, peer, p = h.route, dst = landing->dst, bytes, seq = op.seq, s = h.slice, g = h.segment] {
     mesh_->receive(peer, laneOf(p), dst, bytes, [this, seq, s, g, p](Status status) {
       onReceived(seq, s, g, p, std::move(status));
     });
   });
 }
 
-void AllreduceEngine::onReceived(uint64_t seq, int64_t s, int g, Phase phase, Status status) {
+void CollectiveEngine::onReceived(uint64_t seq, int64_t s, int g, Route route, Status status) {
   Actions actions;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_ || meshClosed_) {
+    if (!life_.is(EngineLife::kOpen)) {
       return;
     }
     if (!status.ok()) {
@@ -138,18 +138,18 @@ void AllreduceEngine::onReceived(uint64_t seq, int64_t s, int g, Phase phase, St
       Slice& slice = it->second->slices[s];
       Turn t{*it->second, slice, slice.segments[g], *this, actions};
       --t.seg.pendingReads;
-      ++t.seg.received[static_cast<int>(phase)];
+      ++t.seg.received[static_cast<int>(route)];
       advance(t);
     }
   }
   run(actions);
 }
 
-void AllreduceEngine::onSent(uint64_t seq, int64_t s, int g, int peer, Status status) {
+void CollectiveEngine::onSent(uint64_t seq, int64_t s, int g, int peer, Status status) {
   Actions actions;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_ || meshClosed_) {
+    if (!life_.is(EngineLife::kOpen)) {
       return;
     }
     // A failed send does not make this rank's result wrong: only data it still
@@ -170,18 +170,18 @@ void AllreduceEngine::onSent(uint64_t seq, int64_t s, int g, int peer, Status st
   run(actions);
 }
 
-void AllreduceEngine::discard(int peer, Lane lane, size_t bytes, Actions& actions) {
+void CollectiveEngine::discard(int peer, Lane lane, size_t bytes, Actions& actions) {
   actions.push_back([this, peer, lane, bytes] { mesh_->receive(peer, lane, nullptr, bytes, [](Status) {}); });
 }
 
-bool AllreduceEngine::needsFrom(int peer, Lane lane) const {
+bool CollectiveEngine::needsFrom(int peer, Lane lane) const {
   const bool local = layout_.machineOf(peer) == layout_.machine();
-  const Phase phase = local ? (lane == Lane::kReduce ? Phase::kReduceScatter : Phase::kAllGather)
-                            : (lane == Lane::kReduce ? Phase::kCollect : Phase::kDiffuse);
+  const Route route = local ? (lane == Lane::kReduce ? Route::kWithinMachine : Route::kWithinMachineBack)
+                            : (lane == Lane::kReduce ? Route::kAlongRail : Route::kAlongRailBack);
   for (const auto& [seq, op] : ops_) {
     for (const Slice& slice : op->slices) {
       for (const Segment& seg : slice.segments) {
-        if (segmentNeeds(*op, slice, seg, peer, phase)) {
+        if (segmentNeeds(*op, slice, seg, peer, route)) {
           return true;
         }
       }
@@ -190,30 +190,30 @@ bool AllreduceEngine::needsFrom(int peer, Lane lane) const {
   return false;
 }
 
-bool AllreduceEngine::segmentNeeds(
+bool CollectiveEngine::segmentNeeds(
     const Operation& op,
     const Slice& slice,
     const Segment& seg,
     int peer,
-    Phase phase) const {
+    Route route) const {
   const bool local = layout_.machineOf(peer) == layout_.machine();
   const int from = local ? layout_.localRankOf(peer) : layout_.machineOf(peer);
-  const size_t pieces = static_cast<size_t>(stepsOf(op).piecesPer(phase));
-  const auto& announced = seg.announced[static_cast<int>(phase)];
+  const size_t pieces = static_cast<size_t>(stepsOf(op).piecesPer(route));
+  const auto& announced = seg.announced[static_cast<int>(route)];
   const auto first = announced.begin() + std::min(announced.size(), from * pieces);
   const auto last = announced.begin() + std::min(announced.size(), (from + 1) * pieces);
-  if (seg.done || std::all_of(first, last, [](char a) { return a != 0; })) {
+  if (seg.state.is(SegmentState::kDone) || std::all_of(first, last, [](char a) { return a != 0; })) {
     return false;
   }
   // What a peer sent that waits for this rank's slot is already here.
   auto parked = parked_.find({op.seq, slice.index});
   return parked == parked_.end() ||
       std::none_of(parked->second.begin(), parked->second.end(), [&](const Parked& p) {
-           return p.peer == peer && p.header.phase == phase && p.header.segment == seg.index;
+           return p.peer == peer && p.header.route == route && p.header.segment == seg.index;
          });
 }
 
-std::string AllreduceEngine::describeOp(const DataHeader& h) const {
+std::string CollectiveEngine::describeOp(const DataHeader& h) const {
   const auto kind = static_cast<OpKind>(h.kind);
   const bool allreduce = kind == OpKind::kAllreduce;
   const std::string what = allreduce ? "" : std::string(opKindName(kind)) + " of ";
@@ -223,16 +223,16 @@ std::string AllreduceEngine::describeOp(const DataHeader& h) const {
       dtypeName(static_cast<at::ScalarType>(h.dtype)) + reduction;
 }
 
-bool AllreduceEngine::sameOp(const Operation& op, const DataHeader& h) const {
-  const DataHeader mine = op.header(0, 0, h.phase);
+bool CollectiveEngine::sameOp(const Operation& op, const DataHeader& h) const {
+  const DataHeader mine = op.header(0, 0, h.route);
   return h.numel == mine.numel && h.dtype == mine.dtype && h.op == mine.op && h.kind == mine.kind && h.slice >= 0 &&
       h.slice < static_cast<int64_t>(op.slices.size()) && h.segment >= 0 &&
       h.segment < static_cast<int32_t>(op.slices[h.slice].segments.size());
 }
 
-std::string AllreduceEngine::describeMismatch(const Operation& op, int peer, const DataHeader& h) const {
+std::string CollectiveEngine::describeMismatch(const Operation& op, int peer, const DataHeader& h) const {
   return "fairring: " + std::string(opKindName(op.kind)) + " #" + std::to_string(op.seq) + " differs between ranks: " +
-      layout_.describe(layout_.rank()) + " has " + describeOp(op.header(0, 0, h.phase)) + ", " +
+      layout_.describe(layout_.rank()) + " has " + describeOp(op.header(0, 0, h.route)) + ", " +
       layout_.describe(peer) + " has " + describeOp(h);
 }
 

@@ -12,6 +12,7 @@
 #include <functional>
 #include <vector>
 
+#include "common/state.h"
 #include "pipeline/op_kind.h"
 #include "pipeline/sharded_plan.h"
 #include "pipeline/slice_plan.h"
@@ -19,22 +20,32 @@
 
 namespace fairring {
 
-constexpr int kNumPhases = 4;
 constexpr int kMaxSteps = 8;
+
+// A segment waits with its slice for a slot, then runs its kind's steps one
+// after another (`step`); while a step's reduction runs on the reduction
+// thread nothing else moves it.
+enum class SegmentState : uint8_t {
+  kWaiting, // its slice is not active yet
+  kStepping, // its current step runs whenever something it may wait for happens
+  kReducing, // its step's reduction runs on the reduction thread
+  kDone, // past its last step
+};
+bool allowedMove(SegmentState from, SegmentState to);
+const char* stateName(SegmentState s);
 
 // One segment of a slice on its way through its steps.
 struct Segment {
   int index{0};
   uint64_t id{0}; // its timeline row
+  StateValue<SegmentState> state{SegmentState::kWaiting};
   uint8_t step{0}; // the step it is in (its kind's, see KindSteps::stepName)
-  bool busy{false}; // a reduction of its step runs on the reduction thread
-  bool done{false}; // past its last step
-  // Which peers' pieces have been announced, per phase, indexed by
-  // from · piecesPer(phase) + piece, where `from` is the sender's local rank
-  // (intra-node phases) or machine (rail phases). Empty: a phase the
+  // Which peers' pieces have been announced, per route, indexed by
+  // from · piecesPer(route) + piece, where `from` is the sender's local rank
+  // (within the machine) or machine (along the rail). Empty: a route the
   // operation's kind does not use.
-  std::vector<char> announced[kNumPhases];
-  int received[kNumPhases] = {0, 0, 0, 0};
+  std::vector<char> announced[kNumRoutes];
+  int received[kNumRoutes] = {0, 0, 0, 0};
   int pendingReads{0};
   int sendsInFlight{0};
   std::vector<char> forwarded; // all-gather: local ranks sent the rail's parts
@@ -43,32 +54,60 @@ struct Segment {
   int64_t stepEnded[kMaxSteps] = {};
   int64_t reduceStarted{0};
 
-  int got(Phase phase) const {
-    return received[static_cast<int>(phase)];
+  int got(Route route) const {
+    return received[static_cast<int>(route)];
   }
 };
+
+// A slice takes a staging slot in turn order (or none, for a kind that
+// stages nothing) and gives it back once no segment needs its staged pieces,
+// usually before its segments are done.
+enum class SliceState : uint8_t {
+  kWaitingForSlot, // queued: earlier slices hold the slots
+  kStaged, // active, holding `slot`
+  kActive, // active, holding no slot (given back, or the kind needs none)
+  kDone, // every segment done
+};
+bool allowedMove(SliceState from, SliceState to);
+const char* stateName(SliceState s);
 
 // A slice holds one staging slot for all of its segments: each segment's
 // pieces have their own place in it (SlicePlan::chunkOffset, shardOffset;
 // ShardedPlan::offsetInSlice). An all-gather slice holds none.
 struct Slice {
   int64_t index{0};
-  bool active{false};
-  int slot{-1};
+  StateValue<SliceState> state{SliceState::kWaitingForSlot};
+  int slot{-1}; // while kStaged
   uint8_t* staging{nullptr};
   std::vector<Segment> segments;
   int segmentsLeft{0}; // not yet done
   int segmentsStaged{0}; // whose staged pieces are still needed
-  bool done{false};
   int64_t tActive{0};
+
+  bool active() const {
+    return state.is(SliceState::kStaged) || state.is(SliceState::kActive);
+  }
 };
+
+// Where an operation is: posted (the engine's map of operations in flight
+// holds it), finished (its result is being handed over), or failed (kept
+// until the connections close: a connection may still read or write its
+// memory).
+enum class OpState : uint8_t {
+  kPosted,
+  kFinished,
+  kFailed,
+};
+bool allowedMove(OpState from, OpState to);
+const char* stateName(OpState s);
 
 struct Operation {
   using Future = c10::ivalue::Future;
 
   uint64_t seq{0}; // its turn: the same on every rank
+  StateValue<OpState> state{OpState::kPosted};
   OpKind kind{OpKind::kAllreduce};
-  // A call on Gloo's ring, announced at its turn (AllreduceEngine::announce):
+  // A call on Gloo's ring, announced at its turn (CollectiveEngine::announce):
   // its size travels in the headers while the operation itself moves nothing.
   int64_t announcedNumel{-1};
   // The allreduce's tensor, or the reduce-scatter's and all-gather's output.
@@ -93,12 +132,12 @@ struct Operation {
     return sliced() ? plan.numel() : sharded.partElems();
   }
 
-  DataHeader header(int64_t s, int g, Phase phase, int piece = 0) const {
+  DataHeader header(int64_t s, int g, Route route, int piece = 0) const {
     DataHeader h;
     h.opSeq = seq;
     h.slice = s;
     h.segment = g;
-    h.phase = phase;
+    h.route = route;
     h.numel = announcedNumel >= 0 ? announcedNumel : numel();
     h.dtype = static_cast<int8_t>(work.scalar_type());
     h.op = static_cast<uint8_t>(op);

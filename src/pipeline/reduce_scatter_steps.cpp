@@ -70,7 +70,7 @@ class ReduceScatterSteps final : public KindSteps {
       const int j = (l + k) % L;
       for (int mm = 0; mm < M; ++mm) {
         const Range part = t.op.sharded.ofRank(layout_.rankOf(mm, j), mine);
-        t.ctx.send(t, layout_.rankOf(m, j), Phase::kReduceScatter, mm, t.op.inputAt(part), bytes);
+        t.ctx.send(t, layout_.rankOf(m, j), Route::kWithinMachine, mm, t.op.inputAt(part), bytes);
       }
     }
   }
@@ -85,11 +85,11 @@ class ReduceScatterSteps final : public KindSteps {
     }
   }
 
-  std::optional<Landing> landing(const Turn& t, Phase phase, int from, int piece) const override {
+  std::optional<Landing> landing(const Turn& t, Route route, int from, int piece) const override {
     int index = 0;
-    if (phase == Phase::kReduceScatter) {
+    if (route == Route::kWithinMachine) {
       index = (from < l ? from : from - 1) * M + piece;
-    } else if (phase == Phase::kCollect) {
+    } else if (route == Route::kAlongRail) {
       index = (L - 1) * M + (from < m ? from : from - 1);
     } else {
       return std::nullopt;
@@ -97,10 +97,10 @@ class ReduceScatterSteps final : public KindSteps {
     return Landing{mine(t), static_cast<uint8_t*>(staged(t, index).data_ptr())};
   }
 
-  int piecesPer(Phase phase) const override {
-    switch (phase) {
-      case Phase::kReduceScatter: return M;
-      case Phase::kCollect: return 1;
+  int piecesPer(Route route) const override {
+    switch (route) {
+      case Route::kWithinMachine: return M;
+      case Route::kAlongRail: return 1;
       default: return 0;
     }
   }
@@ -139,7 +139,7 @@ class ReduceScatterSteps final : public KindSteps {
   }
 
   Next reduceMachine(Turn& t) const {
-    if (t.seg.got(Phase::kReduceScatter) < (L - 1) * M) {
+    if (t.seg.got(Route::kWithinMachine) < (L - 1) * M) {
       return Next::kWait;
     }
     // With one local rank the partial sums are sent straight from the input.
@@ -166,13 +166,13 @@ class ReduceScatterSteps final : public KindSteps {
     for (int k = 1; k < M; ++k) {
       const int to = (m + k) % M;
       const at::Tensor partial = L > 1 ? staged(t, to) : inputPart(t, to);
-      t.ctx.send(t, layout_.rankOf(to, l), Phase::kCollect, 0, static_cast<uint8_t*>(partial.data_ptr()), bytes);
+      t.ctx.send(t, layout_.rankOf(to, l), Route::kAlongRail, 0, static_cast<uint8_t*>(partial.data_ptr()), bytes);
     }
     return Next::kDone;
   }
 
   Next reduceRail(Turn& t) const {
-    if (t.seg.got(Phase::kCollect) < M - 1) {
+    if (t.seg.got(Route::kAlongRail) < M - 1) {
       return Next::kWait;
     }
     std::vector<at::Tensor> partials;

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "pipeline/slice_plan.h"
+#include "pipeline/cuts.h"
 
 namespace fairring {
 
@@ -21,29 +21,14 @@ namespace fairring {
 class ShardedPlan {
  public:
   ShardedPlan(int64_t partElems, int64_t sliceElems, int64_t segmentElems)
-      : partElems_(partElems),
-        sliceElems_(std::max<int64_t>(1, sliceElems)),
-        segmentElems_(std::clamp<int64_t>(segmentElems, 1, sliceElems_)) {}
+      : cuts_(partElems, sliceElems, segmentElems) {}
 
-  int64_t partElems() const { return partElems_; }
-  int64_t sliceElems() const { return sliceElems_; }
-  int64_t numSlices() const { return (partElems_ + sliceElems_ - 1) / sliceElems_; }
-
-  Range slice(int64_t s) const {
-    const int64_t begin = s * sliceElems_;
-    return {std::min(partElems_, begin), std::min(partElems_, begin + sliceElems_)};
-  }
-
-  // At least one, so that an empty slice still exchanges (empty) messages.
-  int numSegments(int64_t s) const {
-    return static_cast<int>(std::max<int64_t>(1, (slice(s).size() + segmentElems_ - 1) / segmentElems_));
-  }
-
-  Range segment(int64_t s, int g) const {
-    const Range sl = slice(s);
-    const int64_t begin = sl.begin + g * segmentElems_;
-    return {std::min(sl.end, begin), std::min(sl.end, begin + segmentElems_)};
-  }
+  int64_t partElems() const { return cuts_.total(); }
+  int64_t sliceElems() const { return cuts_.sliceElems(); }
+  int64_t numSlices() const { return cuts_.numSlices(); }
+  Range slice(int64_t s) const { return cuts_.slice(s); }
+  int numSegments(int64_t s) const { return cuts_.numSegments(s); }
+  Range segment(int64_t s, int g) const { return cuts_.segment(s, g); }
 
   // Where segment g of slice s starts inside a staging piece that holds one
   // slice's range, in elements.
@@ -51,13 +36,11 @@ class ShardedPlan {
 
   // Rank r's part of `range`, in elements of the big tensor.
   Range ofRank(int r, Range range) const {
-    return {r * partElems_ + range.begin, r * partElems_ + range.end};
+    return {r * partElems() + range.begin, r * partElems() + range.end};
   }
 
  private:
-  int64_t partElems_;
-  int64_t sliceElems_;
-  int64_t segmentElems_;
+  Cuts cuts_;
 };
 
 } // namespace fairring

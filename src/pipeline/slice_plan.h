@@ -3,14 +3,9 @@
 #include <algorithm>
 #include <cstdint>
 
-namespace fairring {
+#include "pipeline/cuts.h"
 
-// A half-open range of elements [begin, end) of the flattened tensor.
-struct Range {
-  int64_t begin{0};
-  int64_t end{0};
-  int64_t size() const { return end - begin; }
-};
+namespace fairring {
 
 // How one allreduce of `numel` elements is cut: into slices of at most
 // `sliceElems` elements (a slice holds one staging slot); each slice into
@@ -27,31 +22,18 @@ struct Range {
 class SlicePlan {
  public:
   SlicePlan(int64_t numel, int64_t sliceElems, int64_t chunkElems, int localSize, int numMachines)
-      : numel_(numel),
-        sliceElems_(std::max<int64_t>(1, sliceElems)),
-        segmentElems_(fitSegment(sliceElems_, chunkElems, localSize, numMachines)),
+      : cuts_(numel,
+              std::max<int64_t>(1, sliceElems),
+              fitSegment(std::max<int64_t>(1, sliceElems), chunkElems, localSize, numMachines)),
         localSize_(localSize),
         numMachines_(numMachines) {}
 
-  int64_t numel() const { return numel_; }
-  int64_t numSlices() const { return (numel_ + sliceElems_ - 1) / sliceElems_; }
-  int64_t segmentElems() const { return segmentElems_; }
-
-  Range slice(int64_t s) const {
-    const int64_t begin = s * sliceElems_;
-    return {begin, std::min(numel_, begin + sliceElems_)};
-  }
-
-  // At least one, so that an empty slice still exchanges (empty) messages.
-  int numSegments(int64_t s) const {
-    return static_cast<int>(std::max<int64_t>(1, (slice(s).size() + segmentElems_ - 1) / segmentElems_));
-  }
-
-  Range segment(int64_t s, int g) const {
-    const Range sl = slice(s);
-    const int64_t begin = sl.begin + g * segmentElems_;
-    return {std::min(sl.end, begin), std::min(sl.end, begin + segmentElems_)};
-  }
+  int64_t numel() const { return cuts_.total(); }
+  int64_t numSlices() const { return cuts_.numSlices(); }
+  int64_t segmentElems() const { return cuts_.segmentElems(); }
+  Range slice(int64_t s) const { return cuts_.slice(s); }
+  int numSegments(int64_t s) const { return cuts_.numSegments(s); }
+  Range segment(int64_t s, int g) const { return cuts_.segment(s, g); }
 
   // Chunk `l` of segment `g` of slice `s`, in elements of the whole tensor.
   // Balanced split: sizes differ by at most one, so a segment smaller than L
@@ -67,12 +49,12 @@ class SlicePlan {
 
   // Where segment g's chunk (shard) starts inside a staging region that holds
   // one chunk (shard) per segment of the slice, in elements.
-  int64_t chunkOffset(int g) const { return g * (segmentElems_ / localSize_); }
-  int64_t shardOffset(int g) const { return g * (segmentElems_ / (localSize_ * numMachines_)); }
+  int64_t chunkOffset(int g) const { return g * (segmentElems() / localSize_); }
+  int64_t shardOffset(int g) const { return g * (segmentElems() / (localSize_ * numMachines_)); }
 
   // Upper bounds used to lay out a staging slot, valid for every slice: the
   // chunks (shards) of all segments of a slice, end to end, never need more.
-  int64_t maxChunkElems() const { return (sliceElems_ + localSize_ - 1) / localSize_; }
+  int64_t maxChunkElems() const { return (cuts_.sliceElems() + localSize_ - 1) / localSize_; }
   int64_t maxShardElems() const { return (maxChunkElems() + numMachines_ - 1) / numMachines_; }
 
   // The staging one slice needs, laid out as the allreduce's steps use it:
@@ -105,9 +87,7 @@ class SlicePlan {
     return fitted >= sliceElems ? sliceElems : fitted;
   }
 
-  int64_t numel_;
-  int64_t sliceElems_;
-  int64_t segmentElems_;
+  Cuts cuts_;
   int localSize_;
   int numMachines_;
 };

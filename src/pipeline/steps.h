@@ -40,7 +40,7 @@ class StepContext {
  public:
   virtual ~StepContext() = default;
   // Queues a message of the segment to `peer` (Outboxes keeps the order).
-  virtual void send(Turn& t, int peer, Phase phase, int piece, uint8_t* data, size_t bytes) = 0;
+  virtual void send(Turn& t, int peer, Route route, int piece, uint8_t* data, size_t bytes) = 0;
   // Runs `task` on the reduction thread; the step ends when it returns.
   virtual void reduce(Turn& t, std::function<void()> task) = 0;
   // This segment no longer needs its slice's staged pieces; the slot is
@@ -76,12 +76,12 @@ class KindSteps {
   virtual void open(Turn& t) const = 0;
   // Runs the segment's current step (t.seg.step).
   virtual Next run(Turn& t) const = 0;
-  // Where a `phase` message from `from` (a local rank for intra-node phases,
-  // a machine for rail phases), piece `piece`, lands; nullopt if this kind
+  // Where a `route` message from `from` (a local rank for intra-node routes,
+  // a machine for rail routes), piece `piece`, lands; nullopt if this kind
   // sends no such message.
-  virtual std::optional<Landing> landing(const Turn& t, Phase phase, int from, int piece) const = 0;
-  // Pieces one peer sends per segment in `phase` (0: the kind has no such phase).
-  virtual int piecesPer(Phase phase) const = 0;
+  virtual std::optional<Landing> landing(const Turn& t, Route route, int from, int piece) const = 0;
+  // Pieces one peer sends per segment in `route` (0: the kind has no such route).
+  virtual int piecesPer(Route route) const = 0;
   // Reduce-lane messages queued per segment to each local peer, and to the
   // rail (all rail peers together): what SendOrder is told at admission.
   virtual int64_t toEachLocalPeer() const = 0;
@@ -90,8 +90,17 @@ class KindSteps {
   virtual bool staged() const {
     return true;
   }
-  virtual std::string phaseLabel(Phase phase) const {
-    return phaseName(phase);
+  // What a message on `route` is called in errors: by default the
+  // allreduce's exchange on it (its four steps that move data use the four
+  // routes); a kind whose messages are something else names its own.
+  virtual std::string label(Route route) const {
+    switch (route) {
+      case Route::kWithinMachine: return "reduce-scatter";
+      case Route::kAlongRail: return "collect";
+      case Route::kAlongRailBack: return "diffuse";
+      case Route::kWithinMachineBack: return "all-gather";
+    }
+    return "unknown route";
   }
   using Span = std::function<void(const char* name, int64_t begin, int64_t end, bool shown)>;
   // The segment's spans on the timeline, `tDone` when it finished.
@@ -101,8 +110,8 @@ class KindSteps {
  protected:
   // Whether every message the segment waits for has arrived and been read,
   // and everything it sent has left.
-  static bool settled(const Segment& seg, Phase phase, int expected) {
-    return seg.got(phase) >= expected && seg.sendsInFlight == 0 && seg.pendingReads == 0;
+  static bool settled(const Segment& seg, Route route, int expected) {
+    return seg.got(route) >= expected && seg.sendsInFlight == 0 && seg.pendingReads == 0;
   }
 
   const RankLayout& layout_;

@@ -217,6 +217,11 @@ class SubgroupAllreduce {
   bool stopped() const {
     return life_.load() >= Life::kStopped;
   }
+  // Whether the sub-groups were shut down or aborted: every wait on the host
+  // (connecting, draining) stops then.
+  bool closed() const {
+    return life_.load() == Life::kClosed;
+  }
   // `withWorld`: the world group too (the backend's delegate, which the
   // backend shuts down itself after a graceful end).
   std::vector<c10::intrusive_ptr<c10d::Backend>> subgroups(bool withWorld) const;
@@ -224,6 +229,9 @@ class SubgroupAllreduce {
   // Waits on the host for `pending` (no lock held): a sub-group's error and an
   // abort end it early.
   DrainEnd drain(const std::vector<Done>& pending);
+  // Why a drain that did not end kDrained ended: `subgroupError` if a
+  // sub-group's error (or an abort) stopped it, else the timeout.
+  std::string whyNotDrained(DrainEnd end, const std::string& subgroupError) const;
   // Shuts the sub-groups down (`graceful`) or aborts them, once, outside the lock.
   void close(bool graceful, bool withWorld, const std::string& outcome);
   void checkTensor(const at::Tensor& t, const std::string& name) const;

@@ -70,7 +70,7 @@ void SubgroupAllreduce::connect(LaneStreams& streams) {
   if (auto reached = streams.mark(0)) {
     const Status status = waitOnHost(
         *reached, std::chrono::steady_clock::now() + options_.timeout,
-        [this] { return life_.load() == Life::kClosed; });
+        [this] { return closed(); });
     TORCH_CHECK(status.ok(), "fairring: connecting the sub-groups of rank ", options_.rank, " on ", device,
                 " did not finish within ", options_.timeout.count(), " ms: ", status.message());
   }

@@ -44,8 +44,13 @@ DrainEnd SubgroupAllreduce::drain(const std::vector<Done>& pending) {
     checks.emplace_back([done] { return done->reached(); });
   }
   return drainUntil(
-      checks, [this] { return life_.load() == Life::kClosed || anySubgroupFailed(); },
-      std::chrono::steady_clock::now() + options_.timeout);
+      checks, [this] { return closed() || anySubgroupFailed(); }, std::chrono::steady_clock::now() + options_.timeout);
+}
+
+std::string SubgroupAllreduce::whyNotDrained(DrainEnd end, const std::string& subgroupError) const {
+  return end == DrainEnd::kFailed
+      ? subgroupError
+      : "its allreduces did not finish within " + std::to_string(options_.timeout.count()) + " ms";
 }
 
 void SubgroupAllreduce::awaitIssued() {
@@ -65,9 +70,7 @@ void SubgroupAllreduce::awaitIssued() {
     return;
   }
   const std::string why = "fairring: barrier on rank " + std::to_string(options_.rank) + ": " +
-      (end == DrainEnd::kFailed
-           ? std::string("a sub-group reported an error (or the group was aborted) while its allreduces were finishing")
-           : "its allreduces did not finish within " + std::to_string(options_.timeout.count()) + " ms");
+      whyNotDrained(end, "a sub-group reported an error (or the group was aborted) while its allreduces were finishing");
   failure_->fail(why, 0);
   throw c10::DistBackendError(why);
 }
@@ -76,10 +79,14 @@ void SubgroupAllreduce::shutdown() {
   std::vector<Done> pending;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stopped()) {
-      return;
-    }
-    life_ = Life::kStopped;
+    // Compared and set: an abort() (which takes no lock) may close meanwhile,
+    // and kClosed is never left.
+    Life now = life_.load();
+    do {
+      if (now >= Life::kStopped) {
+        return;
+      }
+    } while (!life_.compare_exchange_weak(now, Life::kStopped));
     pending = inFlight_.all();
   }
   connected_.notify_all();
@@ -98,14 +105,9 @@ void SubgroupAllreduce::shutdown() {
     close(/*graceful=*/true, /*withWorld=*/false, "drained");
     return;
   }
-  std::string why;
-  if (!failedEarlier.empty()) {
-    why = "the group had failed (" + failedEarlier + ")";
-  } else if (end == DrainEnd::kFailed) {
-    why = "a sub-group reported an error while its allreduces were finishing";
-  } else {
-    why = "its allreduces did not finish within " + std::to_string(options_.timeout.count()) + " ms";
-  }
+  const std::string why = !failedEarlier.empty()
+      ? "the group had failed (" + failedEarlier + ")"
+      : whyNotDrained(end, "a sub-group reported an error while its allreduces were finishing");
   TORCH_WARN("fairring: destroying rank ", options_.rank, "'s process group: ", why,
              "; its sub-groups, the world group included, were aborted rather than waited for");
   close(/*graceful=*/false, /*withWorld=*/true, std::string("aborted: ") + drainEndName(end));

@@ -25,23 +25,13 @@ bool take(const std::string& in, size_t& pos, T& v) {
 }
 } // namespace
 
-const char* phaseName(Phase p) {
-  switch (p) {
-    case Phase::kReduceScatter: return "reduce-scatter";
-    case Phase::kCollect: return "collect";
-    case Phase::kDiffuse: return "diffuse";
-    case Phase::kAllGather: return "all-gather";
-  }
-  return "unknown phase";
-}
-
 std::string encode(const DataHeader& h) {
   std::string out;
   put(out, kDataMagic);
   put(out, h.opSeq);
   put(out, h.slice);
   put(out, h.segment);
-  put(out, static_cast<uint8_t>(h.phase));
+  put(out, static_cast<uint8_t>(h.route));
   put(out, h.numel);
   put(out, h.dtype);
   put(out, h.op);
@@ -53,15 +43,15 @@ std::string encode(const DataHeader& h) {
 std::optional<DataHeader> decodeData(const std::string& in) {
   size_t pos = 0;
   uint32_t magic = 0;
-  uint8_t phase = 0;
+  uint8_t route = 0;
   DataHeader h;
   if (!take(in, pos, magic) || magic != kDataMagic || !take(in, pos, h.opSeq) ||
-      !take(in, pos, h.slice) || !take(in, pos, h.segment) || !take(in, pos, phase) || !take(in, pos, h.numel) ||
+      !take(in, pos, h.slice) || !take(in, pos, h.segment) || !take(in, pos, route) || !take(in, pos, h.numel) ||
       !take(in, pos, h.dtype) || !take(in, pos, h.op) || !take(in, pos, h.kind) ||
-      !take(in, pos, h.piece) || pos != in.size() || phase > 3) {
+      !take(in, pos, h.piece) || pos != in.size() || route > 3) {
     return std::nullopt;
   }
-  h.phase = static_cast<Phase>(phase);
+  h.route = static_cast<Route>(route);
   return h;
 }
 

@@ -12,19 +12,27 @@ namespace fairring {
 enum class Lane : uint8_t { kReduce = 0, kGather = 1 };
 constexpr int kNumLanes = 2;
 
-// The four exchanges of one slice, in order.
-enum class Phase : uint8_t {
-  kReduceScatter = 0, // intra-node: chunk l of my slice to local rank l
-  kCollect = 1, // rail: shard m of my chunk to machine m
-  kDiffuse = 2, // rail: my reduced shard to every machine
-  kAllGather = 3, // intra-node: my reduced chunk to every local rank
+// Where a data message goes: to a rank of the same machine or along the
+// rail, and on which lane. The first two are the way to a reduction (the
+// reduce lane: a receiver may hold them for a slot), the "back" ones carry
+// results (the gather lane: never held). What a message means is its
+// operation kind's (pipeline/steps.h, KindSteps::label); the byte on the wire
+// is the value.
+enum class Route : uint8_t {
+  kWithinMachine = 0,
+  kAlongRail = 1,
+  kAlongRailBack = 2,
+  kWithinMachineBack = 3,
 };
+constexpr int kNumRoutes = 4;
 
-inline Lane laneOf(Phase p) {
-  return (p == Phase::kReduceScatter || p == Phase::kCollect) ? Lane::kReduce : Lane::kGather;
+inline bool withinMachine(Route r) {
+  return r == Route::kWithinMachine || r == Route::kWithinMachineBack;
 }
 
-const char* phaseName(Phase p);
+inline Lane laneOf(Route r) {
+  return (r == Route::kWithinMachine || r == Route::kAlongRail) ? Lane::kReduce : Lane::kGather;
+}
 
 // What precedes every data message. It carries the sender's view of the
 // operation so that a receiver can name exactly what differs between ranks.
@@ -32,12 +40,12 @@ struct DataHeader {
   uint64_t opSeq{0};
   int64_t slice{0};
   int32_t segment{0}; // of the slice (see SlicePlan)
-  Phase phase{Phase::kReduceScatter};
+  Route route{Route::kWithinMachine};
   int64_t numel{0}; // allreduce: the tensor; reduce-scatter, all-gather: one rank's part
   int8_t dtype{0};
   uint8_t op{0};
   uint8_t kind{0}; // OpKind: an allreduce must not pair with a reduce-scatter of equal size
-  // Which of the pieces one (peer, phase) sends per segment: a reduce-scatter
+  // Which of the pieces one (peer, route) sends per segment: a reduce-scatter
   // sends a local peer the parts of M ranks, an all-gather forwards M parts.
   int32_t piece{0};
 };

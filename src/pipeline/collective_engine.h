@@ -17,8 +17,10 @@
 #include <thread>
 #include <vector>
 
+#include "common/state.h"
 #include "common/status.h"
 #include "failure/group_failure.h"
+#include "pipeline/engine_life.h"
 #include "pipeline/operation.h"
 #include "pipeline/outboxes.h"
 #include "pipeline/steps.h"
@@ -52,12 +54,12 @@ struct EngineOptions {
 // another. Slices of many operations are in flight at once, bounded by the
 // staging pool. Every operation takes a turn (its sequence number), the same
 // on every rank; what a failure does is GroupFailure's.
-class AllreduceEngine : private StepContext {
+class CollectiveEngine : private StepContext {
  public:
   using Future = c10::ivalue::Future;
 
-  AllreduceEngine(RankLayout layout, EngineOptions options);
-  ~AllreduceEngine() override;
+  CollectiveEngine(RankLayout layout, EngineOptions options);
+  ~CollectiveEngine() override;
 
   // Connects to the peers; throws with a clear message on failure, or if
   // shutdown() comes first (it interrupts the wait).
@@ -148,7 +150,7 @@ class AllreduceEngine : private StepContext {
     size_t bytes;
   };
 
-  // Admission (allreduce_engine.cpp).
+  // Admission (engine_admission.cpp).
   std::unique_ptr<Operation> newOp(
       OpKind kind,
       at::Tensor work,
@@ -163,51 +165,63 @@ class AllreduceEngine : private StepContext {
   void layOut(Operation& op);
   int64_t shardedSliceElems(OpKind kind, const at::Tensor& input, int64_t partElems, const std::string& where);
 
-  // Progress (allreduce_engine.cpp): slots, then each segment's steps.
+  // Progress (collective_engine.cpp): slots, then each segment's steps.
   const KindSteps& stepsOf(const Operation& op) const {
     return *steps_[static_cast<int>(op.kind)];
   }
   void pump(Actions& actions);
   void activate(Operation& op, Slice& slice, Actions& actions);
+  void deliverParked(Operation& op, Slice& slice, Actions& actions);
   void advance(Turn& t);
+  void endStep(Turn& t);
   void finishSegment(Turn& t);
   void finishOperation(Operation& op, Actions& actions);
   void complete(std::shared_ptr<Operation> finished, Actions& actions);
   // StepContext.
-  void send(Turn& t, int peer, Phase phase, int piece, uint8_t* data, size_t bytes) override;
+  void send(Turn& t, int peer, Route route, int piece, uint8_t* data, size_t bytes) override;
   void reduce(Turn& t, std::function<void()> task) override;
   void unstage(Turn& t) override;
   void drain(int key, Lane lane);
+  void run(Actions& actions);
 
   // Messages (engine_messages.cpp).
   void onMessage(int peer, Lane lane, Status status, std::string header, size_t bytes);
   void onData(int peer, Lane lane, const DataHeader& h, size_t bytes, Actions& actions);
   void deliver(Operation& op, Slice& slice, int peer, const DataHeader& h, size_t bytes, Actions& actions);
-  void onReceived(uint64_t seq, int64_t s, int g, Phase phase, Status status);
+  void onReceived(uint64_t seq, int64_t s, int g, Route route, Status status);
   void onSent(uint64_t seq, int64_t s, int g, int peer, Status status);
   // Reads and drops the body of a message for an operation that failed, so
   // that what queues behind it on the connection still arrives.
   void discard(int peer, Lane lane, size_t bytes, Actions& actions);
   // Whether an operation in flight still waits for a message on (peer, lane).
   bool needsFrom(int peer, Lane lane) const;
-  bool segmentNeeds(const Operation& op, const Slice& slice, const Segment& seg, int peer, Phase phase) const;
+  bool segmentNeeds(const Operation& op, const Slice& slice, const Segment& seg, int peer, Route route) const;
   std::string describeOp(const DataHeader& h) const;
   bool sameOp(const Operation& op, const DataHeader& h) const;
   std::string describeMismatch(const Operation& op, int peer, const DataHeader& h) const;
 
-  // Failure and the watchdog (engine_failure.cpp): GroupFailure decides,
-  // these carry it out.
+  // Failure (engine_failure.cpp): GroupFailure decides, these carry it out.
   void failLocked(const std::string& message, Actions& actions, uint64_t fromSeq = 0);
   void sendAborts(const GroupFailure::Abort& abort, Actions& actions);
   // A peer is gone; `needed`: an operation in flight waits on it.
   void lostPeerLocked(bool needed, const std::string& message, Actions& actions);
+
+  // The watchdog (engine_watchdog.cpp).
   void watchdog();
+  // Whether a failed group's connections may close now: no operation before
+  // the failed turn is left (a slower rank may not have posted them yet) and
+  // the aborts are out (closing earlier would drop them).
+  bool readyToClose() const;
   void checkDeadlines(std::unique_lock<std::mutex>& lock);
   std::string describeWait(const Operation& op) const;
   std::string describeSegmentWait(const Operation& op, const Segment& seg) const;
+
+  // The timeline (engine_timeline.cpp).
   void recordSegment(const Operation& op, const Slice& slice, const Segment& seg);
   void recordOp(const Operation& op);
-  void run(Actions& actions);
+
+  // Every engine of the process, for shutdownAll (engine_shutdown.cpp).
+  static void enlist(CollectiveEngine* engine);
 
   const RankLayout layout_;
   const EngineOptions options_;
@@ -219,8 +233,7 @@ class AllreduceEngine : private StepContext {
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  bool meshClosed_{false};
-  bool stopping_{false};
+  StateValue<EngineLife> life_{EngineLife::kOpen};
   uint64_t nextSeq_{0}; // the next turn
   uint64_t nextSegmentId_{0}; // timeline rows
   std::map<uint64_t, std::unique_ptr<Operation>> ops_;

@@ -1,0 +1,302 @@
+// The engine's progress: slices take staging slots in turn order, and each
+// segment runs its kind's steps (steps.h) until its operation completes.
+// Admission is engine_admission.cpp's, messages engine_messages.cpp's,
+// failure engine_failure.cpp's, the watchdog engine_watchdog.cpp's.
+
+#include "pipeline/collective_engine.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+#include "faults/fault_points.h"
+#include "ops/reduce_kind.h"
+
+namespace fairring {
+
+CollectiveEngine::CollectiveEngine(RankLayout layout, EngineOptions options)
+    : layout_(std::move(layout)),
+      options_(std::move(options)),
+      timeline_(options_.timelinePath, layout_.rank()),
+      steps_{allreduceSteps(layout_), reduceScatterSteps(layout_), allGatherSteps(layout_), allreduceSteps(layout_)},
+      outboxes_(layout_),
+      staging_(options_.totalMemory, options_.slotBytes) {
+  TORCH_CHECK(
+      options_.sliceBytes > 0 && options_.chunkBytes > 0 && options_.timeout.count() > 0,
+      "fairring: the engine needs a slice size, a pipeline chunk and a timeout (fairring_pg.config sets them)");
+  // The slot's size is fairring_pg.config's rule; its layout is the steps'.
+  for (const int64_t elem : {1, 2, 4, 8}) {
+    const SlicePlan plan(
+        0, static_cast<int64_t>(options_.sliceBytes) / elem, static_cast<int64_t>(options_.chunkBytes) / elem,
+        layout_.localSize(), layout_.numMachines());
+    TORCH_CHECK(
+        plan.stagedBytes(elem) <= static_cast<int64_t>(options_.slotBytes), "fairring: a staging slot of ",
+        options_.slotBytes, " bytes cannot hold a slice of ", options_.sliceBytes, " bytes of ", elem,
+        "-byte elements (", plan.stagedBytes(elem), " bytes): fairring_pg.config.staging_slot_bytes and the "
+        "engine's layout disagree");
+  }
+  mesh_ = std::make_unique<PeerMesh>(
+      layout_,
+      PeerMesh::Options{options_.listenAddress, options_.token, options_.timeout},
+      [this](int peer, Lane lane, Status status, std::string header, size_t bytes) {
+        onMessage(peer, lane, std::move(status), std::move(header), bytes);
+      });
+  enlist(this);
+}
+
+void CollectiveEngine::start(c10d::Store& store) {
+  const Status status = mesh_->start(store);
+  if (!status.ok()) {
+    mesh_->close();
+    throw c10::DistBackendError(status.message());
+  }
+  faults::hit(faults::kEngineStart);
+  Actions actions;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // A shutdown meanwhile (interpreter exit, a destroy) joined no watchdog:
+    // none may start after it.
+    if (life_.is(EngineLife::kShutDown)) {
+      throw c10::DistBackendError("fairring: the process group was shut down while it was starting");
+    }
+    // A peer that failed while we were still connecting told us before we
+    // could tell the peers we had not reached yet: they hear it now.
+    if (auto held = failure_.connected()) {
+      sendAborts(*held, actions);
+    }
+    watchdog_ = std::thread([this] { watchdog(); });
+  }
+  run(actions);
+}
+
+void CollectiveEngine::run(Actions& actions) {
+  for (auto& a : actions) {
+    a();
+  }
+  actions.clear();
+}
+
+void CollectiveEngine::pump(Actions& actions) {
+  while (!waitingForSlot_.empty()) {
+    auto [seq, s] = waitingForSlot_.front();
+    auto it = ops_.find(seq);
+    if (it == ops_.end()) {
+      waitingForSlot_.pop_front();
+      continue;
+    }
+    Operation& op = *it->second;
+    Slice& slice = op.slices[s];
+    // A kind that stages nothing still activates in the global order: that
+    // is what keeps its messages in order on the reduce lane.
+    if (stepsOf(op).staged()) {
+      const int slot = staging_.tryAcquire();
+      if (slot < 0) {
+        return;
+      }
+      slice.slot = slot;
+      slice.staging = staging_.data(slot);
+      slice.state.moveTo(SliceState::kStaged);
+    } else {
+      slice.state.moveTo(SliceState::kActive);
+    }
+    waitingForSlot_.pop_front();
+    activate(op, slice, actions);
+  }
+}
+
+void CollectiveEngine::activate(Operation& op, Slice& slice, Actions& actions) {
+  timeline_.stamp(slice.tActive);
+  for (Segment& seg : slice.segments) {
+    seg.state.moveTo(SegmentState::kStepping);
+    Turn t{op, slice, seg, *this, actions};
+    stepsOf(op).open(t);
+  }
+  deliverParked(op, slice, actions);
+  if (failure_.fails(op.seq)) {
+    return;
+  }
+  for (Segment& seg : slice.segments) {
+    Turn t{op, slice, seg, *this, actions};
+    advance(t);
+  }
+}
+
+void CollectiveEngine::deliverParked(Operation& op, Slice& slice, Actions& actions) {
+  auto parked = parked_.find({op.seq, slice.index});
+  if (parked == parked_.end()) {
+    return;
+  }
+  std::vector<Parked> waiting = std::move(parked->second);
+  parked_.erase(parked);
+  for (const Parked& p : waiting) {
+    if (failure_.fails(op.seq)) {
+      // The operation failed while delivering: drop the rest unread.
+      discard(p.peer, laneOf(p.header.route), p.bytes, actions);
+    } else {
+      deliver(op, slice, p.peer, p.header, p.bytes, actions);
+    }
+  }
+}
+
+void CollectiveEngine::advance(Turn& t) {
+  const KindSteps& steps = stepsOf(t.op);
+  while (t.seg.state.is(SegmentState::kStepping)) {
+    if (t.seg.step >= steps.numSteps()) {
+      finishSegment(t);
+      return;
+    }
+    switch (steps.run(t)) {
+      case Next::kWait: return;
+      case Next::kReducing: t.seg.state.moveTo(SegmentState::kReducing); return;
+      case Next::kDone: endStep(t); break;
+    }
+  }
+}
+
+void CollectiveEngine::endStep(Turn& t) {
+  timeline_.stamp(t.seg.stepEnded[t.seg.step]);
+  ++t.seg.step;
+}
+
+void CollectiveEngine::send(Turn& t, int peer, Route route, int piece, uint8_t* data, size_t bytes) {
+  const Lane lane = laneOf(route);
+  Outboxes::Message message{
+      encode(t.op.header(t.slice.index, t.seg.index, route, piece)), data, bytes, t.op.seq, t.slice.index,
+      t.seg.index, peer};
+  switch (outboxes_.queue(lane, std::move(message))) {
+    case Outboxes::Queued::kUnannounced:
+      failLocked(
+          "fairring: internal error: " + std::string(opKindName(t.op.kind)) + " #" + std::to_string(t.op.seq) +
+              " sends more reduce-lane messages to " + layout_.describe(peer) + " than it announced",
+          t.actions);
+      return;
+    case Outboxes::Queued::kStartDrainer:
+      t.actions.push_back([this, key = outboxes_.keyOf(peer), lane] { drain(key, lane); });
+      break;
+    case Outboxes::Queued::kQueued: break;
+  }
+  ++t.seg.sendsInFlight;
+}
+
+void CollectiveEngine::drain(int key, Lane lane) {
+  for (;;) {
+    std::optional<Outboxes::Message> next;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      next = outboxes_.next(key, lane, failure_.failSeq(), !life_.is(EngineLife::kOpen));
+      if (!next) {
+        return;
+      }
+    }
+    const uint64_t seq = next->seq;
+    const int64_t s = next->slice;
+    const int g = next->segment;
+    const int peer = next->peer;
+    mesh_->send(peer, lane, std::move(next->header), next->data, next->bytes, [this, seq, s, g, peer](Status status) {
+      onSent(seq, s, g, peer, std::move(status));
+    });
+  }
+}
+
+void CollectiveEngine::reduce(Turn& t, std::function<void()> task) {
+  timeline_.stamp(t.seg.reduceStarted);
+  const uint64_t seq = t.op.seq;
+  const int64_t s = t.slice.index;
+  const int g = t.seg.index;
+  tasks_.post([this, seq, s, g, task = std::move(task)] {
+    std::string error;
+    try {
+      faults::hit(faults::kEngineReduce, static_cast<int64_t>(seq));
+      task();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    Actions actions;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = ops_.find(seq);
+      if (!error.empty()) {
+        // This operation cannot finish here, so nowhere: it fails on every rank.
+        failLocked(
+            "fairring: a reduction of " + (it != ops_.end() ? std::string(opKindName(it->second->kind)) : "operation") +
+                " #" + std::to_string(seq) + " failed on " + layout_.describe(layout_.rank()) + ": " + error,
+            actions, seq);
+      } else if (it != ops_.end()) {
+        Slice& slice = it->second->slices[s];
+        Turn t{*it->second, slice, slice.segments[g], *this, actions};
+        t.seg.state.moveTo(SegmentState::kStepping);
+        endStep(t);
+        advance(t);
+      }
+    }
+    run(actions);
+  });
+}
+
+void CollectiveEngine::unstage(Turn& t) {
+  if (--t.slice.segmentsStaged > 0 || !t.slice.state.is(SliceState::kStaged)) {
+    return;
+  }
+  staging_.release(t.slice.slot);
+  t.slice.slot = -1;
+  t.slice.staging = nullptr;
+  t.slice.state.moveTo(SliceState::kActive);
+  pump(t.actions);
+}
+
+void CollectiveEngine::finishSegment(Turn& t) {
+  t.seg.state.moveTo(SegmentState::kDone);
+  recordSegment(t.op, t.slice, t.seg);
+  if (--t.slice.segmentsLeft == 0) {
+    t.slice.state.moveTo(SliceState::kDone);
+    if (--t.op.slicesLeft == 0) {
+      finishOperation(t.op, t.actions);
+    }
+  }
+}
+
+void CollectiveEngine::finishOperation(Operation& op, Actions& actions) {
+  recordOp(op);
+  if (outboxes_.expecting(op.seq)) {
+    // It would hold every later operation's messages forever.
+    failLocked(
+        "fairring: internal error: " + std::string(opKindName(op.kind)) + " #" + std::to_string(op.seq) +
+            " finished without sending every reduce-lane message it announced",
+        actions, op.seq);
+    return;
+  }
+  op.state.moveTo(OpState::kFinished);
+  auto it = ops_.find(op.seq);
+  std::shared_ptr<Operation> finished(std::move(it->second));
+  ops_.erase(it);
+  cv_.notify_all(); // shutdownAll may be waiting for ops_ to empty
+  complete(std::move(finished), actions);
+}
+
+void CollectiveEngine::complete(std::shared_ptr<Operation> finished, Actions& actions) {
+  actions.push_back([this, finished] {
+    auto complete = [finished] {
+      try {
+        if (finished->finish) {
+          finished->finish();
+        }
+        finished->future->markCompleted(c10::IValue(finished->outputs));
+      } catch (const std::exception& e) {
+        if (!finished->future->completed()) {
+          finished->future->setError(std::make_exception_ptr(
+              c10::DistBackendError(std::string("fairring: completing allreduce failed: ") + e.what())));
+        }
+      }
+    };
+    // A write-back is arithmetic: the reduction thread's. Without one, the
+    // future completes here: its callbacks only hand the result on (to
+    // OrderedCompletion), and a hop to another thread would only add latency.
+    if (finished->finish) {
+      tasks_.post(std::move(complete));
+    } else {
+      complete();
+    }
+  });
+}
+
+} // namespace fairring

@@ -1,0 +1,113 @@
+// The watchdog: every 100 ms it flushes the timeline, closes the connections
+// of a failed group once GroupFailure allows, and fails an operation past its
+// deadline with what it was waiting for.
+
+#include <pthread.h>
+
+#include <algorithm>
+
+#include "ops/reduce_kind.h"
+#include "pipeline/collective_engine.h"
+
+namespace fairring {
+
+using Clock = std::chrono::steady_clock;
+
+void CollectiveEngine::watchdog() {
+  pthread_setname_np(pthread_self(), "fairring-watch");
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!life_.is(EngineLife::kShutDown)) {
+    cv_.wait_for(lock, std::chrono::milliseconds(100));
+    if (life_.is(EngineLife::kShutDown)) {
+      break;
+    }
+    if (timeline_.enabled()) {
+      lock.unlock();
+      timeline_.flush();
+      lock.lock();
+    }
+    if (life_.is(EngineLife::kOpen) && readyToClose()) {
+      // Closing the connections tells every peer at once that this rank has failed.
+      life_.moveTo(EngineLife::kClosed);
+      lock.unlock();
+      mesh_->close();
+      lock.lock();
+      graveyard_.clear();
+      continue;
+    }
+    checkDeadlines(lock);
+  }
+}
+
+bool CollectiveEngine::readyToClose() const {
+  return failure_.failed() && ops_.empty() && nextSeq_ >= failure_.failSeq() && failure_.mayClose(Clock::now());
+}
+
+void CollectiveEngine::checkDeadlines(std::unique_lock<std::mutex>& lock) {
+  const auto now = Clock::now();
+  for (auto& [seq, op] : ops_) {
+    if (now <= op->deadline) {
+      continue;
+    }
+    Actions actions;
+    failLocked(
+        "fairring: " + std::string(opKindName(op->kind)) + " #" + std::to_string(seq) + " (" +
+            describeOp(op->header(0, 0, Route::kWithinMachine)) + ") timed out after " +
+            std::to_string(options_.timeout.count()) + " ms on " + layout_.describe(layout_.rank()) + ": " +
+            describeWait(*op),
+        actions);
+    lock.unlock();
+    run(actions);
+    lock.lock();
+    return;
+  }
+}
+
+std::string CollectiveEngine::describeWait(const Operation& op) const {
+  for (const Slice& slice : op.slices) {
+    if (slice.state.is(SliceState::kDone)) {
+      continue;
+    }
+    std::string where = "slice " + std::to_string(slice.index) + " of " + std::to_string(op.slices.size());
+    if (slice.state.is(SliceState::kWaitingForSlot)) {
+      return where + " is waiting for a staging slot (earlier operations have not finished)";
+    }
+    for (const Segment& seg : slice.segments) {
+      if (seg.state.is(SegmentState::kDone)) {
+        continue;
+      }
+      if (slice.segments.size() > 1) {
+        where += ", segment " + std::to_string(seg.index) + " of " + std::to_string(slice.segments.size()) + ",";
+      }
+      return where + " is " + describeSegmentWait(op, seg);
+    }
+  }
+  return "it is finishing";
+}
+
+std::string CollectiveEngine::describeSegmentWait(const Operation& op, const Segment& seg) const {
+  const KindSteps& steps = stepsOf(op);
+  const std::string at = std::string(" (step ") + steps.stepName(seg.step) + ")";
+  for (int route = 0; route < kNumRoutes; ++route) {
+    const Route p = static_cast<Route>(route);
+    const bool intraNode = withinMachine(p);
+    const size_t pieces = static_cast<size_t>(std::max(1, steps.piecesPer(p)));
+    std::string missing;
+    const auto& announced = seg.announced[route];
+    for (size_t i = 0; i < announced.size(); i += pieces) {
+      const int from = static_cast<int>(i / pieces);
+      const int peer =
+          intraNode ? layout_.rankOf(layout_.machine(), from) : layout_.rankOf(from, layout_.localRank());
+      const bool all = std::all_of(announced.begin() + i, announced.begin() + i + pieces, [](char a) { return a != 0; });
+      if (peer != layout_.rank() && !all) {
+        missing += (missing.empty() ? "" : ", ") + steps.label(p) + " from " + layout_.describe(peer);
+      }
+    }
+    if (!missing.empty()) {
+      return "waiting for " + missing + at;
+    }
+  }
+  return "waiting for its sends and receives to complete" + at;
+}
+
+} // namespace fairring
