@@ -37,8 +37,8 @@ using fairring::Subgroups;
 
 namespace {
 
-// What fairring_pg.backend fills in and hands over.
-void bindOptions(py::module_& m) {
+// Each path's own options, bound as the structs they are.
+void bindPathOptions(py::module_& m) {
   py::class_<Subgroups>(m, "Subgroups")
       .def(py::init<>())
       .def_readwrite("world", &Subgroups::world)
@@ -73,7 +73,11 @@ void bindOptions(py::module_& m) {
           py::arg("rows"),
           "The plan: rows of (from_bytes, 'nccl', 'compose' or 'measure', pieces, "
           "'alltoall' or 'reduce_scatter').");
+}
 
+// What fairring_pg.backend fills in and hands over.
+void bindOptions(py::module_& m) {
+  bindPathOptions(m);
   py::class_<BackendOptions>(m, "Options")
       .def(py::init<>())
       .def_readwrite("machine_of", &BackendOptions::machineOf)

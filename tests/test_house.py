@@ -14,8 +14,6 @@ import textwrap
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 80
@@ -219,7 +217,6 @@ def test_no_python_function_is_over_80_lines() -> None:
     assert long_python_functions(_texts(python)) == []
 
 
-@pytest.mark.xfail(reason="C++ functions being split on issue40-cpp", strict=False)
 def test_no_cpp_function_is_over_80_lines() -> None:
     cpp = [p for p in source_files() if p.suffix in (".h", ".cpp")]
     assert long_cpp_functions(_texts(cpp)) == []
