@@ -9,7 +9,8 @@ import re
 from datetime import timedelta
 from pathlib import Path
 
-from fairring_pg.config import Config, settings_markdown, testing_variables
+from fairring_pg import config as settings
+from fairring_pg.config import Config, settings_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -29,7 +30,7 @@ def test_the_readme_table_is_the_settings_table() -> None:
 
 def test_the_readme_names_each_test_switch_and_the_table_has_every_variable() -> None:
     text = README.read_text()
-    assert all(f"`{variable}`" in text for variable in testing_variables())
+    assert all(f"`{variable}`" in text for variable in settings.testing_variables())
     variables = [f.metadata["variable"] for f in dataclasses.fields(Config)]
     assert len(variables) == len(set(variables))
     for name in ("FAIRRING_NODE", "FAIRRING_BUILD_DIR", "FAIRRING_BUILD_VERBOSE"):
