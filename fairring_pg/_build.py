@@ -26,7 +26,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import IO
 
-from fairring_pg import _torch_range
+from fairring_pg import _build_pch, _torch_range
 from fairring_pg._build_progress import PROGRESS_INTERVAL_S, compile_progress, say
 from fairring_pg.config import Config
 
@@ -175,13 +175,17 @@ def load_extension(
         )
         if untested and not built:
             say(untested)
+        includes = [str(src), *(str(d) for d in include_dirs)]
+        first = _build_pch.include_flags(build_dir)
+        fresh = not (build_dir / f"{name}.so").is_file() and len(sources) >= _build_pch.WORTH_IT
+        pch = _build_pch.precompiled(build_dir, name, includes, _cflags(), cpp_extension, fresh)
         try:
-            with progress:
+            with progress, pch:
                 module = cpp_extension.load(
                     name=name,
                     sources=[str(p) for p in sources],
-                    extra_include_paths=[str(src), *(str(d) for d in include_dirs)],
-                    extra_cflags=_cflags(),
+                    extra_include_paths=includes,
+                    extra_cflags=[*_cflags(), *first],
                     extra_ldflags=[linked] if linked else None,
                     build_directory=str(build_dir),
                     verbose=verbose,
