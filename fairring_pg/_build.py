@@ -73,7 +73,9 @@ def build_hash(source_dir: Path, name: str = EXTENSION_NAME, extra: str = "") ->
     digest = hashlib.sha256()
     # The source path is part of the key because torch's build.ninja records absolute
     # paths: two installs sharing one directory would rebuild each other's binary.
+    # The precompiled header's text too: it is the first include of every source.
     parts = (name, str(source_dir), torch.__version__, sys.version, " ".join(_cflags()), extra)
+    parts += (_build_pch.TEXT,)
     for part in (*parts, os.environ.get("CXX", "")):
         digest.update(part.encode())
         digest.update(b"\0")

@@ -11,10 +11,11 @@
 # (the stream vehicle, the plans, the fault points) run on the newest torch only: its
 # build would add a minute here (they passed on 2.11.0 on 2026-11-26, bench/results/HISTORY.md).
 #
-# `compat_check.sh --prepare DIR` only makes the venv in DIR and installs into it
-# (network and disk, hardly any CPU); `COMPAT_WORK=DIR compat_check.sh` then checks with
-# it, and removes DIR at the end. scripts/run_tests.sh prepares beside the suite and
-# checks after it.
+# `compat_check.sh --prepare DIR` makes the venv in DIR, installs into it (network and
+# disk) and then compiles the core there at idle priority (SCHED_IDLE: only on CPU time
+# nothing else wants); `COMPAT_WORK=DIR compat_check.sh` then checks with it, and
+# removes DIR at the end. scripts/run_tests.sh prepares beside the suite, whose waits
+# leave a core idle a fifth of the time, and checks after it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,10 +38,29 @@ prepare() {
     touch "$work/prepared"
 }
 
+# The core for that torch, from outside the checkout, so that `import fairring_pg` finds
+# the installed package (and the sources it ships), never the checkout's: the two would
+# each build a core of their own. Its output and status are kept for the check, which
+# reports them (a load from the cache would not show a warning again). After DIR: the
+# command that runs the build (a priority), if any.
+build_core() {
+    local work=$1
+    shift
+    local status=0
+    (cd "$work" && FAIRRING_BUILD_DIR=$work/build "$@" bash "$repo/scripts/build_core.sh" \
+        "$work/venv/bin/python") >"$work/build.log" 2>&1 || status=$?
+    echo "$status" >"$work/build.status"
+}
+
 start=$SECONDS
+repo=$PWD
 if [[ "${1:-}" == --prepare ]]; then
     prepare "$2"
     echo "== compat check: torch $torch_version installed in a fresh venv in $((SECONDS - start)) s"
+    idle=(nice -n 19)
+    if chrt --idle 0 true 2>/dev/null; then idle=(chrt --idle 0); fi
+    build_core "$2" "${idle[@]}"
+    echo "== compat check: core compiled at idle priority by $((SECONDS - start)) s"
     exit 0
 fi
 work=${COMPAT_WORK:-$(mktemp -d "${TMPDIR:-/tmp}/fairring-compat.XXXXXX")}
@@ -48,16 +68,18 @@ trap 'rm -rf "$work"' EXIT
 if [[ ! -e "$work/prepared" ]]; then
     prepare "$work"
 fi
+if [[ ! -e "$work/build.status" ]]; then
+    build_core "$work"
+fi
 export FAIRRING_BUILD_DIR=$work/build
 py=$work/venv/bin/python
-repo=$PWD
-# Everything from here runs outside the checkout, so that `import fairring_pg` finds the
-# installed package (and the sources it ships) every time, never the checkout's: the
-# two would each build a core of their own.
 cd "$work"
 echo "== compat check: torch $("$py" -c 'import torch; print(torch.__version__)')" \
     "in a venv of its own ($((SECONDS - start)) s)"
-bash "$repo/scripts/build_core.sh" "$py"
+cat "$work/build.log"
+if [[ $(cat "$work/build.status") != 0 ]]; then
+    exit 1
+fi
 echo "== compat check: core built ($((SECONDS - start)) s)"
 "$py" "$repo/tests/compat_smoke.py"
 echo "== compat check: smoke test passed ($((SECONDS - start)) s)"

@@ -3,8 +3,9 @@
 # torch that is installed (multi-process CPU tests on simulated machines; CUDA tests
 # skip without a GPU), then scripts/compat_check.sh: the core and the logic tests on the
 # oldest torch we declare, in a venv of its own (COMPAT_TORCH=none skips that;
-# COMPAT_TORCH=2.13.0 checks another release). That venv is installed beside the suite:
-# its 5 GB wait on the network and the disk while the suite uses the CPU.
+# COMPAT_TORCH=2.13.0 checks another release). That venv is installed beside the suite
+# (its 5 GB wait on the network and the disk while the suite uses the CPU), and its
+# core compiled there at idle priority, on what CPU time the suite leaves.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,9 +13,10 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 compat_work=""
 if [[ "${COMPAT_TORCH:-}" != none ]]; then
     compat_work=$(mktemp -d "${TMPDIR:-/tmp}/fairring-compat.XXXXXX")
-    bash scripts/compat_check.sh --prepare "$compat_work" >"$compat_work.log" 2>&1 &
+    # A session of its own, so that an early exit stops its compiler too.
+    setsid bash scripts/compat_check.sh --prepare "$compat_work" >"$compat_work.log" 2>&1 &
     prepare=$!
-    trap 'kill "$prepare" 2>/dev/null || true; wait "$prepare" 2>/dev/null || true; rm -rf "$compat_work" "$compat_work.log"' EXIT
+    trap 'kill -- -"$prepare" 2>/dev/null || true; wait "$prepare" 2>/dev/null || true; rm -rf "$compat_work" "$compat_work.log"' EXIT
 fi
 
 # An installed torch (CPU or CUDA build) is kept. Without one, pip brings the newest

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from killed_peer import call_after_error, warm_up
 from multiprocess import SHAPES, RankOutcome, fairring_env, launch, memoised
-from reliability_helpers import core_store
+from reliability_helpers import core_store, default_store, store_barrier
 
 GROUP_TIMEOUT_S = 30.0
 # Every rank raises well before the group's timeout: it is told, not timed out.
@@ -269,6 +269,9 @@ def _broken(rank: int, world: int, group: Any, point: str, action: str, key: int
     """On its own group: the fault armed on ``point`` fires in the allreduce after the
     warm-up (turn 1, the key of engine.reduce)."""
     warm_up(rank, group)  # the group's turn 0
+    # Turn 0 done on every rank before anything is armed: a rank that finished it may
+    # still hold its last message to a peer, and a lost peer fails from turn 0.
+    store_barrier(default_store(), f"warmed/{point}", world, timeout_s=60)
     if (rank, point) in ((THROWER, "engine.reduce"), (READER, "mesh.read.close")):
         fault_points.arm(point, action, key=key)
     t = torch.full((100_000,), float(rank + 1))
