@@ -7,7 +7,8 @@ once per source (a source of the engine: 15 s, then 6 s). GCC uses
 compiles, and otherwise reads ``torch_headers.h`` as text, so the binary is the same
 either way. The ``.gch`` (hundreds of MB) is removed after the build; an incremental
 build (a few sources) reads the header as text. torch/extension.h stays out: with it the
-header grew to 800 MB and loading it cost more than parsing saved.
+header grows to 800 MB, takes 45 s to make on one core and saves about that much (the
+test module's bindings: 39 s each, 20 s with it).
 """
 
 from __future__ import annotations
