@@ -12,6 +12,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+import fault_points
 import torch
 import torch.distributed as dist
 from multiprocess import RankOutcome
@@ -20,6 +21,20 @@ from reliability_helpers import default_store, wait_key
 # README: every survivor raises within 0.1 s of the kill, naming the rank that died, as
 # fast as Gloo in the same job (the reason travels ahead of a close, nothing waits).
 KILL_FAST_S = 0.1
+# destroy_process_group() once a peer was killed: the aborts to it fail at once, the
+# others' are read, no callback runs, so nothing waits (docs/design.md, "Failure"); a
+# regression that sits out one 2 s abort grace fails this.
+DESTROY_FAST_S = 1.0
+GROUP_TIMEOUT_S = 10.0  # for the SIGKILL groups: far above any kill bound
+BIG_NUMEL = 8 * 1024 * 1024
+JOB_TIMEOUT_S = 120
+
+
+def gloo_slowest(survivors: list[RankOutcome]) -> float:
+    """Gloo's slowest survivor in the same job; Gloo must have raised on every one."""
+    silent = [o.rank for o in survivors if o.value["gloo_message"] is None]
+    assert not silent, f"Gloo's allreduce completed without the killed rank on ranks {silent}"
+    return max(o.value["gloo_detect_s"] for o in survivors)
 
 
 def kill_bound(gloo_worst: float | None, mate_after_s: float | None) -> float:
@@ -53,6 +68,20 @@ def call_after_error(group: Any) -> tuple[float, str | None]:
     return time.monotonic() - t0, None
 
 
+def _die_inside(
+    store: Any, world: int, victim: int, groups: dict[str, Any], big: dict[str, Any] | None
+) -> None:
+    """Once the others are inside the allreduce, join it (unless ``big`` is None) and
+    die a few slices in (the whole 32 MiB takes a fraction of a second)."""
+    store.wait([f"kill/posted/{r}" for r in range(world) if r != victim])
+    if big is not None:
+        for name, g in groups.items():
+            dist.all_reduce(big[name], group=g, async_op=True)
+        time.sleep(0.005)
+    store.set("kill/at", repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def killed_peer(
     rank: int,
     world: int,
@@ -64,15 +93,22 @@ def killed_peer(
     mate: int | None = None,
     mate_after_s: float = 0.0,
     yardstick: bool = False,
+    slow_to_see_close: int | None = None,
 ) -> dict[str, Any] | None:
     """In a group of its own (so that its short timeout does not cover start-up), rank
     ``victim`` joins a big allreduce once the others are inside it and SIGKILLs itself
     a few slices in (with ``victim_joins=False``, without joining it); rank ``mate``, if
     given, dies ``mate_after_s`` after it (as torchrun's agent ends the rest of a
     machine whose rank died). With ``yardstick``, the same allreduce runs at the same
-    time on a Gloo group of the same ranks. Each survivor reports the error it got
-    (None if the allreduce completed), how long after the kill it came (Gloo's too), what
-    a call after it did, and how long destroying the group then took."""
+    time on a Gloo group of the same ranks. Rank ``slow_to_see_close``, if given, reads
+    its connections from the victim as closed only 2 s late and the others' aborts 0.15 s
+    late (fault points engine.lost and engine.abort): its ring call has failed on Gloo and
+    waits to name the lost peer when another rank's abort arrives. Each survivor reports
+    the error it got (None if the allreduce completed), how long after the kill it came
+    (Gloo's too), what a call after it did, and how long destroying the group then took."""
+    if rank == slow_to_see_close:  # before the group's short timeout runs
+        fault_points.arm("engine.lost", "delay", delay_ms=2000, times=1000, key=victim)
+        fault_points.arm("engine.abort", "delay", delay_ms=150, times=1000)
     store = default_store()
     timeout = timedelta(seconds=group_timeout_s)
     group = dist.new_group(backend=group_backend, timeout=timeout)
@@ -84,15 +120,7 @@ def killed_peer(
     big = {name: torch.ones(big_numel) for name in groups}
     dist.barrier(group=group)
     if rank == victim:
-        # Once the others are inside the allreduce, join it and die a few slices in
-        # (the whole 32 MiB takes a fraction of a second).
-        store.wait([f"kill/posted/{r}" for r in range(world) if r != victim])
-        if victim_joins:
-            for name, g in groups.items():
-                dist.all_reduce(big[name], group=g, async_op=True)
-            time.sleep(0.005)
-        store.set("kill/at", repr(time.time()))
-        os.kill(os.getpid(), signal.SIGKILL)
+        _die_inside(store, world, victim, groups, big if victim_joins else None)
     ended: dict[str, float] = {}
     works = {}
     for name, g in groups.items():

@@ -32,31 +32,35 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from killed_peer import call_after_error, kill_bound, killed_peer, surviving, warm_up
+from killed_peer import (
+    BIG_NUMEL,
+    DESTROY_FAST_S,
+    GROUP_TIMEOUT_S,
+    JOB_TIMEOUT_S,
+    call_after_error,
+    gloo_slowest,
+    kill_bound,
+    killed_peer,
+    surviving,
+    warm_up,
+)
 from multiprocess import SHAPES, RankOutcome, fairring_env, launch, memoised
 from reliability_helpers import default_store, wait_key
 
 SHAPE = SHAPES["2x2"]
 WORLD = len(SHAPE)
-# destroy_process_group() once a peer was killed: the aborts to it fail at once, the
-# others' are read, no callback runs, so nothing waits (docs/design.md, "Failure"); a
-# regression that sits out one 2 s abort grace fails this.
-DESTROY_FAST_S = 1.0
-GROUP_TIMEOUT_S = 10.0  # for the SIGKILL groups: far above any kill bound
 MATE_AFTER_S = 0.15  # torchrun's agent ends the rest of a machine whose rank died
 FREEZE_TIMEOUT_S = 5.0
 # 256 KiB slices and 1 MiB of staging: a 32 MiB allreduce is a pipeline of 128 slices,
 # each cut into 16 pipeline chunks, so a fault lands with chunks of many slices in flight.
 # The engine's allreduce (at 3x1 a big one would otherwise be Gloo's ring: see
-# test_killed_peer_on_the_ring_raises_promptly).
+# tests/test_ring_kill.py).
 ENV = fairring_env(
     slice_size=256 * 1024,
     total_memory=1024 * 1024,
     FAIRRING_PIPELINE_CHUNK="16K",
     FAIRRING_CPU_ALLREDUCE="engine",
 )
-BIG_NUMEL = 8 * 1024 * 1024
-JOB_TIMEOUT_S = 120
 # Small slices for the mismatch job, so that its "size_slices" case differs in the
 # number of slices too.
 MISMATCH_ENV = fairring_env(slice_size=64 * 1024, total_memory=512 * 1024)
@@ -85,13 +89,6 @@ def _kill_job(victim: int, shape: str = "2x2", mate: int | None = None) -> tuple
     return tuple(outcomes)
 
 
-def _gloo_worst(survivors: list[RankOutcome]) -> float:
-    """Gloo's slowest survivor in the same job; Gloo must have raised on every one."""
-    silent = [o.rank for o in survivors if o.value["gloo_message"] is None]
-    assert not silent, f"Gloo's allreduce completed without the killed rank on ranks {silent}"
-    return max(o.value["gloo_detect_s"] for o in survivors)
-
-
 # 2x2, rank 3 killed: its machine-mate, rank 2, dies 0.15 s later, as torchrun's agent
 # ends the rest of a machine whose rank died. 3x1: the rail connections of a lane share
 # one writer (src/transport/peer_mesh.h).
@@ -103,7 +100,7 @@ def test_killed_peer_every_survivor_raises_promptly(shape: str, victim: int) -> 
     mate = KILLS[shape, victim]
     dead = (victim,) if mate is None else (victim, mate)
     survivors = surviving(_kill_job(victim, shape, mate), *dead)
-    gloo_worst = _gloo_worst(survivors)
+    gloo_worst = gloo_slowest(survivors)
     bound = kill_bound(gloo_worst, None if mate is None else MATE_AFTER_S)
     problems = []
     for o in survivors:
@@ -135,48 +132,6 @@ def test_killed_peer_every_survivor_raises_promptly(shape: str, victim: int) -> 
     assert not problems, "\n".join(problems)
 
 
-@memoised
-def _ring_kill_job() -> tuple[RankOutcome, ...]:
-    return tuple(
-        launch(
-            killed_peer,
-            3,
-            SHAPES["3x1"],
-            # The model's rule: the ring from 1 MiB (auto would time both ways first).
-            env=fairring_env(FAIRRING_CPU_ALLREDUCE="model"),
-            timeout_s=JOB_TIMEOUT_S,
-            abort_grace_s=45,
-            group_backend="fairring",
-            victim=1,
-            big_numel=BIG_NUMEL,
-            group_timeout_s=GROUP_TIMEOUT_S,
-            yardstick=True,
-        )
-    )
-
-
-def test_killed_peer_on_the_ring_raises_promptly() -> None:
-    # One rank per machine: the 32 MiB allreduce is Gloo's ring (FAIRRING_CPU_ALLREDUCE).
-    # Rank 1 dies a few ms into it: Gloo's ring fails it (or, had rank 1 died before
-    # announcing it, its turn on the engine); either way every survivor raises within
-    # the bound naming the lost rank, which Gloo's own error names by address only, the
-    # next call (the engine's) raises at once with the same reason, and destroy is prompt.
-    survivors = surviving(_ring_kill_job(), 1)
-    bound = kill_bound(_gloo_worst(survivors), None)
-    for o in survivors:
-        v = o.value
-        culprit = f"rank 1 (host {v['host']})"
-        assert v["message"] is not None, f"rank {o.rank}: the allreduce completed without rank 1"
-        assert culprit in v["message"], f"rank {o.rank}: does not name {culprit}: {v['message']}"
-        assert v["detect_s"] <= bound, f"rank {o.rank}: {v['detect_s']:.3f} s (bound {bound:.3f} s)"
-        after = v["after_message"]
-        assert after is not None and culprit in after, f"rank {o.rank}: the call after: {after!r}"
-        assert v["after_s"] <= 1.0, f"rank {o.rank}: the call after took {v['after_s']:.2f} s"
-        assert v["destroy_s"] <= DESTROY_FAST_S, (
-            f"rank {o.rank}: destroy took {v['destroy_s']:.2f} s"
-        )
-
-
 def test_killed_peer_is_named_before_its_machine_mate_dies() -> None:
     """torchrun's agent ends the rest of a machine whose rank died: rank 2 dies 0.15 s
     after rank 3. Ranks 0 and 1 must have raised before that, naming rank 3, and Gloo,
@@ -184,7 +139,7 @@ def test_killed_peer_is_named_before_its_machine_mate_dies() -> None:
     victim = 3
     mate = KILLS["2x2", victim]
     survivors = surviving(_kill_job(victim, "2x2", mate), victim, mate)
-    gloo_worst = _gloo_worst(survivors)
+    gloo_worst = gloo_slowest(survivors)
     problems = []
     for o in survivors:
         v = o.value

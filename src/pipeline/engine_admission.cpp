@@ -205,7 +205,10 @@ std::string CollectiveEngine::turnFailed(uint64_t seq, const std::string& messag
     cv_.wait_for(lock, GroupFailure::kSendFailureWait, [this] {
       return life_.is(EngineLife::kShutDown) || failure_.failed() || failure_.departed().has_value();
     });
-    if (auto departed = failure_.departed(); departed && !failure_.failed()) {
+    if (failure_.failed()) {
+      // Another rank's abort came first: its reason names the lost rank.
+      reason = message + "; " + failure_.reason();
+    } else if (auto departed = failure_.departed()) {
       reason = message + "; " + *departed;
     }
     if (!life_.is(EngineLife::kShutDown)) {

@@ -20,6 +20,8 @@ void CollectiveEngine::onMessage(int peer, Lane lane, Status status, std::string
   const std::optional<Abort> abort = status.ok() ? decodeAbort(header) : std::nullopt;
   if (abort) {
     faults::hit(faults::kEngineAbort, peer); // outside the lock: a delay here holds only this connection
+  } else if (!status.ok()) {
+    faults::hit(faults::kEngineLost, peer);
   }
   Actions actions;
   {
