@@ -55,12 +55,14 @@ build_core() {
 start=$SECONDS
 repo=$PWD
 if [[ "${1:-}" == --prepare ]]; then
+    # Beside the main build and suite, behind them: the install's unpacking at the
+    # lowest weight, the build only on idle CPU. A session of its own (run_tests.sh
+    # starts it so) is a scheduling group of its own where the kernel groups by session:
+    # the group's weight is lowered, or it would take its fair half of the CPU whatever
+    # its tasks' priority.
+    echo 19 >/proc/self/autogroup 2>/dev/null || true
     prepare "$2"
     echo "== compat check: torch $torch_version installed in a fresh venv in $((SECONDS - start)) s"
-    # A session of its own (run_tests.sh starts it so) is a scheduling group of its own
-    # where the kernel groups by session: the group's weight is lowered too, or it would
-    # take its fair half of the CPU whatever its tasks' priority.
-    echo 19 >/proc/self/autogroup 2>/dev/null || true
     idle=(nice -n 19)
     if chrt --idle 0 true 2>/dev/null; then idle=(chrt --idle 0); fi
     build_core "$2" "${idle[@]}"
