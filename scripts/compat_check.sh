@@ -15,7 +15,7 @@
 # disk) and then compiles the core there at idle priority (SCHED_IDLE: only on CPU time
 # nothing else wants); `COMPAT_WORK=DIR compat_check.sh` then checks with it, and
 # removes DIR at the end. scripts/run_tests.sh prepares beside the suite, whose waits
-# leave a core idle a fifth of the time, and checks after it.
+# leave about a fifth of the CPU idle, and checks after it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -55,14 +55,12 @@ build_core() {
 start=$SECONDS
 repo=$PWD
 if [[ "${1:-}" == --prepare ]]; then
-    # Beside the main build and suite, behind them: the install's unpacking at the
-    # lowest weight, the build only on idle CPU. A session of its own (run_tests.sh
-    # starts it so) is a scheduling group of its own where the kernel groups by session:
-    # the group's weight is lowered, or it would take its fair half of the CPU whatever
-    # its tasks' priority.
-    echo 19 >/proc/self/autogroup 2>/dev/null || true
     prepare "$2"
     echo "== compat check: torch $torch_version installed in a fresh venv in $((SECONDS - start)) s"
+    # A session of its own (run_tests.sh starts it so) is a scheduling group of its own
+    # where the kernel groups by session: the group's weight is lowered too, or it would
+    # take its fair half of the CPU whatever its tasks' priority.
+    echo 19 >/proc/self/autogroup 2>/dev/null || true
     idle=(nice -n 19)
     if chrt --idle 0 true 2>/dev/null; then idle=(chrt --idle 0); fi
     build_core "$2" "${idle[@]}"
