@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import sys
+import sysconfig
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -73,9 +74,12 @@ def build_hash(source_dir: Path, name: str = EXTENSION_NAME, extra: str = "") ->
     digest = hashlib.sha256()
     # The source path is part of the key because torch's build.ninja records absolute
     # paths: two installs sharing one directory would rebuild each other's binary.
-    # The precompiled header's text too: it is the first include of every source.
+    # The precompiled header's text too: it is the first include of every source. And
+    # where torch and Python's headers are: build.ninja names them, so a new virtual
+    # environment with the same versions is a build of its own, reported as one.
     parts = (name, str(source_dir), torch.__version__, sys.version, " ".join(_cflags()), extra)
-    parts += (_build_pch.TEXT,)
+    parts += (_build_pch.TEXT, str(Path(torch.__file__).resolve().parent))
+    parts += (sysconfig.get_path("include", "posix_prefix"),)
     for part in (*parts, os.environ.get("CXX", "")):
         digest.update(part.encode())
         digest.update(b"\0")

@@ -240,6 +240,17 @@ def test_build_hash_tracks_sources(tmp_path: Path) -> None:
     assert _build.build_hash(tmp_path) != first
 
 
+def test_build_hash_tracks_where_torch_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A new venv with the same torch: build.ninja names other include paths, so ninja
+    # compiles everything again; the hash must differ, or that build would be silent.
+    import torch
+
+    (tmp_path / "a.cpp").write_text("int a;\n")
+    first = _build.build_hash(tmp_path)
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "venv2" / "torch" / "__init__.py"))
+    assert _build.build_hash(tmp_path) != first
+
+
 def test_compile_error_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src = tmp_path / "src"
     src.mkdir()
