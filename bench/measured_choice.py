@@ -98,10 +98,11 @@ def worker(args: argparse.Namespace) -> None:
 
         variants = {name: (lambda g=g: run(g)) for name, g in groups.items()}
         iters = args.iters if size >= 4 * common.MIB else max(args.iters, args.small_iters)
-        times = rotated_iterations(variants, iters, args.warmup)
+        times, losses = rotated_iterations(variants, iters, args.warmup)
         results[str(size)] = {
             "reps": reps,
             **{k: [t / reps for t in v] for k, v in times.items()},
+            "tcp_losses": {"counters": list(LOSS_COUNTERS), **losses},
             "trial_s": slowest.tolist(),  # per iteration of `reps` calls
             "decision": decision[0] if decision else None,
         }
@@ -109,10 +110,28 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def rotated_iterations(variants: dict[str, Any], iters: int, warmup: int) -> dict[str, list[float]]:
+LOSS_COUNTERS = ("RetransSegs", "TCPTimeouts")
+
+
+def tcp_losses() -> list[int]:
+    """This namespace's TCP retransmitted segments and retransmission timeouts so far
+    (/proc/net is the reading process's own network namespace: one simulated machine)."""
+    found: dict[str, int] = {}
+    for path in ("/proc/net/snmp", "/proc/net/netstat"):
+        lines = Path(path).read_text().splitlines()
+        for names, values in zip(lines[::2], lines[1::2]):
+            for name, value in zip(names.split()[1:], values.split()[1:]):
+                found.setdefault(name, int(value))
+    return [found.get(name, 0) for name in LOSS_COUNTERS]
+
+
+def rotated_iterations(
+    variants: dict[str, Any], iters: int, warmup: int
+) -> tuple[dict[str, list[float]], dict[str, list[list[int]]]]:
     """common.time_iterations, with the variants' order rotated each iteration: two of
     them are the same engine at 2 x 2 (auto is sure of it), and a fixed order would give
-    one the other's wake-ups."""
+    one the other's wake-ups. Also each iteration's TCP losses (LOSS_COUNTERS), summed
+    over the ranks (ranks sharing a machine count its losses each: read as 0 or not)."""
     import torch
     import torch.distributed as dist
 
@@ -122,16 +141,25 @@ def rotated_iterations(variants: dict[str, Any], iters: int, warmup: int) -> dic
             dist.barrier()
             variants[name]()
     mine: dict[str, list[float]] = {name: [] for name in names}
+    losses: dict[str, list[list[int]]] = {name: [] for name in names}
     for i in range(iters):
         for name in names[i % len(names) :] + names[: i % len(names)]:
             dist.barrier()
+            before = tcp_losses()
             start = time.perf_counter()
             variants[name]()
             mine[name].append(time.perf_counter() - start)
+            losses[name].append([b - a for a, b in zip(before, tcp_losses())])
     flat = torch.tensor([t for name in names for t in mine[name]], dtype=torch.float64)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX)  # the slowest rank's
     values = flat.tolist()
-    return {name: values[i * iters : (i + 1) * iters] for i, name in enumerate(names)}
+    counts = torch.tensor([losses[name] for name in names], dtype=torch.int64)
+    dist.all_reduce(counts)
+    summed = counts.tolist()
+    return (
+        {name: values[i * iters : (i + 1) * iters] for i, name in enumerate(names)},
+        {name: summed[i] for i, name in enumerate(names)},
+    )
 
 
 def driver(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from fractions import Fraction
+from pathlib import Path
 from typing import Any
 
 from fairring_pg import sizing
@@ -143,6 +144,38 @@ def _choice(accepted: tuple[str, ...]) -> Callable[[str, str], str]:
         return value
 
     return parse
+
+
+def _sysctl_words(name: str) -> list[str] | None:
+    try:
+        return (Path("/proc/sys/net/ipv4") / name).read_text().split()
+    except OSError:
+        return None
+
+
+def _congestion(name: str, raw: str) -> str:
+    value = raw.strip().lower()
+    if value == "system":
+        return value
+    available = _sysctl_words("tcp_available_congestion_control")
+    if available is None:
+        raise ValueError(
+            f"{name}={raw!r}: this machine does not list its TCP congestion controls "
+            "(/proc/sys/net/ipv4/tcp_available_congestion_control): expected 'system'"
+        )
+    if value not in available:
+        raise ValueError(
+            f"{name}={raw!r} is not a TCP congestion control of this machine: expected "
+            f"'system' or one of {', '.join(available)}"
+        )
+    allowed = _sysctl_words("tcp_allowed_congestion_control") or []
+    if value not in allowed and os.geteuid() != 0:
+        raise ValueError(
+            f"{name}={raw!r} is not allowed to processes without CAP_NET_ADMIN "
+            f"(net.ipv4.tcp_allowed_congestion_control): expected 'system' or one of "
+            f"{', '.join(allowed)}"
+        )
+    return value
 
 
 def _size_or_zero(name: str, raw: str) -> int:
@@ -284,6 +317,18 @@ class Config:
         help="CPU: each local rank's part of the piece of a slice that goes through the five "
         "steps on its own, so that the steps of consecutive pieces overlap; one machine never "
         "cuts slices",
+    )
+    rail_congestion: str = _setting(
+        "FAIRRING_RAIL_CONGESTION",
+        _congestion,
+        "reno",
+        job_wide=False,
+        shapes_plan=True,
+        help="CPU, 3 machines and more: the TCP congestion control of the sockets a rank "
+        "sends to other machines on, one after another; `system` keeps the machine's "
+        "(`net.ipv4.tcp_congestion_control`). Reno because BBR paces each of these flows at "
+        "the share it last measured, leaving the link idle in between "
+        "([bench/results/details.md](bench/results/details.md#rail-sockets-and-bbr))",
     )
     cpu_allreduce: str = _setting(
         "FAIRRING_CPU_ALLREDUCE",

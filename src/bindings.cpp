@@ -56,7 +56,8 @@ void bindPathOptions(py::module_& m) {
       .def_readwrite("listen_address", &EngineOptions::listenAddress)
       .def_readwrite("token", &EngineOptions::token)
       .def_readwrite("timeline_path", &EngineOptions::timelinePath)
-      .def_readwrite("chunk_bytes", &EngineOptions::chunkBytes);
+      .def_readwrite("chunk_bytes", &EngineOptions::chunkBytes)
+      .def_readwrite("rail_congestion", &EngineOptions::railCongestion);
 
   // The sub-group allreduce's (src/subgroups/); its rank and shape come from the layout.
   py::class_<SubgroupOptions>(m, "SubgroupOptions")

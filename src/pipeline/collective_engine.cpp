@@ -37,7 +37,7 @@ CollectiveEngine::CollectiveEngine(RankLayout layout, EngineOptions options)
   }
   mesh_ = std::make_unique<PeerMesh>(
       layout_,
-      PeerMesh::Options{options_.listenAddress, options_.token, options_.timeout},
+      PeerMesh::Options{options_.listenAddress, options_.token, options_.timeout, options_.railCongestion},
       [this](int peer, Lane lane, Status status, std::string header, size_t bytes) {
         onMessage(peer, lane, std::move(status), std::move(header), bytes);
       });

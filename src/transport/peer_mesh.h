@@ -37,6 +37,9 @@ class PeerMesh {
     std::string listenAddress; // IP to bind the rail listener to
     std::string token; // secret shared through the rendezvous store
     std::chrono::milliseconds timeout;
+    // The TCP congestion control of the rail sockets a rank sends to several
+    // machines on, in turn (empty: the system's); see connect().
+    std::string railCongestion;
   };
 
   // Called on a connection's thread once per arriving message (header only:

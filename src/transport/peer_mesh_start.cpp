@@ -209,6 +209,15 @@ Status PeerMesh::connect(int peer, Lane lane, const std::string& url, Clock::tim
   // fast link the extra wake-ups cost CPU.
   if (reachOf(peer) == Reach::kRail && layout_.numMachines() > 2) {
     setLowUnsent(socket, kRailUnsentBytes);
+    // The writer's rotation makes each of these flows start and stop; BBR
+    // paces a flow at the share it last measured (while the others sent to
+    // the same machine), which left a 300 Mbit/s link half idle at 4 x 1
+    // (docs/design.md, "Rail sockets").
+    if (!options_.railCongestion.empty()) {
+      if (Status s = setCongestion(socket, options_.railCongestion); !s.ok()) {
+        return failure("connecting to", peer, "FAIRRING_RAIL_CONGESTION: " + s.message());
+      }
+    }
   }
   return add(peer, lane, std::move(socket), reply.readsMemory);
 }

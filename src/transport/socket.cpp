@@ -257,6 +257,16 @@ void setLowUnsent(const Socket& s, int bytes) {
   ::setsockopt(s.fd(), IPPROTO_TCP, TCP_NOTSENT_LOWAT, &bytes, sizeof(bytes));
 }
 
+Status setCongestion(const Socket& s, const std::string& algorithm) {
+  if (::setsockopt(s.fd(), IPPROTO_TCP, TCP_CONGESTION, algorithm.data(), algorithm.size()) != 0) {
+    return Status::error(
+        "the kernel refused TCP congestion control '" + algorithm + "' (" + std::strerror(errno) +
+        "): it must be in /proc/sys/net/ipv4/tcp_allowed_congestion_control, or the process needs "
+        "CAP_NET_ADMIN");
+  }
+  return Status();
+}
+
 std::string peerName(const Socket& s) {
   struct sockaddr_storage addr {};
   socklen_t len = sizeof(addr);

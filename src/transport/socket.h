@@ -71,6 +71,8 @@ void setNoDelay(const Socket& s);
 // the kernel (TCP_NOTSENT_LOWAT): the order of sends on different sockets is
 // then nearly the order on the wire.
 void setLowUnsent(const Socket& s, int bytes);
+// TCP_CONGESTION: the socket's congestion control algorithm ("reno", ...).
+Status setCongestion(const Socket& s, const std::string& algorithm);
 
 // "127.0.0.1:53412": who is at the other end, for messages.
 std::string peerName(const Socket& s);
