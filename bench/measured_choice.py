@@ -119,8 +119,8 @@ def tcp_losses() -> list[int]:
     found: dict[str, int] = {}
     for path in ("/proc/net/snmp", "/proc/net/netstat"):
         lines = Path(path).read_text().splitlines()
-        for names, values in zip(lines[::2], lines[1::2]):
-            for name, value in zip(names.split()[1:], values.split()[1:]):
+        for names, values in zip(lines[::2], lines[1::2], strict=False):
+            for name, value in zip(names.split()[1:], values.split()[1:], strict=True):
                 found.setdefault(name, int(value))
     return [found.get(name, 0) for name in LOSS_COUNTERS]
 
@@ -149,7 +149,7 @@ def rotated_iterations(
             start = time.perf_counter()
             variants[name]()
             mine[name].append(time.perf_counter() - start)
-            losses[name].append([b - a for a, b in zip(before, tcp_losses())])
+            losses[name].append([b - a for a, b in zip(before, tcp_losses(), strict=True)])
     flat = torch.tensor([t for name in names for t in mine[name]], dtype=torch.float64)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX)  # the slowest rank's
     values = flat.tolist()

@@ -57,7 +57,10 @@ TWO_BY_ONE = ["m0", "m1"]
 TWO_BY_TWO = ["m0", "m0", "m1", "m1"]
 LATE_MS = 1500
 # The composed path's trials at 2 x 2: rows of the sizes the cases use.
-SUBGROUP_PLAN = "0:nccl,4K:measure:2:reduce_scatter,64K:measure:3:alltoall,256K:measure:2:alltoall"
+SUBGROUP_PLAN = (
+    "0:nccl,4K:measure:2:reduce_scatter,64K:measure:3:alltoall,256K:measure:2:alltoall,"
+    "1M:measure:2:alltoall"
+)
 
 
 @cache
@@ -363,7 +366,22 @@ DISAGREEING = ((0, (("engine", 4.0), ("ring", 2.0))), (1, (("engine", 1.0), ("ri
 ENGINE_CASES = [
     Trial("ring_wins", 64 * KIB, "ring", _every(("engine", 2.0), ("ring", 1.0)), (2.0, 1.0)),
     Trial("engine_wins", 128 * KIB, "engine", _every(("engine", 1.0), ("ring", 3.0)), (1.0, 3.0)),
-    Trial("a_tie_is_the_engines", 8 * KIB, "engine", _every(("engine", 1.0), ("ring", 1.0))),
+    Trial("a_tie_is_the_rings", 8 * KIB, "ring", _every(("engine", 1.0), ("ring", 1.0))),
+    # The engine replaces the ring only where faster by more than 5% (kMeasuredMargin).
+    Trial(
+        "within_the_margin_is_the_rings",
+        32 * KIB,
+        "ring",
+        _every(("engine", 1.0), ("ring", 1.04)),
+        (1.0, 1.04),
+    ),
+    Trial(
+        "beyond_the_margin_is_the_engines",
+        2 * MIB,
+        "engine",
+        _every(("engine", 1.0), ("ring", 1.06)),
+        (1.0, 1.06),
+    ),
     Trial("slowest_rank_counts", 256 * KIB, "ring", DISAGREEING, (4.0, 3.0)),
     Trial(
         "late_decision",
@@ -402,6 +420,14 @@ SUBGROUP_CASES = [
         "composed_wins", 4 * KIB, "composed", _every(("gloo", 2.0), ("composed", 1.0)), (2.0, 1.0)
     ),
     Trial("delegate_wins", 64 * KIB, "gloo", _every(("gloo", 1.0), ("composed", 3.0)), (1.0, 3.0)),
+    # The composition replaces the delegate only where faster by more than 5%.
+    Trial(
+        "within_the_margin_is_the_delegates",
+        MIB,
+        "gloo",
+        _every(("gloo", 1.04), ("composed", 1.0)),
+        (1.04, 1.0),
+    ),
     Trial(
         "slowest_rank_counts",
         256 * KIB,

@@ -53,7 +53,7 @@ FairringBackend::FairringBackend(
   for (const CpuPlanRow& row : options.cpuPlan) {
     cpuRows.emplace_back(row.fromBytes, row.way == CpuWay::kMeasured);
   }
-  auto measured = measuredChoice("cpu", {"engine", "ring"}, std::move(cpuRows), options);
+  auto measured = measuredChoice("cpu", {"engine", "ring"}, /*kept=*/1, std::move(cpuRows), options);
   cpuPath_ = std::make_unique<CpuPath>(
       store, rank, size, std::move(layout), options.engine, cpu_, options.ringDelegate, options.cpuPlan,
       std::move(measured));
@@ -62,6 +62,7 @@ FairringBackend::FairringBackend(
 std::unique_ptr<MeasuredChoice> FairringBackend::measuredChoice(
     const std::string& device,
     std::array<std::string, 2> ways,
+    int kept,
     std::vector<std::pair<size_t, bool>> rows,
     const BackendOptions& options) const {
   bool any = false;
@@ -74,6 +75,7 @@ std::unique_ptr<MeasuredChoice> FairringBackend::measuredChoice(
   MeasuredOptions measured;
   measured.device = device;
   measured.ways = std::move(ways);
+  measured.kept = kept;
   measured.rows = std::move(rows);
   for (const auto& [knownDevice, decision] : options.measuredKnown) {
     if (knownDevice == device) {
@@ -106,7 +108,8 @@ std::unique_ptr<DevicePath> FairringBackend::composedOrDelegate(
     const bool cpu = device == c10::kCPU;
     auto measured = measuredChoice(
         cpu ? "cpu" : c10::DeviceTypeName(device, /*lower_case=*/true),
-        {cpu ? "gloo" : backendOptions.acceleratorDelegateName, "composed"}, std::move(rows), backendOptions);
+        {cpu ? "gloo" : backendOptions.acceleratorDelegateName, "composed"}, /*kept=*/0, std::move(rows),
+        backendOptions);
     return std::make_unique<ComposedPath>(
         std::make_unique<SubgroupAllreduce>(*subgroups, options, device), delegate, std::move(measured));
   }

@@ -192,11 +192,13 @@ class FairringBackend : public c10d::Backend {
       c10::intrusive_ptr<c10d::Backend> delegate,
       const std::string& unavailable,
       const BackendOptions& backendOptions);
-  // The measured choice of `device`'s allreduces between `ways`, over the
-  // plan's `rows` (from bytes, measured); null where no row is measured.
+  // The measured choice of `device`'s allreduces between `ways` (`kept`: the
+  // program's own), over the plan's `rows` (from bytes, measured); null where
+  // no row is measured.
   std::unique_ptr<MeasuredChoice> measuredChoice(
       const std::string& device,
       std::array<std::string, 2> ways,
+      int kept,
       std::vector<std::pair<size_t, bool>> rows,
       const BackendOptions& options) const;
 

@@ -187,8 +187,11 @@ MeasuredChoice::Outcome MeasuredChoice::decide(size_t fromBytes, size_t toBytes,
     d.bytes[w] = bytes[w] / kTimedCalls;
   }
   // Per byte, where a class holds calls of several sizes (the same calls, so the same
-  // bytes, on every rank); way 0 wins a tie.
-  d.winner = f[1] * bytes[0] < f[0] * bytes[1] ? 1 : 0;
+  // bytes, on every rank); the program's own way unless beaten by the margin.
+  const int kept = options_.kept;
+  const int other = 1 - kept;
+  const bool replaced = f[other] * bytes[kept] * (1 + kMeasuredMargin) < f[kept] * bytes[other];
+  d.winner = replaced ? other : kept;
   return Outcome{d, ""};
 }
 
