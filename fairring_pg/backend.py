@@ -19,7 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 from fairring_pg import group_info, measured, process_groups, sizing
-from fairring_pg.config import Config
+from fairring_pg.config import Config, file_for_group
 from fairring_pg.cpu import future_callbacks
 from fairring_pg.cuda.decision import CudaDecision, decide_for_job
 from fairring_pg.cuda.job_plan import plan_for_job
@@ -70,7 +70,7 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
     agreed = _agree(store, rank, size, timeout, group_id)
     config, topology, opts = agreed.config, agreed.topology, agreed.opts
     address = listen_address(config, single_host=len(set(topology.hostnames)) == 1)
-    core_options(opts, config, topology, address, agreed.token, timeout, agreed.cuda_plan)
+    core_options(opts, config, topology, address, agreed.token, timeout, agreed.cuda_plan, group_id)
     opts.set_cpu_plan(agreed.cpu_plan.core_rows())
     group_info.record(group_id, agreed.cuda_decision, agreed.cuda_plan, agreed.cpu_plan)
     cpu_delegate = process_groups.make_gloo_delegate(
@@ -258,7 +258,7 @@ def _set_measured(
     if rank == 0:
         path = config.plan_file
         if path is not None:
-            path = measured.file_for_group(path, str(dist_backend_opts.group_id))
+            path = file_for_group(path, str(dist_backend_opts.group_id))
         opts.set_on_measured(
             measured.Recorder(agreed.topology, agreed.plan_shape, path, agreed.known)
         )
@@ -299,6 +299,7 @@ def core_options(
     token: str,
     timeout: timedelta,
     cuda_plan: CudaPlan | None = None,
+    group_name: str = "0",
 ) -> None:
     """Fill the core's options: each setting the core takes as it is (the table's
     ``core`` column), then what the sizing rules and the job make of the settings."""
@@ -312,7 +313,7 @@ def core_options(
     engine = opts.engine
     engine.slice_bytes = config.effective_slice_size(M, L)
     engine.slot_bytes = sizing.staging_slot_bytes(engine.slice_bytes, M, L)
-    engine.timeline_path = config.timeline_path(topology.rank)
+    engine.timeline_path = config.timeline_path(topology.rank, group_name)
     engine.listen_address = address
     engine.token = token
     engine.timeout = timeout

@@ -146,6 +146,15 @@ def _choice(accepted: tuple[str, ...]) -> Callable[[str, str], str]:
     return parse
 
 
+def file_for_group(path: str, group_name: str) -> str:
+    """A file of group ``group_name``'s own: ``path`` for the default group ("0"), else
+    the group's name before the extension (plan.json -> plan.g3.json)."""
+    if group_name == "0":
+        return path
+    root, ext = os.path.splitext(path)
+    return f"{root}.g{group_name}{ext}"
+
+
 def _sysctl_words(name: str) -> list[str] | None:
     try:
         return (Path("/proc/sys/net/ipv4") / name).read_text().split()
@@ -523,15 +532,18 @@ class Config:
             local_size,
         )
 
-    def timeline_path(self, rank: int) -> str:
+    def timeline_path(self, rank: int, group_name: str = "0") -> str:
         """This rank's trace file: '{rank}' in FAIRRING_TIMELINE is replaced, else the
-        rank goes before the extension (trace.json -> trace.rank3.json)."""
+        rank goes before the extension (trace.json -> trace.rank3.json); a group other
+        than the default one writes its own (trace.rank3.g2.json: file_for_group)."""
         if self.timeline is None:
             return ""
         if "{rank}" in self.timeline:
-            return self.timeline.replace("{rank}", str(rank))
-        root, ext = os.path.splitext(self.timeline)
-        return f"{root}.rank{rank}{ext or '.json'}"
+            path = self.timeline.replace("{rank}", str(rank))
+        else:
+            root, ext = os.path.splitext(self.timeline)
+            path = f"{root}.rank{rank}{ext or '.json'}"
+        return file_for_group(path, group_name)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

@@ -27,7 +27,7 @@ import tempfile
 from datetime import timedelta
 from typing import Any
 
-from fairring_pg.config import Config
+from fairring_pg.config import Config, file_for_group
 from fairring_pg.model.cpu_plan import CpuPlan
 from fairring_pg.model.cuda_plan import CudaPlan
 from fairring_pg.startup import wait_for
@@ -41,15 +41,6 @@ TRIAL_CALLS = 12
 VARIABLE = "FAIRRING_PLAN_FILE"
 _KEY = "fairring/measured/known"
 _log = logging.getLogger("fairring_pg")
-
-
-def file_for_group(path: str, group_name: str) -> str:
-    """The plan file of group ``group_name``: ``path`` for the default group ("0"),
-    else the group's name before the extension (plan.json -> plan.g3.json)."""
-    if group_name == "0":
-        return path
-    root, ext = os.path.splitext(path)
-    return f"{root}.g{group_name}{ext}"
 
 
 def job_shape(

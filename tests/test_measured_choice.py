@@ -46,7 +46,7 @@ from case_job import CaseJob
 from multiprocess import fairring_env, launch, run_ranks
 
 from fairring_pg import measured
-from fairring_pg.config import Config
+from fairring_pg.config import Config, file_for_group
 from fairring_pg.group_info import measured_choices
 from fairring_pg.model import cpu_plan, cuda_plan
 from fairring_pg.model.nodes import NODE_TYPES
@@ -160,8 +160,8 @@ def test_a_plan_file_of_another_job_is_refused_naming_what_differs(tmp_path: Pat
     path.write_text(json.dumps(saved))
     with pytest.raises(ValueError, match=r"saved with lanes=4, this job has 2"):
         measured.read_known(str(path), shape(2, 2, 1))
-    assert measured.file_for_group("/d/plan.json", "0") == "/d/plan.json"
-    assert measured.file_for_group("/d/plan.json", "3") == "/d/plan.g3.json"
+    assert file_for_group("/d/plan.json", "0") == "/d/plan.json"
+    assert file_for_group("/d/plan.json", "3") == "/d/plan.g3.json"
 
 
 # ------------------------------------------------------------------------------ the trials

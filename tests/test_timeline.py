@@ -117,3 +117,30 @@ def test_allreduce_shows_in_torch_profiler() -> None:
     results: list[Any] = run_ranks(_profiled_allreduce, 3, SHAPES["3x1"])
     for names in results:
         assert names.count("fairring:all_reduce") == 2
+
+
+def _two_groups(rank: int, world_size: int) -> list[float]:
+    # The default group and a second fairring group, each with its own engine and trace.
+    other = dist.new_group(backend="fairring")
+    out = []
+    for group, value in ((None, 1.0), (other, 1000.0)):
+        t = torch.full((NUMEL,), value * (rank + 1))
+        dist.all_reduce(t, group=group)
+        out.append(t[0].item())
+    dist.destroy_process_group(other)
+    return out
+
+
+def test_each_group_writes_its_own_trace(tmp_path: Path) -> None:
+    # Two groups once wrote one file per rank, their events interleaved mid-line.
+    template = str(tmp_path / "trace.json")
+    env = fairring_env(slice_size=SLICE, FAIRRING_TIMELINE=template, FAIRRING_SLICE_SCALING="off")
+    results = run_ranks(_two_groups, 4, SHAPES["2x2"], env=env)
+    assert results == [[10.0, 10000.0]] * 4
+    for rank in range(4):
+        for name in (f"trace.rank{rank}.json", f"trace.rank{rank}.g1.json"):
+            events = json.loads((tmp_path / name).read_text())  # strict JSON: one writer
+            ops = [e for e in events if e.get("cat") == "ops"]
+            assert [e["name"] for e in ops] == ["allreduce #0"], name
+            assert ops[0]["args"]["elements"] == NUMEL
+    assert len(list(tmp_path.glob("trace.*"))) == 8
