@@ -22,10 +22,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from fractions import Fraction
-from pathlib import Path
 from typing import Any
 
-from fairring_pg import sizing
+from fairring_pg import congestion, sizing
 from fairring_pg.sizing import GIB, KIB, MIB, TIB
 
 DEFAULT_SLICE_SIZE = 25 * MIB  # DDP's default bucket, so one bucket is one slice
@@ -153,38 +152,6 @@ def file_for_group(path: str, group_name: str) -> str:
         return path
     root, ext = os.path.splitext(path)
     return f"{root}.g{group_name}{ext}"
-
-
-def _sysctl_words(name: str) -> list[str] | None:
-    try:
-        return (Path("/proc/sys/net/ipv4") / name).read_text().split()
-    except OSError:
-        return None
-
-
-def _congestion(name: str, raw: str) -> str:
-    value = raw.strip().lower()
-    if value == "system":
-        return value
-    available = _sysctl_words("tcp_available_congestion_control")
-    if available is None:
-        raise ValueError(
-            f"{name}={raw!r}: this machine does not list its TCP congestion controls "
-            "(/proc/sys/net/ipv4/tcp_available_congestion_control): expected 'system'"
-        )
-    if value not in available:
-        raise ValueError(
-            f"{name}={raw!r} is not a TCP congestion control of this machine: expected "
-            f"'system' or one of {', '.join(available)}"
-        )
-    allowed = _sysctl_words("tcp_allowed_congestion_control") or []
-    if value not in allowed and os.geteuid() != 0:
-        raise ValueError(
-            f"{name}={raw!r} is not allowed to processes without CAP_NET_ADMIN "
-            f"(net.ipv4.tcp_allowed_congestion_control): expected 'system' or one of "
-            f"{', '.join(allowed)}"
-        )
-    return value
 
 
 def _size_or_zero(name: str, raw: str) -> int:
@@ -329,7 +296,7 @@ class Config:
     )
     rail_congestion: str = _setting(
         "FAIRRING_RAIL_CONGESTION",
-        _congestion,
+        congestion.parse,
         "reno",
         job_wide=False,
         shapes_plan=True,

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from multiprocess import SHAPES, fairring_env, run_ranks
 
-from fairring_pg import config as config_mod
+from fairring_pg import congestion
 from fairring_pg.config import Config
 
 LANES = 2  # src/transport/wire.h kNumLanes
@@ -104,7 +104,7 @@ def test_a_name_the_kernel_does_not_have_is_refused_naming_the_variable(
         "tcp_available_congestion_control": ["reno", "cubic", "bbr"],
         "tcp_allowed_congestion_control": ["reno", "bbr"],
     }
-    monkeypatch.setattr(config_mod, "_sysctl_words", words.get)
+    monkeypatch.setattr(congestion, "sysctl_words", words.get)
     with pytest.raises(ValueError, match=r"FAIRRING_RAIL_CONGESTION='vegas'.*reno, cubic, bbr"):
         Config.from_env({"FAIRRING_RAIL_CONGESTION": "vegas"})
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
