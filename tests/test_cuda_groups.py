@@ -375,3 +375,52 @@ def test_a_plan_whose_communicators_cannot_fit_composes_nothing() -> None:
             assert "cannot hold" in fitted.rows[0].reason
     # No GPU facts (the test vehicles): no cap, the plan as it was.
     assert job_plan._fit_on_the_gpu(plan, [GpuFacts("h", False, False)] * 4, 2, 1) == (plan, 0)
+
+
+@pytest.mark.parametrize(
+    ("variables", "composes"),
+    [
+        # NCCL_MAX_CTAS replaces the cap of every sub-group communicator: 32 CTAs for the
+        # world and 4 x 32 for the sub-groups are 160 on 132 SMs.
+        ({"NCCL_MAX_CTAS": 32}, False),
+        # At most 132 // 5 = 26 each: the world and the four sub-groups fit.
+        ({"NCCL_MAX_CTAS": 26}, True),
+        ({"NCCL_MAX_CTAS": 27}, False),
+        # NCCL_MIN_CTAS raises the sub-groups above the cap (17 for an H100 at 2 x 8).
+        ({"NCCL_MIN_CTAS": 18}, False),
+        ({"NCCL_MIN_CTAS": 16}, True),
+        ({"NCCL_MAX_NCHANNELS": 8}, True),
+    ],
+)
+def test_nccl_cta_variables_of_any_rank_cannot_break_co_residency(
+    variables: dict[str, int], composes: bool
+) -> None:
+    """NCCL lets NCCL_MAX_CTAS / NCCL_MIN_CTAS replace a communicator's config.max_ctas
+    and min_ctas: the plan counts what NCCL will run on every rank (each rank's variables,
+    published with its facts), not the cap it gives, and composes nothing where a rank's
+    variables would put more CTAs on the GPU than it has SMs, naming them."""
+    from fairring_pg.model.cuda_plan import forced_plan
+
+    plan = forced_plan("0:compose:2:alltoall", 2, Config(lanes=2), 8)
+    facts = [GpuFacts(f"h{r // 8}", True, True, (gpu(r),), sms=132) for r in range(16)]
+    # Only rank 11 sets them.
+    facts[11] = dataclasses.replace(facts[11], nccl_ctas=tuple(variables.items()))
+    fitted, ctas = job_plan._fit_on_the_gpu(plan, facts, lanes=2, local_size=8)
+    assert fitted.composes == composes, fitted.rows[0].reason
+    if composes:
+        assert ctas >= 1
+        for f in facts:  # each rank's GPU holds its world and four sub-group communicators
+            mine = dict(f.nccl_ctas)
+            assert job_plan._world_bound(mine) + 4 * job_plan.subgroup_bound(mine, ctas) <= 132
+    else:
+        reason = fitted.rows[0].reason
+        assert ctas == 0 and "rank 11" in reason, reason
+        assert all(f"{k}={v}" in reason for k, v in variables.items()), reason
+
+
+def test_nccl_cta_variables_travel_with_the_facts() -> None:
+    from fairring_pg.cuda.decision import nccl_cta_variables
+
+    env = {"NCCL_MAX_CTAS": "16", "NCCL_MIN_CTAS": "x", "NCCL_MIN_NCHANNELS": "0"}
+    assert nccl_cta_variables(env) == (("NCCL_MAX_CTAS", 16),)
+    assert nccl_cta_variables({}) == ()

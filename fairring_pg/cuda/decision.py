@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -53,6 +54,9 @@ class GpuFacts:
     gpus: tuple[str, ...] = ()  # UUIDs of the GPUs it sees
     node: str = ""  # its machine's facts for the plan (fairring_pg.cuda.node_facts, JSON)
     sms: int = 0  # streaming multiprocessors of the smallest GPU it sees (0: none)
+    # NCCL's CTA variables in that process ({} where none is set): NCCL lets them replace
+    # a communicator's config (fairring_pg.cuda.job_plan.nccl_cta_limits).
+    nccl_ctas: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -94,7 +98,24 @@ def local_gpu_facts(host: str) -> GpuFacts:
         gpus=visible_gpu_uuids() if has_cuda else (),
         node=node_facts.from_env().to_json(),
         sms=visible_gpu_sms() if has_cuda else 0,
+        nccl_ctas=nccl_cta_variables(),
     )
+
+
+# NCCL's variables that bound a communicator's CTAs (channels), whatever its config says.
+NCCL_CTA_VARIABLES = ("NCCL_MAX_CTAS", "NCCL_MIN_CTAS", "NCCL_MAX_NCHANNELS", "NCCL_MIN_NCHANNELS")
+
+
+def nccl_cta_variables(environ: Mapping[str, str] | None = None) -> tuple[tuple[str, int], ...]:
+    """This process's NCCL CTA variables that hold a positive integer (NCCL ignores
+    others), as (name, value) pairs."""
+    env = os.environ if environ is None else environ
+    found = []
+    for name in NCCL_CTA_VARIABLES:
+        raw = env.get(name, "").strip()
+        if raw.isdigit() and int(raw) > 0:
+            found.append((name, int(raw)))
+    return tuple(found)
 
 
 def exchange_gpu_facts(
@@ -109,7 +130,15 @@ def exchange_gpu_facts(
         entry = json.loads(store.get(key))
         gpus = tuple(entry["gpus"])
         facts.append(
-            GpuFacts(entry["host"], entry["cuda"], entry["nccl"], gpus, entry["node"], entry["sms"])
+            GpuFacts(
+                entry["host"],
+                entry["cuda"],
+                entry["nccl"],
+                gpus,
+                entry["node"],
+                entry["sms"],
+                tuple((str(k), int(v)) for k, v in entry.get("nccl_ctas", [])),
+            )
         )
     return facts
 

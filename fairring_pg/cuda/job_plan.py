@@ -15,7 +15,7 @@ from typing import Any
 
 from fairring_pg.config import Config
 from fairring_pg.cuda import node_facts
-from fairring_pg.cuda.decision import GpuFacts
+from fairring_pg.cuda.decision import GpuFacts, nccl_cta_variables
 from fairring_pg.model.cuda_plan import (
     TEST_PLAN_VARIABLE,
     CudaPlan,
@@ -38,12 +38,26 @@ NCCL_MAX_CHANNELS = 64
 def world_ctas(environ: dict[str, str] | None = None) -> int:
     """The most CTAs the world communicator (the user's, not capped by fairring) runs."""
     env = os.environ if environ is None else environ
+    return _world_bound(dict(nccl_cta_variables(env)))
+
+
+def _world_bound(variables: dict[str, int]) -> int:
     limits = [NCCL_MAX_CHANNELS]
-    for name in ("NCCL_MAX_CTAS", "NCCL_MAX_NCHANNELS"):
-        raw = env.get(name, "").strip()
-        if raw.isdigit() and int(raw) > 0:
-            limits.append(int(raw))
-    return min(limits)
+    limits += [variables[n] for n in ("NCCL_MAX_CTAS", "NCCL_MAX_NCHANNELS") if n in variables]
+    floor = max(variables.get("NCCL_MIN_CTAS", 0), variables.get("NCCL_MIN_NCHANNELS", 0))
+    return max(min(limits), floor)
+
+
+def subgroup_bound(variables: dict[str, int], cap: int) -> int:
+    """The most CTAs a sub-group communicator capped at ``cap`` (its config's max_ctas)
+    runs in a process with NCCL's CTA ``variables``: NCCL lets NCCL_MAX_CTAS and
+    NCCL_MIN_CTAS replace the config's max_ctas and min_ctas (NCCL's envConfigOverride
+    in src/init.cc), and the channel variables bound the CTAs too."""
+    bound = variables.get("NCCL_MAX_CTAS", cap)
+    if "NCCL_MAX_NCHANNELS" in variables:
+        bound = min(bound, variables["NCCL_MAX_NCHANNELS"])
+    floor = max(variables.get("NCCL_MIN_CTAS", 0), variables.get("NCCL_MIN_NCHANNELS", 0))
+    return max(bound, floor)
 
 
 def processes_per_gpu(facts: Sequence[GpuFacts]) -> int:
@@ -113,13 +127,38 @@ def _fit_on_the_gpu(
     sms = min((f.sms for f in facts if f.sms), default=0)
     if not plan.composes or sms == 0:
         return plan, 0
-    sharing, world = processes_per_gpu(facts), world_ctas()
+    sharing = processes_per_gpu(facts)
+    per_rank = [dict(f.nccl_ctas) for f in facts]
+    world = max(_world_bound(v) for v in per_rank)
     ctas = co_resident_ctas(sms, sharing, world, lanes, local_size)
+    subgroups = lanes + (2 if local_size > 1 else 0)
+    share = sms // max(1, sharing)
+    # Where the room is there, what NCCL will really run must fit too: a rank's
+    # NCCL_MAX_CTAS or NCCL_MIN_CTAS replaces the cap given to its sub-groups.
     if ctas >= 1:
-        return plan, ctas
+        over = [
+            (rank, v)
+            for rank, v in enumerate(per_rank)
+            if _world_bound(v) + subgroups * subgroup_bound(v, ctas) > share
+        ]
+        if not over:
+            return plan, ctas
+        rank, variables = over[0]
+        named = ", ".join(f"{k}={variables[k]}" for k in sorted(variables))
+        most = share // (subgroups + 1)
+        why = (
+            f"rank {rank}'s {named} would replace the {ctas} CTAs fairring gives each of a "
+            f"composed call's {subgroups} sub-group communicators, and then they and the "
+            f"world communicator ({_world_bound(variables)} CTAs) cannot run at once on "
+            f"{share} SMs (a deadlock NCCL cannot see); unset them, or keep NCCL_MAX_CTAS "
+            f"at most {most} and NCCL_MIN_CTAS at most {ctas}"
+        )
+        return only_nccl(plan.machines, plan.local_size, plan.node, why), 0
+    most = share // (subgroups + 1)
     why = (
         f"the GPU cannot hold a composed call's communicators at once ({sms} SMs for "
         f"{sharing} process(es), {world} CTAs for the world communicator, {lanes} lane(s)"
-        f"{' and 2 local groups' if local_size > 1 else ''}: set NCCL_MAX_CTAS lower)"
+        f"{' and 2 local groups' if local_size > 1 else ''}; NCCL_MAX_CTAS at most {most} "
+        "on every rank would leave room)"
     )
     return only_nccl(plan.machines, plan.local_size, plan.node, why), 0
