@@ -197,7 +197,8 @@ void bindBackend(py::module_& m) {
                 py::arg("direct_units") = s.directUnits, py::arg("sliced_units") = s.slicedUnits,
                 py::arg("ordering_waits") = s.orderingWaits,
                 py::arg("unordered_in_capture") = s.unorderedInCapture, py::arg("events_created") = s.eventsCreated,
-                py::arg("shutdown") = s.shutdown, py::arg("aborted_groups") = s.abortedGroups);
+                py::arg("shutdown") = s.shutdown, py::arg("aborted_groups") = s.abortedGroups,
+                py::arg("timeout_aborts") = s.timeoutAborts);
           },
           py::arg("device"),
           "What the sub-group allreduce of `device` ('cpu': the test path, 'cuda') has done, or None "

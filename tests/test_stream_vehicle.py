@@ -15,6 +15,7 @@ import gc
 from typing import Any
 
 import pytest
+import stream_mutants
 import stream_vehicle
 import torch
 import torch.distributed as dist
@@ -154,8 +155,6 @@ def stand_in() -> list[dict[str, Any]]:
 def test_every_plant_has_the_tests_that_catch_it() -> None:
     """scripts/stream_mutants.sh runs each plant the core has, none more or fewer, and
     arming a name no plant has is refused (a renamed plant would otherwise go inert)."""
-    import stream_mutants
-
     assert controls()["plants"] == list(stream_mutants.CATCHERS)
     assert "no plant is called 'no_such_plant'" in controls()["unknown plant"]
 
@@ -187,3 +186,16 @@ def test_a_release_at_issue_frees_the_temporary_under_the_collective() -> None:
             rank,
             early["races"],
         )
+
+
+def test_a_crash_is_a_catch_only_for_a_plant_that_crashes() -> None:
+    """A plant whose tests fail because a rank died of something else has not been
+    caught by them (the runner once counted any failure)."""
+    failed = "FAILED tests/test_x.py::test_y - RankFailure: job on fairring: rank 1 crashed\n"
+    asserted = "FAILED tests/test_x.py::test_y - AssertionError: rank 0: ['differs at [3]']\n"
+    quiet = stream_mutants.Catch(("test_x.py::test_y",), ())
+    crashing = stream_mutants.Catch(("test_x.py::test_y",), (), crashes=True)
+    assert stream_mutants.caught_by(1, asserted, quiet) == "test_x.py::test_y"
+    assert stream_mutants.caught_by(1, failed, quiet) is None
+    assert stream_mutants.caught_by(1, failed, crashing) == "test_x.py::test_y"
+    assert stream_mutants.caught_by(0, "", quiet) is None

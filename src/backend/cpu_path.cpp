@@ -53,7 +53,10 @@ CpuPath::~CpuPath() {
   engine_.reset();
 }
 
-c10::intrusive_ptr<c10d::Work> CpuPath::delegated(const std::vector<at::Tensor>& tensors, const Issue& issue) {
+c10::intrusive_ptr<c10d::Work> CpuPath::delegated(
+    const std::vector<at::Tensor>& tensors,
+    const Issue& issue,
+    Callers callers) {
   return issue(*gloo_);
 }
 

@@ -32,7 +32,8 @@ class CpuPath : public DevicePath {
       std::unique_ptr<MeasuredChoice> measured);
   ~CpuPath() override;
 
-  c10::intrusive_ptr<c10d::Work> delegated(const std::vector<at::Tensor>& tensors, const Issue& issue) override;
+  c10::intrusive_ptr<c10d::Work> delegated(const std::vector<at::Tensor>& tensors, const Issue& issue, Callers callers)
+      override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts)
       override;
   c10::intrusive_ptr<c10d::Work> allreduceCoalesced(

@@ -25,13 +25,20 @@ class MeasuredChoice;
 class DevicePath {
  public:
   using Issue = std::function<c10::intrusive_ptr<c10d::Work>(c10d::Backend&)>;
+  // Who makes a delegated call: every rank of the group (a collective), or
+  // some (send, recv: the ranks of a pair). Nothing some ranks do may change
+  // what a later collective of all ranks does.
+  enum class Callers : uint8_t { kEveryRank, kSomeRanks };
 
   virtual ~DevicePath() = default;
 
   // A collective on `tensors` (all it reads and writes) that the delegate
   // runs: `issue` calls it on the delegate and returns its Work, which is
   // returned as it is (null where the delegate returns none).
-  virtual c10::intrusive_ptr<c10d::Work> delegated(const std::vector<at::Tensor>& tensors, const Issue& issue) = 0;
+  virtual c10::intrusive_ptr<c10d::Work> delegated(
+      const std::vector<at::Tensor>& tensors,
+      const Issue& issue,
+      Callers callers) = 0;
 
   virtual c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts);
   virtual c10::intrusive_ptr<c10d::Work> allreduceCoalesced(
@@ -80,12 +87,14 @@ class DevicePath {
 // ProcessGroupNCCL's barrier (an allreduce queued after them on the
 // communicator, waited for on the host) they are done on the device, so a
 // path that used its delegate since the last barrier runs the delegate's
-// barrier too. Whether it did is the program's doing, the same on every rank.
+// barrier too. Whether it did is the program's doing, the same on every rank:
+// only collectives every rank makes count (a send of ranks 0 and 1 would put
+// them in the delegate's barrier and the others not: a hang). NCCL's barrier
+// does not order point-to-point calls either (they run on streams and
+// communicators of their own).
 class DelegateBarrier {
  public:
-  void used() {
-    used_.store(true, std::memory_order_relaxed);
-  }
+  void used(DevicePath::Callers callers);
   void await(const c10::intrusive_ptr<c10d::Backend>& delegate, const c10d::BarrierOptions& opts);
 
  private:

@@ -36,7 +36,8 @@ FairringBackend::FairringBackend(
     : c10d::Backend(rank, size),
       cpu_(std::move(cpuDelegate)),
       cuda_(std::move(cudaDelegate)),
-      accelerator_(options.acceleratorType) {
+      accelerator_(options.acceleratorType),
+      coalescing_(options.acceleratorType, cuda_) {
   TORCH_CHECK(cpu_, "fairring: a CPU delegate backend is required");
   TORCH_CHECK(
       static_cast<int>(options.machineOf.size()) == size, "fairring: machine_of has ", options.machineOf.size(),
@@ -164,6 +165,9 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce(
     const c10d::AllreduceOptions& opts) {
   TORCH_CHECK(
       tensors.size() == 1, "fairring: allreduce takes exactly one tensor per process, got ", tensors.size());
+  if (auto work = inBlock([&](c10d::Backend& b) { return b.allreduce(tensors, opts); }, tensors)) {
+    return *work;
+  }
   return pathFor(tensors).allreduce(tensors, opts);
 }
 
@@ -171,6 +175,9 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceCoalescedOptions& opts) {
   TORCH_CHECK(!tensors.empty(), "fairring: allreduce_coalesced needs at least one tensor");
+  if (auto work = inBlock([&](c10d::Backend& b) { return b.allreduce_coalesced(tensors, opts); }, tensors)) {
+    return *work;
+  }
   return pathFor(tensors.front()).allreduceCoalesced(tensors, opts);
 }
 
@@ -178,6 +185,9 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allgather(
     std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  if (auto work = inBlock([&](c10d::Backend& b) { return b.allgather(outputs, inputs, opts); }, inputs, outputs)) {
+    return *work;
+  }
   return pathFor(inputs, outputs).allGatherList(outputs, inputs, opts);
 }
 
@@ -185,6 +195,9 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::_allgather_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::AllgatherOptions& opts) {
+  if (auto work = inBlock([&](c10d::Backend& b) { return b._allgather_base(output, input, opts); }, input, output)) {
+    return *work;
+  }
   return pathFor(input, output).allGatherBase(output, input, opts);
 }
 
@@ -192,6 +205,9 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  if (auto work = inBlock([&](c10d::Backend& b) { return b.allgather_into_tensor_coalesced(outputs, inputs, opts); }, inputs, outputs)) {
+    return *work;
+  }
   return pathFor(inputs, outputs).allGatherCoalesced(outputs, inputs, opts);
 }
 
@@ -199,6 +215,9 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs,
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  if (auto work = inBlock([&](c10d::Backend& b) { return b.reduce_scatter(outputs, inputs, opts); }, outputs, inputs)) {
+    return *work;
+  }
   return pathFor(outputs, inputs).reduceScatterList(outputs, inputs, opts);
 }
 
@@ -206,6 +225,9 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::_reduce_scatter_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::ReduceScatterOptions& opts) {
+  if (auto work = inBlock([&](c10d::Backend& b) { return b._reduce_scatter_base(output, input, opts); }, input, output)) {
+    return *work;
+  }
   return pathFor(input, output).reduceScatterBase(output, input, opts);
 }
 
@@ -213,6 +235,9 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  if (auto work = inBlock([&](c10d::Backend& b) { return b.reduce_scatter_tensor_coalesced(outputs, inputs, opts); }, inputs, outputs)) {
+    return *work;
+  }
   return pathFor(inputs, outputs).reduceScatterCoalesced(outputs, inputs, opts);
 }
 
@@ -283,15 +308,15 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::alltoall(
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
-  return delegate([&](c10d::Backend& b) { return b.send(tensors, dstRank, tag); }, tensors);
+  return delegatePair([&](c10d::Backend& b) { return b.send(tensors, dstRank, tag); }, tensors);
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
-  return delegate([&](c10d::Backend& b) { return b.recv(tensors, srcRank, tag); }, tensors);
+  return delegatePair([&](c10d::Backend& b) { return b.recv(tensors, srcRank, tag); }, tensors);
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
-  return delegate([&](c10d::Backend& b) { return b.recvAnysource(tensors, tag); }, tensors);
+  return delegatePair([&](c10d::Backend& b) { return b.recvAnysource(tensors, tag); }, tensors);
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::barrier(const c10d::BarrierOptions& opts) {
@@ -310,6 +335,31 @@ void FairringBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wa
   cpuPath_->awaitIssued(opts);
   acceleratorPath_->awaitIssued(opts);
   cpu_->monitoredBarrier(opts, waitAllRanks);
+}
+
+c10::intrusive_ptr<c10d::Work> FairringBackend::delegateAs(
+    DevicePath::Callers callers,
+    const DevicePath::Issue& issue,
+    const std::vector<at::Tensor>& tensors) {
+  DevicePath& path = pathFor(tensors);
+  coalescing_.enter(&path == acceleratorPath_.get() ? accelerator_ : c10::kCPU);
+  c10::intrusive_ptr<c10d::Work> work = path.delegated(tensors, issue, callers);
+  coalescing_.keep(work, tensors);
+  return work;
+}
+
+void FairringBackend::startCoalescing() {
+  coalescing_.start();
+}
+
+c10::intrusive_ptr<c10d::Work> FairringBackend::endCoalescing() {
+  // The delegate's block ends as one of its calls over every tensor of the
+  // block (its calls inside returned no Work), ordered as the path orders the
+  // delegate's calls; who made its calls, each said so when it entered.
+  return coalescing_.end([this](const std::vector<at::Tensor>& tensors, const std::function<c10::intrusive_ptr<c10d::Work>()>& end) {
+    return acceleratorPath_->delegated(
+        tensors, [&](c10d::Backend&) { return end(); }, DevicePath::Callers::kSomeRanks);
+  });
 }
 
 void FairringBackend::setSequenceNumberForGroup() {

@@ -11,6 +11,7 @@
 
 #include <optional>
 
+#include "backend/coalescing_block.h"
 #include "backend/cpu_allreduce.h"
 #include "backend/cpu_plan.h"
 #include "backend/device_path.h"
@@ -167,6 +168,14 @@ class FairringBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks = false) override;
 
+  // Coalescing blocks (batch_isend_irecv): the accelerator delegate's where
+  // it has them (coalescing_block.h).
+  bool supportsCoalescing() const override {
+    return coalescing_.supported();
+  }
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+
   void setSequenceNumberForGroup() override;
   uint64_t getSequenceNumberForGroup() override;
   void shutdown() override;
@@ -216,7 +225,25 @@ class FairringBackend : public c10d::Backend {
   // A collective that always goes to the delegate of its tensors' device.
   template <typename... Sets>
   c10::intrusive_ptr<c10d::Work> delegate(const DevicePath::Issue& issue, const Sets&... sets) {
-    return pathFor(sets...).delegated(tensorsOf(sets...), issue);
+    return delegateAs(DevicePath::Callers::kEveryRank, issue, tensorsOf(sets...));
+  }
+  // A point-to-point call (two ranks of the group make it).
+  c10::intrusive_ptr<c10d::Work> delegatePair(const DevicePath::Issue& issue, const std::vector<at::Tensor>& tensors) {
+    return delegateAs(DevicePath::Callers::kSomeRanks, issue, tensors);
+  }
+  // Through the path of the tensors' device, inside a coalescing block if one is open.
+  c10::intrusive_ptr<c10d::Work> delegateAs(
+      DevicePath::Callers callers,
+      const DevicePath::Issue& issue,
+      const std::vector<at::Tensor>& tensors);
+  // A collective fairring may run itself, given to the delegate because a
+  // coalescing block is open: the Work, or none where no block is open.
+  template <typename... Sets>
+  std::optional<c10::intrusive_ptr<c10d::Work>> inBlock(const DevicePath::Issue& issue, const Sets&... sets) {
+    if (!coalescing_.open()) {
+      return std::nullopt;
+    }
+    return delegateAs(DevicePath::Callers::kEveryRank, issue, tensorsOf(sets...));
   }
 
   // Stops fairring's own paths (not the delegates): `drain` lets what the
@@ -228,6 +255,7 @@ class FairringBackend : public c10d::Backend {
   const c10::DeviceType accelerator_; // CUDA, or the stream vehicle in tests
   std::unique_ptr<DevicePath> cpuPath_;
   std::unique_ptr<DevicePath> acceleratorPath_;
+  CoalescingBlock coalescing_;
 };
 
 } // namespace fairring

@@ -27,6 +27,10 @@ enum class Plant : uint8_t {
   kStepWaitsOnHost, // each step's collective waited for with wait() (blocks under blocking wait)
   kMeasuredOwnTimes, // the measured choice decided from this rank's own times, with no agreement
   kMeasuredFastestRank, // the measured choice combines the ranks' times by MIN, not MAX
+  kTrialTimesNoWork, // a timed trial call that returned no Work (a synchronous one) is watched as if it had one
+  kPointToPointMarksDelegate, // send/recv mark the delegate used, so only their ranks enter its barrier
+  kEventlessWorkUnordered, // a delegated Work whose future carries no event is waited for through it alone
+  kTrialsOnOneWayCalls, // a measured row's call that only the composition takes still takes a trial turn
   kCount,
 };
 

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "faults/fault_points.h"
+#include "faults/plants.h"
 #include "subgroups/done_point.h"
 
 namespace fairring {
@@ -29,6 +30,10 @@ class HostTimer : public TrialTimer, public std::enable_shared_from_this<HostTim
   explicit HostTimer(int64_t call) : call_(call), start_(Clock::now()) {}
 
   void watch(const c10::intrusive_ptr<c10d::Work>& work) override {
+    if (!work && !plants::planted(plants::Plant::kTrialTimesNoWork)) {
+      finish(""); // a synchronous call: done when it returned
+      return;
+    }
     watch(work->getFuture());
   }
   void watch(const c10::intrusive_ptr<c10::ivalue::Future>& future) override {
@@ -95,12 +100,19 @@ class HostTimer : public TrialTimer, public std::enable_shared_from_this<HostTim
 class DeviceTimer : public TrialTimer {
  public:
   DeviceTimer(c10::Device device, c10::Stream timing)
-      : timing_(timing), start_(device.type(), c10::EventFlag::BACKEND_DEFAULT),
+      : device_(device), timing_(timing), start_(device.type(), c10::EventFlag::BACKEND_DEFAULT),
         end_(device.type(), c10::EventFlag::BACKEND_DEFAULT) {
     start_.record(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
   }
 
   void watch(const c10::intrusive_ptr<c10d::Work>& work) override {
+    if (!work && !plants::planted(plants::Plant::kTrialTimesNoWork)) {
+      // A synchronous call ran on the caller's current stream: it ends where
+      // that stream is now.
+      end_.record(c10::impl::VirtualGuardImpl(device_.type()).getStream(device_));
+      recorded_ = true;
+      return;
+    }
     WorkDone(work).block(timing_);
     end_.record(timing_);
     recorded_ = true;
@@ -131,6 +143,7 @@ class DeviceTimer : public TrialTimer {
   }
 
  private:
+  const c10::Device device_;
   const c10::Stream timing_;
   c10::Event start_;
   c10::Event end_;
@@ -150,7 +163,7 @@ std::shared_ptr<TrialTimer> TrialTimers::start(int64_t call, c10::Device device)
   }
   auto it = timing_.find(device.index());
   if (it == timing_.end()) {
-    it = timing_.emplace(device.index(), impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false)).first;
+    it = timing_.emplace(device.index(), impl.getNewStream(device)).first;
   }
   return std::make_shared<DeviceTimer>(device, it->second);
 }

@@ -35,7 +35,11 @@ class TrialTimer {
   using Stop = std::function<bool()>;
 
   virtual ~TrialTimer() = default;
-  // The call was issued: `work` is its Work (its future marks its end).
+  // The call was issued: `work` is its Work (its future marks its end), or
+  // null for a synchronous call, which returns none (ProcessGroupNCCL with
+  // asyncOp false, torch's distributed_c10d.py: "the backend has sync'ed at
+  // CPP level"): it ran on the caller's current stream, or on the host, and
+  // its end is there.
   virtual void watch(const c10::intrusive_ptr<c10d::Work>& work) = 0;
   // The call was issued: `future` completes when it ends (host calls only).
   virtual void watch(const c10::intrusive_ptr<c10::ivalue::Future>& future) = 0;
@@ -47,12 +51,17 @@ class TrialTimer {
 };
 
 // Makes the timers of one device's calls: the clock on CPU, events on an
-// accelerator (and the one stream that records their ends, made at the first).
+// accelerator (and the one stream that records their ends, made at the first:
+// a new stream of its own, not one of torch's shared pool, which the program's
+// own streams may be, so that its waits hold back no stream of the program).
 class TrialTimers {
  public:
   // A timer for trial call `call` of its class, on `device` (the call's
   // tensors'); `call` is the key of the test-only fault point
   // "measured.trial_done", which makes that call end late.
+  // Called by the issuing thread of the device's calls only (the composed
+  // path's), so it owns timing_ without a lock; that thread is the only one a
+  // device's measured calls are issued from (composed_path.h).
   std::shared_ptr<TrialTimer> start(int64_t call, c10::Device device);
 
  private:

@@ -13,26 +13,43 @@
 
 namespace fairring {
 
-void SubgroupAllreduce::await(const c10::intrusive_ptr<c10d::Work>& work) {
+void SubgroupAllreduce::await(const c10::intrusive_ptr<c10d::Work>& work, const c10d::Backend& group) {
   // synchronize() makes the current stream wait and never the host (wait()
   // blocks under TORCH_NCCL_BLOCKING_WAIT); it also empties ProcessGroupNCCL's
   // hold on the step's tensors, which is safe here: they are the caller's
   // (kept for the allocator on the step's stream, which now waits for the
-  // collective) and the lane's staging (kept for the group's life).
-  if (streams_->onDevice() && !plants::planted(plants::Plant::kStepWaitsOnHost)) {
+  // collective) and the lane's staging (kept for the group's life). Gloo
+  // (on CPU, and the test-only local groups of FAIRRING_TEST_LOCAL_GLOO on a
+  // device) has written its result only once wait() returns: its CUDA
+  // _reduce_scatter_base copies the output back inside wait().
+  const bool gloo = group.getBackendName() == "gloo";
+  if (streams_->onDevice() && !gloo && !plants::planted(plants::Plant::kStepWaitsOnHost)) {
     work->synchronize();
   } else {
-    work->wait(); // Gloo on CPU: the bytes are there only after it
+    work->wait();
   }
   parts_.push_back(work);
 }
 
+void SubgroupAllreduce::premultiply(const at::Tensor& piece, RedOp op) const {
+  if (premultiplies(op, piece.scalar_type()) && options_.worldSize > 1) {
+    piece.mul_(1.0 / options_.worldSize);
+  }
+}
+
+void SubgroupAllreduce::divideAfter(const at::Tensor& reduced, RedOp op) const {
+  if (!premultiplies(op, reduced.scalar_type())) {
+    finishReduction(reduced, op, options_.worldSize);
+  }
+}
+
 void SubgroupAllreduce::reduceDirect(const at::Tensor& piece, RedOp op) {
+  premultiply(piece, op);
   std::vector<at::Tensor> tensors{asReducible(piece)};
   c10d::AllreduceOptions opts;
   opts.reduceOp = groupOp(op, piece.scalar_type());
-  await(groups_.world->allreduce(tensors, opts));
-  finishReduction(piece, op, options_.worldSize);
+  await(groups_.world->allreduce(tensors, opts), *groups_.world);
+  divideAfter(piece, op);
   ++stats_.directUnits;
 }
 
@@ -99,12 +116,13 @@ SubgroupAllreduce::Event SubgroupAllreduce::reduceScatterStep(const at::Tensor& 
   auto onStream = streams_->enter(rs);
   streams_->keepAlive(work, rs);
   at::Tensor piece = asReducible(work.narrow(0, unit.begin, unit.size));
+  premultiply(piece, op);
   const int64_t chunk = unit.size / options_.localSize;
   at::Tensor mine = piece.narrow(0, options_.localRank * chunk, chunk);
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = groupOp(op, work.scalar_type());
   // In place: my chunk of the piece, reduced over this machine.
-  await(groups_.localReduce->_reduce_scatter_base(mine, piece, opts));
+  await(groups_.localReduce->_reduce_scatter_base(mine, piece, opts), *groups_.localReduce);
   return streams_->mark(rs);
 }
 
@@ -123,6 +141,9 @@ SubgroupAllreduce::Event SubgroupAllreduce::railStep(
   streams_->keepAlive(work, lane);
   const at::ScalarType original = work.scalar_type();
   at::Tensor piece = asReducible(work.narrow(0, unit.begin, unit.size));
+  if (options_.localSize == 1) {
+    premultiply(piece, op); // with several local ranks, the reduce-scatter step did
+  }
   const int64_t chunkElems = unit.size / options_.localSize;
   const int64_t shardElems = chunkElems / M;
   at::Tensor mine = piece.narrow(0, options_.localRank * chunkElems, chunkElems);
@@ -136,24 +157,20 @@ SubgroupAllreduce::Event SubgroupAllreduce::railStep(
     const at::ScalarType dtype = piece.scalar_type();
     at::Tensor copies = region(slot, 0, chunkElems, dtype);
     at::Tensor reduced = region(slot, aligned256(options_.largestPieceBytes / options_.localSize), shardElems, dtype);
-    await(rail->alltoall_base(copies, mine, even, even, c10d::AllToAllOptions()));
+    await(rail->alltoall_base(copies, mine, even, even, c10d::AllToAllOptions()), *rail);
     reduceRows(copies.view({M, shardElems}), reduced, op, original);
-    if (op == RedOp::AVG) {
-      finishReduction(reduced, op, options_.worldSize);
-    }
+    divideAfter(reduced, op);
     copies.view({M, shardElems}).copy_(reduced.expand({M, shardElems}));
-    await(rail->alltoall_base(mine, copies, even, even, c10d::AllToAllOptions()));
+    await(rail->alltoall_base(mine, copies, even, even, c10d::AllToAllOptions()), *rail);
   } else {
     // NCCL's own reduce-scatter and all-gather on the rail, in place: my shard
     // reduced over the machines lives only here, then every machine's comes.
     at::Tensor shard = mine.narrow(0, options_.machine * shardElems, shardElems);
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = groupOp(op, original);
-    await(rail->_reduce_scatter_base(shard, mine, opts));
-    if (op == RedOp::AVG) {
-      finishReduction(shard, op, options_.worldSize); // by the world, not the rail
-    }
-    await(rail->_allgather_base(mine, shard, c10d::AllgatherOptions()));
+    await(rail->_reduce_scatter_base(shard, mine, opts), *rail);
+    divideAfter(shard, op); // by the world, not the rail
+    await(rail->_allgather_base(mine, shard, c10d::AllgatherOptions()), *rail);
   }
   ++stats_.slicedUnits;
   return streams_->mark(lane);
@@ -168,7 +185,7 @@ void SubgroupAllreduce::allGatherStep(const at::Tensor& work, const Unit& unit, 
   const int64_t chunk = unit.size / options_.localSize;
   at::Tensor mine = piece.narrow(0, options_.localRank * chunk, chunk);
   // In place: every local rank's chunk into the piece.
-  await(groups_.localGather->_allgather_base(piece, mine, c10d::AllgatherOptions()));
+  await(groups_.localGather->_allgather_base(piece, mine, c10d::AllgatherOptions()), *groups_.localGather);
 }
 
 } // namespace fairring

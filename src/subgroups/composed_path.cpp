@@ -16,6 +16,17 @@ ComposedPath::ComposedPath(
   TORCH_CHECK(composition_ && delegate_, "fairring: a composed path needs its composition and a delegate");
 }
 
+bool ComposedPath::delegateTakes(const std::vector<at::Tensor>& tensors) {
+  for (const at::Tensor& t : tensors) {
+    // ProcessGroupNCCL's checks (check_gpu_single_tensor: "Tensors must be
+    // contiguous"; getNcclDataType: no 16-bit integers), which the stand-in copies.
+    if (!t.is_contiguous(t.suggest_memory_format()) || t.scalar_type() == at::kShort) {
+      return false;
+    }
+  }
+  return true;
+}
+
 ComposedPath::Route ComposedPath::routeOf(const std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op) {
   Route route;
   if (tensors.empty()) {
@@ -41,7 +52,12 @@ ComposedPath::Route ComposedPath::routeOf(const std::vector<at::Tensor>& tensors
   // program does on every rank): the delegate's own allreduce, which a CUDA
   // graph can hold, and fairring's streams cannot.
   route.compose = !route.byPlan && !isCapturing(currentStreamCapture(first.device()));
-  if (route.compose && measured_ && measured_->measures(plan.row)) {
+  // A call only the composition takes (a view, int16: NCCL refuses them) is
+  // no trial: it would raise on the delegate's turns, and a trial that raises
+  // fails its class. It composes, untimed, on every rank alike (the call's
+  // layout and dtype are the program's).
+  const bool bothWays = plants::planted(plants::Plant::kTrialsOnOneWayCalls) || delegateTakes(tensors);
+  if (route.compose && bothWays && measured_ && measured_->measures(plan.row)) {
     // Every rank counts the same calls here: the program's own (on CUDA every
     // collective is issued from the calling thread in program order), of a
     // dtype and op both ways reduce, not captured (every rank of a program
@@ -85,7 +101,7 @@ c10::intrusive_ptr<c10d::Work> ComposedPath::allreduce(
       return composition_->allreduceOnOurStreams(tensors.front(), op);
     }
     composition_->countDelegated(route.row);
-    return delegated(tensors, [&](c10d::Backend& b) { return b.allreduce(tensors, opts); });
+    return delegated(tensors, [&](c10d::Backend& b) { return b.allreduce(tensors, opts); }, Callers::kEveryRank);
   });
 }
 
@@ -99,13 +115,16 @@ c10::intrusive_ptr<c10d::Work> ComposedPath::allreduceCoalesced(
       return composition_->allreduceCoalesced(tensors, op);
     }
     composition_->countDelegated(route.row);
-    return delegated(tensors, [&](c10d::Backend& b) { return b.allreduce_coalesced(tensors, opts); });
+    return delegated(tensors, [&](c10d::Backend& b) { return b.allreduce_coalesced(tensors, opts); }, Callers::kEveryRank);
   });
 }
 
-c10::intrusive_ptr<c10d::Work> ComposedPath::delegated(const std::vector<at::Tensor>& tensors, const Issue& issue) {
+c10::intrusive_ptr<c10d::Work> ComposedPath::delegated(
+    const std::vector<at::Tensor>& tensors,
+    const Issue& issue,
+    Callers callers) {
   composition_->orderBefore(tensors);
-  barrier_.used();
+  barrier_.used(callers);
   c10::intrusive_ptr<c10d::Work> work = issue(*delegate_);
   if (work) {
     composition_->orderAfter(tensors, work);

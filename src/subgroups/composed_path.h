@@ -27,7 +27,8 @@ class ComposedPath : public DevicePath {
       c10::intrusive_ptr<c10d::Backend> delegate,
       std::unique_ptr<MeasuredChoice> measured);
 
-  c10::intrusive_ptr<c10d::Work> delegated(const std::vector<at::Tensor>& tensors, const Issue& issue) override;
+  c10::intrusive_ptr<c10d::Work> delegated(const std::vector<at::Tensor>& tensors, const Issue& issue, Callers callers)
+      override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts)
       override;
   c10::intrusive_ptr<c10d::Work> allreduceCoalesced(
@@ -53,6 +54,9 @@ class ComposedPath : public DevicePath {
   // Asks the measured choice for the turn of a call of a measured row: so it
   // is called once per call, by the call's issuing thread.
   Route routeOf(const std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op);
+  // Whether the delegate (NCCL) takes a call of these tensors of a dtype and
+  // op the composition reduces.
+  static bool delegateTakes(const std::vector<at::Tensor>& tensors);
   // `issue` runs the call the way `route` says (its Work), timed where its turn is.
   c10::intrusive_ptr<c10d::Work> timed(
       const Route& route,

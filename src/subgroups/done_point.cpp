@@ -36,6 +36,23 @@ size_t EventPool::created() const {
   return created_;
 }
 
+bool WorkDone::carriesEvents() const {
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  try {
+    future = work_->getFuture();
+  } catch (const std::exception&) {
+    return false; // a Work without a future (Gloo's send and recv): its synchronize() is all there is
+  }
+  if (!future || !future->completed() || future->hasError()) {
+    return true; // block() waits for it on the host
+  }
+  return !future->storages().empty();
+}
+
+void WorkDone::blockCallerStream() {
+  work_->synchronize();
+}
+
 void WorkDone::block(const c10::Stream& stream) {
   // c10's Future::wait() makes the current stream wait on the events it was
   // marked with (and records its values' storages there); ProcessGroupNCCL's

@@ -73,6 +73,15 @@ class EventDone : public DonePoint {
 // ours at issue would free the caller's temporaries while NCCL still reads
 // them. The future ProcessGroupNCCL marks at issue carries the end as CUDA
 // events: waiting on it with a stream current only makes that stream wait.
+//
+// A future marked with no tensor carries no event, and waiting on it orders
+// nothing: ProcessGroupNCCL's coalesced Works (endCoalescing: all_gather and
+// reduce_scatter lists of uneven sizes, batch_isend_irecv) are marked with an
+// empty list, and c10's Future::markCompleted records events only on the
+// devices of its value's storages. For those the caller's current stream
+// waits through the Work's own synchronize(), as the user's wait() would:
+// that empties the Work's hold too, but the caller's stream, where freed
+// memory is handed out again, then waits for the call's end.
 class WorkDone : public DonePoint {
  public:
   explicit WorkDone(c10::intrusive_ptr<c10d::Work> work) : work_(std::move(work)) {}
@@ -80,6 +89,10 @@ class WorkDone : public DonePoint {
     return work_->isCompleted();
   }
   void block(const c10::Stream& stream) override;
+  // Whether its future carries the call's end (block() orders a stream).
+  bool carriesEvents() const;
+  // The caller's current stream waits for the call's end (its synchronize()).
+  void blockCallerStream();
 
  private:
   c10::intrusive_ptr<c10d::Work> work_;

@@ -8,6 +8,7 @@
 #include "faults/plants.h"
 #include "ops/reduce_kind.h"
 #include "ops/tensor_fusion.h"
+#include "subgroups/blocking_wait.h"
 #include "subgroups/capture_probe.h"
 #include "subgroups/reduction.h"
 #include "subgroups/subgroup_work.h"
@@ -22,6 +23,24 @@ SubgroupAllreduce::SubgroupAllreduce(Subgroups groups, SubgroupOptions options, 
       options_(std::move(options)),
       deviceType_(deviceType),
       numLanes_(std::max<int>(1, static_cast<int>(groups_.lanes.size()))) {
+  const BlockingWait blocking = blockingWaitFromEnv();
+  TORCH_CHECK(blocking.status.ok(), blocking.status.message());
+  blockingWait_ = blocking.on;
+  // What a wait's timeout aborts: the communicators of the composition (the
+  // world group is the backend's, and its own Works abort it). Not `this`:
+  // a Work may outlive the group.
+  abortOnTimeout_ = [groups = subgroups(/*withWorld=*/false), aborted = timeoutAborts_]() {
+    if (aborted->exchange(static_cast<int>(groups.size())) != 0) {
+      return; // once
+    }
+    for (const auto& group : groups) {
+      try {
+        group->abort();
+      } catch (const std::exception& e) {
+        TORCH_WARN("fairring: aborting a sub-group after a wait's timeout failed: ", e.what());
+      }
+    }
+  };
   const int L = options_.localSize;
   const int M = options_.numMachines;
   TORCH_CHECK(L >= 1 && M >= 1 && L * M == options_.worldSize, "fairring: ", M, " machines x ", L,
@@ -257,6 +276,14 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::run(
     if (!planted(Plant::kByteRangesOff)) {
       after = inFlight_.overlapping(ranges);
     }
+    for (const Done& point : after) {
+      // The caller's stream is current: a delegated call whose future orders
+      // nothing is waited for there, before the first step waits for it.
+      const auto delegated = std::dynamic_pointer_cast<WorkDone>(point);
+      if (delegated && !planted(Plant::kEventlessWorkUnordered) && !delegated->carriesEvents()) {
+        delegated->blockCallerStream();
+      }
+    }
   }
   countCall(plan, after.size());
   const std::vector<c10::Device> devices =
@@ -301,7 +328,7 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::run(
       " elements of " + dtypeName(dtype) + " on rank " + std::to_string(options_.rank);
   return c10::make_intrusive<SubgroupWork>(
       options_.rank, type, std::move(outputs), future, done, device, std::move(parts_), description,
-      options_.timeout, failure_);
+      options_.timeout, blockingWait_, failure_, abortOnTimeout_);
 }
 
 int SubgroupAllreduce::issue(
@@ -356,6 +383,7 @@ SubgroupStats SubgroupAllreduce::stats() const {
   std::lock_guard<std::mutex> lock(closeMu_);
   stats.shutdown = shutdown_;
   stats.abortedGroups = abortedGroups_;
+  stats.timeoutAborts = timeoutAborts_->load();
   return stats;
 }
 

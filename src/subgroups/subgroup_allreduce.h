@@ -80,6 +80,7 @@ struct SubgroupStats {
   uint64_t eventsCreated{0}; // by the event pool, ever
   std::string shutdown{"running"}; // how destroy or abort ended
   int abortedGroups{0};
+  int timeoutAborts{0}; // sub-groups aborted because a wait of a composed call timed out
 };
 
 // The reduction-server allreduce as a composition of sub-group collectives,
@@ -198,12 +199,16 @@ class SubgroupAllreduce {
   Event railStep(const at::Tensor& work, const Unit& piece, int lane, const Event& after, RailExchange how, RedOp op);
   void allGatherStep(const at::Tensor& work, const Unit& piece, const Event& after);
   void reduceDirect(const at::Tensor& piece, RedOp op);
+  // AVG's 1/N: on this rank's input of a piece before any sum (16-bit floats,
+  // reduction.h's premultiplies), or on the reduced shard after it (others).
+  void premultiply(const at::Tensor& piece, RedOp op) const;
+  void divideAfter(const at::Tensor& reduced, RedOp op) const;
   // Orders the current (step's) stream after `work`'s collective, on the
   // device only (a step never makes the host wait: TORCH_NCCL_BLOCKING_WAIT
   // would otherwise run the steps one at a time), and keeps it as a part of
   // the operation in progress. On CPU (Gloo) the wait blocks: that is all
   // Gloo has.
-  void await(const c10::intrusive_ptr<c10d::Work>& work);
+  void await(const c10::intrusive_ptr<c10d::Work>& work, const c10d::Backend& group);
   // Makes the streams and connects every sub-group at the first composed call,
   // without holding mu_ while it waits for the peers; fails the group (turn 0)
   // if that fails.
@@ -262,6 +267,9 @@ class SubgroupAllreduce {
   mutable std::mutex closeMu_;
   std::string shutdown_{"running"};
   int abortedGroups_{0};
+  bool blockingWait_{false}; // TORCH_NCCL_BLOCKING_WAIT (blocking_wait.h), read once
+  const std::shared_ptr<std::atomic<int>> timeoutAborts_{std::make_shared<std::atomic<int>>(0)};
+  std::function<void()> abortOnTimeout_; // given to every Work: a timed-out wait aborts the sub-groups
 };
 
 } // namespace fairring

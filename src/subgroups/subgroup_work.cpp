@@ -2,22 +2,11 @@
 
 #include <c10/util/Exception.h>
 
-#include <cstdlib>
-#include <cstring>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "subgroups/lane_streams.h"
 
 namespace fairring {
-
-namespace {
-
-// ProcessGroupNCCL's switch for host-blocking waits, honoured the same way.
-bool blockingWait() {
-  const char* value = std::getenv("TORCH_NCCL_BLOCKING_WAIT");
-  return value != nullptr && (std::strcmp(value, "1") == 0 || std::strcmp(value, "true") == 0);
-}
-
-} // namespace
 
 SubgroupWork::SubgroupWork(
     int rank,
@@ -29,7 +18,9 @@ SubgroupWork::SubgroupWork(
     std::vector<c10::intrusive_ptr<c10d::Work>> parts,
     std::string description,
     std::chrono::milliseconds groupTimeout,
-    std::shared_ptr<GroupFailure> groupFailure)
+    bool blockingWait,
+    std::shared_ptr<GroupFailure> groupFailure,
+    std::function<void()> abortOnTimeout)
     : c10d::Work(rank, opType),
       outputs_(std::move(outputs)),
       future_(std::move(future)),
@@ -38,7 +29,9 @@ SubgroupWork::SubgroupWork(
       parts_(std::move(parts)),
       description_(std::move(description)),
       groupTimeout_(groupTimeout),
-      groupFailure_(std::move(groupFailure)) {}
+      blockingWait_(blockingWait),
+      groupFailure_(std::move(groupFailure)),
+      abortOnTimeout_(std::move(abortOnTimeout)) {}
 
 std::exception_ptr SubgroupWork::partFailure(bool ask) const {
   for (const auto& part : parts_) {
@@ -69,6 +62,12 @@ void SubgroupWork::synchronize() {
   if (done_) {
     fairring::blockCurrentStream(*done_, device_);
   }
+  // Under allow_inflight_collective_as_graph_input the process group put this
+  // Work in torch's registry (ProcessGroup.hpp); a wait takes it out, as
+  // ProcessGroupNCCL's WorkNCCL::synchronize does.
+  if (c10d::allow_inflight_collective_as_graph_input()) {
+    c10d::unregister_work(c10::intrusive_ptr<c10d::Work>::unsafe_reclaim_from_nonowning(this));
+  }
 }
 
 void SubgroupWork::blockCurrentStream() {
@@ -80,7 +79,7 @@ bool SubgroupWork::wait(std::chrono::milliseconds timeout) {
     std::rethrow_exception(failure);
   }
   synchronize();
-  if (done_ && (timeout != kNoTimeout || blockingWait())) {
+  if (done_ && (timeout != kNoTimeout || blockingWait_)) {
     const auto limit = timeout != kNoTimeout ? timeout : groupTimeout_;
     const Status reached = waitOnHost(
         *done_, std::chrono::steady_clock::now() + limit, [this] { return partFailure(/*ask=*/true) != nullptr; });
@@ -91,6 +90,9 @@ bool SubgroupWork::wait(std::chrono::milliseconds timeout) {
       const std::string message = "fairring: " + description_ + " did not finish within " +
           std::to_string(limit.count()) + " ms (the timeout of its wait)";
       groupFailure_->fail(message, 0);
+      if (abortOnTimeout_) {
+        abortOnTimeout_();
+      }
       auto error = std::make_exception_ptr(c10::DistBackendError(message));
       {
         std::lock_guard<std::mutex> lock(mutex_);

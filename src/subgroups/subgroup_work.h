@@ -5,6 +5,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -41,7 +42,9 @@ class SubgroupWork : public c10d::Work {
       std::vector<c10::intrusive_ptr<c10d::Work>> parts,
       std::string description,
       std::chrono::milliseconds groupTimeout,
-      std::shared_ptr<GroupFailure> groupFailure);
+      bool blockingWait,
+      std::shared_ptr<GroupFailure> groupFailure,
+      std::function<void()> abortOnTimeout);
 
   bool isCompleted() override;
   bool isSuccess() const override;
@@ -67,9 +70,14 @@ class SubgroupWork : public c10d::Work {
   std::vector<c10::intrusive_ptr<c10d::Work>> parts_;
   std::string description_; // "allreduce of N elements of T on rank R", for errors
   std::chrono::milliseconds groupTimeout_; // a blocking wait's limit when wait() names none
+  const bool blockingWait_; // TORCH_NCCL_BLOCKING_WAIT, read once by the group (blocking_wait.h)
   // The group's: a wait that times out fails it from turn 0 (the device may
   // never get past this operation, so nothing after it may be issued).
   std::shared_ptr<GroupFailure> groupFailure_;
+  // A wait that times out aborts the communicators the operation ran on, as
+  // ProcessGroupNCCL's does with its own (WorkNCCL's wait under blocking
+  // wait): their kernels may never end, and nothing after them can run.
+  const std::function<void()> abortOnTimeout_;
 };
 
 } // namespace fairring

@@ -9,9 +9,12 @@
 
 #include <chrono>
 #include <functional>
+#include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
+#include "subgroups/blocking_wait.h"
 #include "subgroups/call_plan.h"
 #include "subgroups/capture_probe.h"
 #include "subgroups/drain.h"
@@ -21,6 +24,16 @@
 namespace py = pybind11;
 
 void bindSubgroupLogic(py::module_& m) {
+  m.def(
+      "read_blocking_wait",
+      [](const std::map<std::string, std::string>& env) {
+        const fairring::BlockingWait read = fairring::readBlockingWait([&](const char* name) -> const char* {
+          auto it = env.find(name);
+          return it == env.end() ? nullptr : it->second.c_str();
+        });
+        return std::make_tuple(read.on, read.status.message());
+      },
+      py::arg("env"), "(on, error) of TORCH_NCCL_BLOCKING_WAIT and NCCL_BLOCKING_WAIT as `env` sets them.");
 
   m.def(
       "plan_call",

@@ -4,6 +4,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -29,7 +30,24 @@
 //    synchronize()) also block the host until the end;
 //  - as NCCL does, it runs the group's kernels one after the other whatever
 //    stream each was issued on; its barrier waits for them on the host; it
-//    refuses a non-contiguous tensor with ProcessGroupNCCL's words.
+//    refuses a non-contiguous tensor with ProcessGroupNCCL's words;
+//  - send and recv (ProcessGroupNCCL::pointToPoint) run on a stream and
+//    communicator of the pair's own, apart from the group's collectives, and
+//    return a Work even when synchronous;
+//  - a coalescing block (startCoalescing .. endCoalescing, what
+//    batch_isend_irecv uses) runs its calls as one launch at the end on the
+//    group's stream; the calls inside return no Work, and the end's Work has
+//    a future marked with an empty list, which carries no event
+//    (ProcessGroupNCCL::endCoalescing; c10's Future::markCompleted records
+//    events only on the devices of its value's storages), as have the lists
+//    of all_gather and reduce_scatter of uneven sizes, made of broadcasts and
+//    reduces in such a block;
+//  - AVG premultiplies 16-bit floats by 1/N (NCCL's ncclAvg: src/enqueue.cc,
+//    hostToDevRedOp) and divides other floats' sum;
+//  - TORCH_NCCL_BLOCKING_WAIT (then NCCL_BLOCKING_WAIT) is read as torch's
+//    getCvarBool reads it (Utils.hpp): y, yes, t, true, 1 in any case;
+//  - synchronize() takes its Work out of torch's registry under
+//    allow_inflight_collective_as_graph_input, as WorkNCCL::synchronize does.
 // The bytes move through Gloo, at once, on host views of the vehicle tensors.
 namespace vehicle {
 
@@ -85,7 +103,18 @@ class StreamedBackend : public c10d::Backend {
       std::vector<int64_t>& outputSplitSizes,
       std::vector<int64_t>& inputSplitSizes,
       const c10d::AllToAllOptions& opts = c10d::AllToAllOptions()) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllToAllOptions& opts = c10d::AllToAllOptions()) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
+  bool supportsCoalescing() const override {
+    return true;
+  }
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
   c10d::ErrorType getError() override {
     return c10d::ErrorType::SUCCESS;
@@ -105,13 +134,23 @@ class StreamedBackend : public c10d::Backend {
   // communication stream (async) or the caller's current stream, and holds
   // the inputs, outputs and `temporaries` (written by the launch, not part of
   // the result) as ProcessGroupNCCL does.
+  // `eventless`: the Work's future is marked with an empty list (a coalesced
+  // Work's). Inside a coalescing block it runs at once and returns no Work.
   c10::intrusive_ptr<c10d::Work> run(
       const std::string& op,
       bool async,
       const std::vector<at::Tensor>& inputs,
       const std::vector<at::Tensor>& outputs,
       const std::vector<at::Tensor>& temporaries,
-      const std::function<void()>& onHost);
+      const std::function<void()>& onHost,
+      bool eventless = false);
+  // A point-to-point call with `peer`: `start` issues it on Gloo (not waited).
+  c10::intrusive_ptr<c10d::Work> pointToPoint(
+      const std::string& op,
+      int peer,
+      const std::vector<at::Tensor>& tensors,
+      bool writes,
+      const std::function<c10::intrusive_ptr<c10d::Work>()>& start);
   // One launch of `op` on `stream`, after the group's previous one.
   void launch(
       const c10::Stream& stream,
@@ -136,6 +175,22 @@ class StreamedBackend : public c10d::Backend {
   std::vector<Watched> watched_; // the watchdog's list
   std::mutex launchMu_; // one launch at a time, in order
   c10::Event previous_{c10::DeviceType::PrivateUse1}; // where the group's last launch ends
+  // The communicator and stream of each pair's point-to-point calls, by peer.
+  struct Pair {
+    int64_t stream;
+    std::shared_ptr<c10::Event> previous;
+  };
+  std::map<int, Pair> pairs_;
+  // An open coalescing block's sends and receives: what each reads and
+  // writes, and how it is issued (on Gloo, waited for at the block's end).
+  struct Deferred {
+    std::string op;
+    std::vector<at::Tensor> reads;
+    std::vector<at::Tensor> writes;
+    std::function<c10::intrusive_ptr<c10d::Work>()> start;
+  };
+  bool coalescing_{false};
+  std::vector<Deferred> deferred_;
 };
 
 // Whether `work` is a Work this stand-in made (the delegate's own, returned as is).

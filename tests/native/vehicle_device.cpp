@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -42,6 +43,9 @@ c10::Stream streamOf(int64_t id) {
 struct EventState {
   Clock clock;
   int asked{0}; // queries answered "not yet" since it was recorded
+  // When it was recorded, on the host: what a timing event's elapsed time
+  // reads (the vehicle runs kernels at once, so the host's time is theirs).
+  std::chrono::steady_clock::time_point recorded;
 };
 
 // ---------------------------------------------------------------- the guard
@@ -92,6 +96,13 @@ struct Guard final : public c10::impl::DeviceGuardImplInterface {
     auto* state = static_cast<EventState*>(*event);
     state->clock = Ledger::get().clockOf(stream.id());
     state->asked = 0;
+    state->recorded = std::chrono::steady_clock::now();
+  }
+  double elapsedTime(void* start, void* end, const c10::DeviceIndex) const override {
+    TORCH_CHECK(start != nullptr && end != nullptr, "vehicle: elapsedTime of an event never recorded");
+    const auto* a = static_cast<EventState*>(start);
+    const auto* b = static_cast<EventState*>(end);
+    return std::chrono::duration<double, std::milli>(b->recorded - a->recorded).count();
   }
   void block(void* event, const c10::Stream& stream) const override {
     if (event != nullptr) { // an event never recorded orders nothing, as on CUDA
