@@ -131,11 +131,36 @@ def run_controls(rank: int, world: int) -> dict[str, Any]:
     return results
 
 
+def held_across_later_calls(rank: int, world: int, v: Any) -> dict[str, Any]:
+    """A temporary only the Work holds stays held while later calls are issued (each
+    call's clean-up once emptied the shelf of a collective still running: an entry moved
+    onto itself lost its end, and an end that says nothing reads as reached)."""
+    _fresh(v)
+    v.set_patience(1 << 30)  # no event is seen to end: only the host's knowledge frees
+    base = (torch.arange(2 * 16, dtype=torch.float64).view(16, 2) + rank).to(DEVICE)
+    out = torch.zeros(16 // world, dtype=torch.float64, device=DEVICE)
+    works = [dist.reduce_scatter_tensor(out, base[:, 0].contiguous(), async_op=True)]
+    gc.collect()
+    later = [
+        torch.full((4,), float(rank + i), dtype=torch.float64, device=DEVICE) for i in range(3)
+    ]
+    works += [dist.all_reduce(t, async_op=True) for t in later]
+    races_before_waits = v.races()
+    for work in works:
+        work.wait()
+    v.set_patience(8)
+    want = sum(torch.arange(0, 32, 2, dtype=torch.float64) + r for r in range(world))
+    mine = want[rank * (16 // world) : (rank + 1) * (16 // world)]
+    return {"races": races_before_waits + v.races(), "exact": torch.equal(out.cpu(), mine)}
+
+
 def run_stand_in(rank: int, world: int) -> dict[str, Any]:
     v = stream_vehicle.install()
     stand_in = stream_vehicle.init_stand_in()
     try:
-        return held_like_nccl(rank, world, v, stand_in)
+        out = held_like_nccl(rank, world, v, stand_in)
+        out["later calls"] = held_across_later_calls(rank, world, v)
+        return out
     finally:
         stream_vehicle.finish()
 
@@ -175,6 +200,12 @@ def test_the_stand_in_holds_a_temporary_until_wait() -> None:
         held = got["early=False"]
         assert held["races"] == [] and held["exact"], (rank, held)
         assert held["held"] >= 1, (rank, held)
+
+
+def test_the_stand_in_holds_a_temporary_while_later_calls_are_issued() -> None:
+    for rank, got in enumerate(stand_in()):
+        later = got["later calls"]
+        assert later["races"] == [] and later["exact"], (rank, later)
 
 
 def test_a_release_at_issue_frees_the_temporary_under_the_collective() -> None:

@@ -152,15 +152,18 @@ void StreamedBackend::releaseEnded() {
   std::vector<std::shared_ptr<Shelf>> ended;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto still = watched_.begin();
+    // Into a new list: moving an entry onto itself would empty its clock (a
+    // vector moved onto itself is left empty), and an empty clock reads as
+    // ended at the next call, freeing a shelf whose collective may still run.
+    std::vector<Watched> still;
     for (auto& w : watched_) {
       if (Ledger::get().hostKnowsDone(w.end)) {
         ended.push_back(std::move(w.shelf));
       } else {
-        *still++ = std::move(w);
+        still.push_back(std::move(w));
       }
     }
-    watched_.erase(still, watched_.end());
+    watched_.swap(still);
   }
   for (const auto& shelf : ended) {
     shelf->unstash();
