@@ -423,7 +423,10 @@ c10::intrusive_ptr<c10d::Work> StreamedBackend::alltoall(
     }
     at::Tensor in = at::cat(ins);
     at::Tensor out = at::empty({std::accumulate(outSplits.begin(), outSplits.end(), int64_t{0})}, in.options());
-    gloo_->alltoall_base(out, in, outSplits, inSplits, opts)->wait();
+    // Copies: Gloo's alltoall_base takes the splits by reference and moves them away.
+    std::vector<int64_t> outCounts(outSplits);
+    std::vector<int64_t> inCounts(inSplits);
+    gloo_->alltoall_base(out, in, outCounts, inCounts, opts)->wait();
     int64_t offset = 0;
     for (size_t i = 0; i < outputs.size(); ++i) {
       hostView(outputs[i]).copy_(out.narrow(0, offset, outSplits[i]).view(outputs[i].sizes()));
