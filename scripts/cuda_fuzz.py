@@ -2,6 +2,12 @@
 
     python scripts/cuda_fuzz.py --jobs N --seed S [--shapes 1x2,2x2,3x1,2x3]
         [--modes auto,model,lanes,direct] [--kinds K1,K2|-K3,...] [--ops K] [--keep DIR]
+        [--device vehicle|cuda]
+
+``--device cuda`` (scripts/run_cuda_tests.sh's ``fuzz`` part, on a lent GPU): the same
+programs on ``cuda:0``, shared by every rank (simulated machines: 2x1 and 2x2 under MPS),
+fairring against ``backend="nccl"`` itself; a GPU keeps no ledger, so there the verdict
+is values, errors, hangs and crashes.
 
 Job i draws a program (tests/cuda_fuzz_programs.py) from seed S+i at a shape and a mode
 cycled from the lists, runs it on the stream vehicle twice, once on fairring and once
@@ -31,6 +37,7 @@ On one machine (1x2) every mode composes nothing (NCCL's allreduce over NVLink).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import dataclasses
 import os
@@ -51,6 +58,7 @@ import torch  # noqa: E402
 
 SHAPES: dict[str, list[str]] = {
     "1x2": ["m0", "m0"],
+    "2x1": ["m0", "m1"],
     "2x2": ["m0", "m0", "m1", "m1"],
     "3x1": ["m0", "m1", "m2"],
     "2x3": ["m0", "m0", "m0", "m1", "m1", "m1"],
@@ -62,11 +70,16 @@ DEFAULT_OPS = 16
 TIMEOUT_S = 90.0
 
 
-def mode_env(mode: str, seed: int) -> dict[str, str | None]:
-    """The vehicle's environment (tests/test_stream_order.vehicle_env) for ``mode``."""
+def mode_env(mode: str, seed: int, device: str = "vehicle") -> dict[str, str | None]:
+    """The vehicle's environment (tests/test_stream_order.vehicle_env) for ``mode``; on
+    a GPU the same, with NCCL's channels lowered so that every communicator of the
+    simulated machines fits on the one GPU at once (as scripts/run_cuda_tests.sh's
+    tests part does)."""
     from test_stream_order import vehicle_env
 
     env = dict(vehicle_env())
+    if device == "cuda":
+        env.setdefault("NCCL_MAX_NCHANNELS", "4")
     if mode == "auto":
         env.update(FAIRRING_CUDA_ALLREDUCE="auto", FAIRRING_TEST_CUDA_PLAN=AUTO_PLAN)
     elif mode == "model":
@@ -100,9 +113,10 @@ class Verdict:
     def ok(self) -> bool:
         return not self.failures
 
-    def replay(self, kinds_arg: str | None, ops: int) -> str:
+    def replay(self, kinds_arg: str | None, ops: int, device: str = "vehicle") -> str:
         extra = f" --kinds={kinds_arg}" if kinds_arg else ""
         extra += f" --ops {ops}" if ops != DEFAULT_OPS else ""
+        extra += f" --device {device}" if device != "vehicle" else ""
         return (
             f"python scripts/cuda_fuzz.py --jobs 1 --seed {self.seed} --shapes {self.shape} "
             f"--modes {self.mode}{extra}"
@@ -110,7 +124,12 @@ class Verdict:
 
 
 def run_once(
-    program: programs.Program, shape: str, mode: str, which: str, plant: int | None
+    program: programs.Program,
+    shape: str,
+    mode: str,
+    which: str,
+    plant: int | None,
+    device: str = "vehicle",
 ) -> tuple[list[Any] | None, str | None]:
     """(per-rank outcomes, None) or (None, what went wrong with the run as a whole)."""
     from multiprocess import RankFailure, run_ranks
@@ -121,12 +140,13 @@ def run_once(
             programs.run_program,
             len(machines),
             machines,
-            env=mode_env(mode, program.seed),
+            env=mode_env(mode, program.seed, device),
             timeout_s=TIMEOUT_S,
             init_group=False,
             program=program,
             mode=which,
             plant=plant,
+            device=device,
         )
         return got, None
     except RankFailure as exc:
@@ -205,14 +225,18 @@ def run_job(
     kinds: set[str],
     ops: int = DEFAULT_OPS,
     plant: int | None = None,
+    device: str = "vehicle",
 ) -> Verdict:
     start = time.monotonic()
     world = len(SHAPES[shape])
     program = programs.draw_program(seed, world, kinds, ops)
     failures: list[str] = []
     raised: Counter[str] = Counter()
-    mine, bad_mine = run_once(program, shape, mode, "fairring", plant)
-    theirs, bad_theirs = run_once(program, shape, mode, "stand_in", None)
+    # The two runs at once: independent jobs (each its own store), mostly waiting.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        ours = pool.submit(run_once, program, shape, mode, "fairring", plant, device)
+        reference = pool.submit(run_once, program, shape, mode, "stand_in", None, device)
+        (mine, bad_mine), (theirs, bad_theirs) = ours.result(), reference.result()
     failures += [b for b in (bad_mine, bad_theirs) if b]
     if mine is not None and theirs is not None:
         more, raised = compare(program, mine, theirs)
@@ -243,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", default=None, help="kinds to use, or -kind to leave out")
     parser.add_argument("--ops", type=int, default=DEFAULT_OPS)
     parser.add_argument("--keep", default=None, help="keep every job's rank logs under DIR")
+    parser.add_argument("--device", choices=("vehicle", "cuda"), default="vehicle")
     args = parser.parse_args(argv)
     shapes = args.shapes.split(",")
     modes = args.modes.split(",")
@@ -255,9 +280,14 @@ def main(argv: list[str] | None = None) -> int:
     kinds = parse_kinds(args.kinds)
     if args.keep:
         os.environ["FAIRRING_TEST_KEEP_JOBS"] = str(Path(args.keep).resolve())
-    import stream_vehicle
+    if args.device == "vehicle":
+        import stream_vehicle
 
-    stream_vehicle.ensure_built()
+        stream_vehicle.ensure_built()
+    else:
+        from multiprocess import ensure_fairring_built
+
+        ensure_fairring_built()
     verdicts: list[Verdict] = []
     start = time.monotonic()
     for i in range(args.jobs):
@@ -265,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         shape = shapes[i % len(shapes)]
         mode = modes[(i // len(shapes) + i) % len(modes)]
         with heartbeat(f"seed {seed} {shape} {mode}", start):
-            verdict = run_job(seed, shape, mode, kinds, args.ops)
+            verdict = run_job(seed, shape, mode, kinds, args.ops, device=args.device)
         verdicts.append(verdict)
         state = "ok" if verdict.ok else f"FAIL ({len(verdict.failures)})"
         print(
@@ -275,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         for failure in verdict.failures[:8]:
             print(f"    {failure}", flush=True)
-    summarise(verdicts, args.kinds, args.ops)
+    summarise(verdicts, args.kinds, args.ops, args.device)
     return 0 if all(v.ok for v in verdicts) else 1
 
 
@@ -297,7 +327,9 @@ def heartbeat(what: str, start: float, every_s: float = 30.0) -> Iterator[None]:
         thread.join()
 
 
-def summarise(verdicts: list[Verdict], kinds_arg: str | None, ops: int) -> None:
+def summarise(
+    verdicts: list[Verdict], kinds_arg: str | None, ops: int, device: str = "vehicle"
+) -> None:
     jobs, failed, raised = Counter[str](), Counter[str](), Counter[str]()
     for v in verdicts:
         for kind in v.kinds:
@@ -311,7 +343,7 @@ def summarise(verdicts: list[Verdict], kinds_arg: str | None, ops: int) -> None:
             print(f"{kind:24} {jobs[kind]:5} {failed[kind]:7} {raised[kind]:30}")
     for v in verdicts:
         if not v.ok:
-            print(f"replay: {v.replay(kinds_arg, ops)}")
+            print(f"replay: {v.replay(kinds_arg, ops, device)}")
 
 
 if __name__ == "__main__":

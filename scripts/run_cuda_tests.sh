@@ -10,6 +10,10 @@
 #           tests (test_subgroup_logic.py);
 #   blocking  the exact results, streams and ordering tests again under
 #           TORCH_NCCL_BLOCKING_WAIT=1 (no step may wait on the host);
+#   fuzz    seeded random programs (scripts/cuda_fuzz.py --device cuda): fairring against
+#           backend="nccl" on the same programs at 2x1 and 2x2 under MPS, every mode
+#           (FUZZ_JOBS jobs from FUZZ_SEED, default 8 from 0; each rank its own NCCL
+#           host); the same generator CI runs on the stream vehicle;
 #   faults  the tests in which a rank dies or fails (marker cuda_fault), without MPS;
 #   bench   bench/cuda_allreduce.py at 2x1 and 4x1: fairring (FAIRRING_CUDA_ALLREDUCE=
 #           auto and lanes) against NCCL in the same processes, issue 26's targets with
@@ -34,7 +38,7 @@ CUDA_TESTS=(tests/test_cuda.py tests/test_cuda_capture.py tests/test_cuda_ddp_an
 
 out_dir=${OUT:-bench/results/tmp/cuda}
 mkdir -p "$out_dir"
-parts=tests,blocking,faults,bench
+parts=tests,blocking,fuzz,faults,bench
 shapes=2x1,4x1
 while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -49,8 +53,8 @@ while [[ $# -gt 0 ]]; do
 done
 for part in ${parts//,/ }; do
     case "$part" in
-        tests|blocking|faults|bench) ;;
-        *) echo "run_cuda_tests.sh: unknown part '$part' (expected tests, blocking, faults, bench)" >&2; exit 2 ;;
+        tests|blocking|fuzz|faults|bench) ;;
+        *) echo "run_cuda_tests.sh: unknown part '$part' (expected tests, blocking, fuzz, faults, bench)" >&2; exit 2 ;;
     esac
 done
 wants() { [[ ",$parts," == *",$1,"* ]]; }
@@ -134,6 +138,16 @@ if wants blocking; then
     TORCH_NCCL_BLOCKING_WAIT=1 python -m pytest -q -m "cuda and not cuda_fault" "${CUDA_TESTS[@]}" \
         -k "2x1 or concurrent or same_memory or bucket_views or blocking or gather_of_a_temporary" \
         -p no:cacheprovider --durations=10 "$@" 2>&1 | tee "$out_dir/cuda_blocking_tests.log"
+    note_status "${PIPESTATUS[0]}"
+    set -e
+fi
+if wants fuzz; then
+    echo "== random programs against NCCL (MPS), $(date -u +%H:%M:%S)"
+    set +e
+    export NCCL_MAX_NCHANNELS=${user_nchannels:-4}
+    start_mps
+    python scripts/cuda_fuzz.py --device cuda --jobs "${FUZZ_JOBS:-8}" --seed "${FUZZ_SEED:-0}" \
+        --shapes 2x1,2x2 --keep "$out_dir/fuzz_jobs" 2>&1 | tee "$out_dir/cuda_fuzz.log"
     note_status "${PIPESTATUS[0]}"
     set -e
 fi

@@ -46,10 +46,6 @@ KINDS: tuple[str, ...] = (
     "ddp",
     "ddp_hook",
 )
-# What the stand-in (tests/native/vehicle_backend.h) may not take yet: work in progress.
-NEWER_STAND_IN: frozenset[str] = frozenset(
-    {"send_recv", "batch_p2p", "all_to_all", "allgather_list_uneven"}
-)
 
 DTYPES: tuple[str, ...] = (
     "float64",
@@ -310,13 +306,18 @@ def draw_program(seed: int, world: int, kinds: Iterable[str], ops: int = 16) -> 
 
 
 def run_program(
-    rank: int, world: int, program: Program, mode: str, plant: int | None = None
+    rank: int,
+    world: int,
+    program: Program,
+    mode: str,
+    plant: int | None = None,
+    device: str = "vehicle",
 ) -> dict[str, object]:
     """The rank function for run_ranks: tests/cuda_fuzz_rank.py's (imported there only,
     where the vehicle is installed)."""
     from cuda_fuzz_rank import run_program as run
 
-    return run(rank, world, program, mode, plant)
+    return run(rank, world, program, mode, plant, device)
 
 
 def covered(seeds: Iterable[int], world_of: dict[int, int], kinds: Iterable[str]) -> set[str]:

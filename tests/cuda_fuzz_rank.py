@@ -1,7 +1,8 @@
-"""One rank of a random program (tests/cuda_fuzz_programs.py) on the stream vehicle:
-on fairring's CUDA path (``mode="fairring"``) or on the NCCL stand-in alone
-(``mode="stand_in"``: what ``backend="nccl"`` would do), so that the two outcomes can be
-compared (scripts/cuda_fuzz.py).
+"""One rank of a random program (tests/cuda_fuzz_programs.py) on the stream vehicle, or
+a GPU (tests/cuda_fuzz_device.py): on fairring's CUDA path (``mode="fairring"``) or on
+the reference alone (``mode="stand_in"``: the NCCL stand-in, what ``backend="nccl"``
+would do; NCCL itself on a GPU), so that the two outcomes can be compared
+(scripts/cuda_fuzz.py).
 
 The outcome is plain data: for each op, the result tensors as CPU tensors, or the error
 it raised (type and message), and the races the vehicle's Ledger saw. An op that raises
@@ -13,15 +14,15 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable
 from typing import Any
 
-import stream_vehicle
+import cuda_fuzz_device
 import torch
 import torch.distributed as dist
 from cuda_fuzz_programs import FLOATS, Op, Program, key
 
-DEVICE = stream_vehicle.DEVICE
+# The tensors' device: the vehicle's, or "cuda" (set by run_program).
+DEVICE = "vehicle"
 POLL_LIMIT_S = 60.0
 
 
@@ -274,12 +275,12 @@ class Runner:
                 return [(t * 1).cpu() for t in st["reads"]]
         return [(t * 1).cpu() for t in st["reads"]]
 
-    def current(self, stream: int) -> _Current:
+    def current(self, stream: Any) -> _Current:
         return _Current(self.v, stream)
 
 
 class _Current:
-    def __init__(self, v: Any, stream: int) -> None:
+    def __init__(self, v: Any, stream: Any) -> None:
         self.v, self.stream, self.previous = v, stream, 0
 
     def __enter__(self) -> None:
@@ -298,7 +299,7 @@ def poll(work: Any) -> None:
 
 
 def barrier() -> None:
-    """A barrier on the group's vehicle backend (ProcessGroupNCCL's, which waits for the
+    """A barrier on the group's device backend (ProcessGroupNCCL's, which waits for the
     device), not on the CPU one (the stand-in's default group is Gloo's)."""
     opts = dist.BarrierOptions()
     opts.device = torch.device(DEVICE, 0)
@@ -328,20 +329,23 @@ def ddp_step(rank: int, world: int, seed: int, op: Op) -> list[torch.Tensor]:
 
 
 def run_program(
-    rank: int, world: int, program: Program, mode: str, plant: int | None = None
+    rank: int,
+    world: int,
+    program: Program,
+    mode: str,
+    plant: int | None = None,
+    device: str = "vehicle",
 ) -> dict[str, Any]:
-    """Run ``program`` on this rank, on fairring (``mode="fairring"``) or the NCCL
-    stand-in alone (``"stand_in"``); ``plant``: an op whose first result fairring's run
-    perturbs (tests show that the verdict fails). Returns {"ops": {index: ("ok",
-    [cpu tensors]) | ("error", type, message)}, "races": [...]}."""
-    init: Callable[[], Any] = (
-        stream_vehicle.init_fairring if mode == "fairring" else stream_vehicle.init_stand_in
-    )
+    """Run ``program`` on this rank, on fairring (``mode="fairring"``) or the reference
+    alone (``"stand_in"``: the NCCL stand-in on the vehicle, NCCL on a GPU); ``plant``:
+    an op whose first result fairring's run perturbs (tests show that the verdict fails).
+    Returns {"ops": {index: ("ok", [cpu tensors]) | ("error", type, message)},
+    "races": [...]}."""
+    global DEVICE
+    v = cuda_fuzz_device.for_name(device)
+    DEVICE = v.name
     try:
-        init()
-        v = stream_vehicle.install()
-        v.synchronize()
-        v.clear_races()
+        v.init(mode)
         runner = Runner(rank, world, program, v)
         by_index = {op.index: op for op in program.ops}
         for step in program.ranks[rank].steps:
@@ -352,7 +356,7 @@ def run_program(
                 runner.resolve(op)
         runner.state.clear()
         gc.collect()
-        races = list(v.races())
+        races = v.races()
         outcome = runner.outcome
         if plant is not None and mode == "fairring":
             got = outcome.get(plant)
@@ -360,4 +364,4 @@ def run_program(
                 got[1][0].view(-1)[0] += 1
         return {"ops": outcome, "races": races}
     finally:
-        stream_vehicle.finish()
+        v.finish()

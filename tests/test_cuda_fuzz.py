@@ -3,10 +3,10 @@ stream vehicle), each judged against the NCCL stand-in alone, kept as tests.
 
 The seeds are chosen so that together they draw every kind of call (asserted from the
 programs themselves, not by hand), over the shapes 1x2, 2x2, 3x1 and 2x3 and the modes
-auto, model, lanes and direct (scripts/cuda_fuzz.py says what each exercises). A kind the
-stand-in cannot run yet counts as "reference raised": the verdict then asks only that
-fairring raise too. One more test plants a wrong value in fairring's outcome and checks
-that the verdict fails (the checker can fail). About 15 s a seed on 2 cores.
+auto, model, lanes and direct (scripts/cuda_fuzz.py says what each exercises); then the
+seeds that once failed (FOUND), each with what it found. One more test plants a wrong
+value in fairring's outcome and checks that the verdict fails (the checker can fail).
+About 10 s a seed on 2 cores.
 """
 
 from __future__ import annotations
@@ -38,6 +38,14 @@ JOBS: tuple[tuple[int, str, str], ...] = (
     (114, "3x1", "lanes"),
     (118, "3x1", "direct"),
 )
+# Seeds that failed once, kept (scripts/cuda_fuzz.py, 2026-12-02): the stand-in freed a
+# temporary under its collective (a watched entry moved onto itself lost its end) at
+# 102 and 108; its list all_to_all crashed (Gloo moved the splits away) at 100 and 106,
+# which JOBS already holds.
+FOUND: tuple[tuple[int, str, str], ...] = (
+    (102, "3x1", "lanes"),
+    (108, "1x2", "lanes"),
+)
 ALL = set(programs.KINDS)
 
 
@@ -55,7 +63,7 @@ def test_the_seeds_cover_every_kind_shape_and_mode() -> None:
     assert {mode for _, _, mode in JOBS} == set(cuda_fuzz.MODES)
 
 
-@pytest.mark.parametrize(("seed", "shape", "mode"), JOBS)
+@pytest.mark.parametrize(("seed", "shape", "mode"), JOBS + FOUND)
 def test_fairring_matches_the_stand_in(seed: int, shape: str, mode: str) -> None:
     verdict = cuda_fuzz.run_job(seed, shape, mode, ALL)
     replay = verdict.replay(None, cuda_fuzz.DEFAULT_OPS)
