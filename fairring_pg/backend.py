@@ -207,7 +207,11 @@ def _cuda_side(
         cuda_delegate = cpu_delegate
     kinds = cuda_subgroup_kinds(topology, agreed.cuda_decision.delegate, config.test_local_gloo)
     if kinds is not None and _core_factory is None:
-        makers["gloo"] = process_groups.gloo_maker(store, timeout, config, global_ranks)
+        stand_in = _stand_in_accelerator
+        if stand_in is not None and stand_in.gloo_maker is not None:
+            makers["gloo"] = stand_in.gloo_maker(store, timeout, global_ranks)
+        else:
+            makers["gloo"] = process_groups.gloo_maker(store, timeout, config, global_ranks)
         opts.cuda_subgroups = build_subgroups(
             agreed.ext.Subgroups(),
             topology,

@@ -33,6 +33,9 @@ class StandInAccelerator:
     make_world: Callable[[Any, int, int, timedelta, list[int], str], Any]
     # (store, timeout, global ranks) -> a maker of sub-groups
     maker: Callable[[Any, timedelta, list[int]], GroupMaker]
+    # The same for Gloo's groups on its tensors (FAIRRING_TEST_LOCAL_GLOO's local
+    # groups); None: Gloo's own.
+    gloo_maker: Callable[[Any, timedelta, list[int]], GroupMaker] | None = None
 
 
 def gloo_group(

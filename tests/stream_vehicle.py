@@ -9,7 +9,9 @@ stream the allocator was not told about may use it, are races (``races()``), whi
 GPU could turn into wrong results. ``stand_in()`` is what fairring's creator makes the
 CUDA side of: a world group and sub-groups that behave as today's ProcessGroupNCCL does
 with streams and memory (tests/native/vehicle_backend.h: no record_stream, tensors held
-on the Work's shelf until wait() or synchronize(), or late by the watchdog), over Gloo.
+on the Work's shelf until wait() or synchronize(), or late by the watchdog), over Gloo;
+under FAIRRING_TEST_LOCAL_GLOO, local groups that behave as ProcessGroupGloo does with
+CUDA tensors (tests/native/vehicle_gloo.h: a reduce-scatter written only in wait()).
 
 ``init_fairring()`` creates the default group with it (ranks launched with
 ``init_group=False``) and registers fairring's backend for vehicle tensors, so that
@@ -95,7 +97,15 @@ def stand_in() -> Any:
 
         return make_group
 
-    return StandInAccelerator(DEVICE, make_world, maker)
+    def gloo_on_vehicle(store: Any, timeout: timedelta, global_ranks: list[int]) -> Any:
+        make = gloo_maker(store, timeout, config, global_ranks)
+
+        def make_group(prefix: str, rank: int, size: int, members: list[int], name: str) -> Any:
+            return vehicle.GlooOnVehicle(make(prefix, rank, size, members, name), name)
+
+        return make_group
+
+    return StandInAccelerator(DEVICE, make_world, maker, gloo_on_vehicle)
 
 
 def init_fairring(**kwargs: Any) -> Any:

@@ -336,3 +336,34 @@ def test_a_blocking_wait_that_is_no_truth_value_names_the_variable(env: dict[str
     on, error = native_module.load().read_blocking_wait(env)
     (name, raw), *_ = env.items()
     assert not on and name in error and repr(raw) in error.replace('"', "'"), error
+
+
+# ------------------------------------------------------------------ Gloo's local groups
+
+
+def local_gloo_allreduce(rank: int, world: int) -> dict[str, Any]:
+    """Composed allreduces with Gloo's local groups (FAIRRING_TEST_LOCAL_GLOO, as on one
+    GPU shared by the ranks of a simulated machine): Gloo's reduce-scatter of device
+    tensors writes its output only in wait(), so a step that only synchronize()d would
+    reduce the machine's chunk unreduced."""
+    v = started()
+    try:
+        errors = []
+        for n in (3 * 512 + 3, 3 * 2048 + 7):
+            t = produced(rank, n)
+            dist.all_reduce(t, async_op=True).wait()
+            errors.append(exact(t * 1, total(world, n)))
+        return outcome(v, errors, stats=subgroup_stats(None, DEVICE))
+    finally:
+        stream_vehicle.finish()
+
+
+def test_gloo_local_groups_are_waited_for() -> None:
+    stream_vehicle.ensure_built()
+    env = {**vehicle_env(), "FAIRRING_TEST_LOCAL_GLOO": "on"}
+    results = run_ranks(
+        local_gloo_allreduce, 4, MACHINES["2x2"], env=env, timeout_s=TIMEOUT_S, init_group=False
+    )
+    for rank, got in enumerate(results):
+        assert got["stats"]["composed_calls"] == 2, got["stats"]
+        assert got["errors"] == [] and got["races"] == [], (rank, got)

@@ -7,6 +7,7 @@
 
 #include "test_module.h"
 #include "vehicle_backend.h"
+#include "vehicle_gloo.h"
 #include "vehicle_device.h"
 #include "vehicle_ledger.h"
 
@@ -82,6 +83,13 @@ void bindStreamVehicle(py::module_& m) {
           py::arg("gloo"), py::arg("name"))
       .def("collectives", &vehicle::StreamedBackend::collectives)
       .def("held_shelves", &vehicle::StreamedBackend::heldShelves);
+  py::class_<vehicle::GlooOnVehicle, c10d::Backend, c10::intrusive_ptr<vehicle::GlooOnVehicle>>(
+      v, "GlooOnVehicle", "ProcessGroupGloo as it is with device tensors (copies through the host).")
+      .def(
+          py::init([](const c10::intrusive_ptr<c10d::Backend>& gloo, const std::string& name) {
+            return c10::make_intrusive<vehicle::GlooOnVehicle>(gloo, name);
+          }),
+          py::arg("gloo"), py::arg("name"));
   v.def(
       "is_streamed_work", [](const c10::intrusive_ptr<c10d::Work>& work) { return vehicle::isStreamedWork(work); },
       py::arg("work"), "Whether `work` is the stand-in's own Work (a collective returned as the delegate made it).");
