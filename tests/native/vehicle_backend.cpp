@@ -477,12 +477,11 @@ c10::intrusive_ptr<c10d::Work> StreamedBackend::pointToPoint(
   c10::Event end(device().type());
   end.record(stream);
   Clock endClock = Ledger::get().clockOf(pair->stream);
-  auto shelf = std::make_shared<Shelf>();
-  shelf->stash(tensors);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    watched_.push_back(Watched{endClock, shelf});
+  // pointToPoint tells the allocator (recordStream) rather than a shelf.
+  for (const at::Tensor& t : tensors) {
+    recordOnStream(t, stream);
   }
+  auto shelf = std::make_shared<Shelf>();
   auto future = c10::make_intrusive<c10::ivalue::Future>(
       c10::ListType::create(c10::TensorType::get()), std::vector<c10::Device>{device()});
   {

@@ -24,7 +24,9 @@
 //    empties the shelf, or until the watchdog has seen it end and the group's
 //    next collective empties it (the late release, the only safety net);
 //  - a blocking one (asyncOp false) runs on the caller's current stream and
-//    returns no Work;
+//    returns no Work (ProcessGroupNCCL::collective: "return asyncOp ? work :
+//    nullptr"; torch 2.13's distributed_c10d.py l.3247-3253: "the backend has
+//    sync'ed at CPP level");
 //  - its future is marked on the communication stream; isCompleted() asks
 //    the end event; TORCH_NCCL_BLOCKING_WAIT makes wait() (not
 //    synchronize()) also block the host until the end;
@@ -32,22 +34,32 @@
 //    stream each was issued on; its barrier waits for them on the host; it
 //    refuses a non-contiguous tensor with ProcessGroupNCCL's words;
 //  - send and recv (ProcessGroupNCCL::pointToPoint) run on a stream and
-//    communicator of the pair's own, apart from the group's collectives, and
-//    return a Work even when synchronous;
+//    communicator of the pair's own ("low:high", without a bound device),
+//    apart from the group's collectives, tell the allocator of that stream
+//    (recordStream) instead of a shelf, and return a Work even when
+//    synchronous; inside a block they return none;
 //  - a coalescing block (startCoalescing .. endCoalescing, what
 //    batch_isend_irecv uses) runs its calls as one launch at the end on the
 //    group's stream; the calls inside return no Work, and the end's Work has
 //    a future marked with an empty list, which carries no event
-//    (ProcessGroupNCCL::endCoalescing; c10's Future::markCompleted records
-//    events only on the devices of its value's storages), as have the lists
-//    of all_gather and reduce_scatter of uneven sizes, made of broadcasts and
-//    reduces in such a block;
-//  - AVG premultiplies 16-bit floats by 1/N (NCCL's ncclAvg: src/enqueue.cc,
-//    hostToDevRedOp) and divides other floats' sum;
+//    (ProcessGroupNCCL::endCoalescing: "markCompleted(at::IValue(
+//    std::vector<at::Tensor>{}))"; c10's Future::markCompleted records events
+//    only on the devices of its value's storages, ivalue_inl.h l.928-971 in
+//    torch 2.13), as have the lists of all_gather and reduce_scatter of uneven
+//    sizes (ProcessGroupNCCL::allgather and reduce_scatter when
+//    check_same_size fails: broadcasts and reduces in such a block); an empty
+//    block's end returns no Work;
+//  - AVG premultiplies 16-bit floats by 1/N (NCCL 2.28's ncclAvg:
+//    src/enqueue.cc l.2285-2320, hostToDevRedOp, ncclDevPreMulSum for floats)
+//    and divides other floats' sum (the order of sums differs anyway);
 //  - TORCH_NCCL_BLOCKING_WAIT (then NCCL_BLOCKING_WAIT) is read as torch's
-//    getCvarBool reads it (Utils.hpp): y, yes, t, true, 1 in any case;
+//    getCvarBool reads it (torch 2.13's Utils.hpp l.151-189 over
+//    ProcessGroupNCCL.hpp l.60-62): y, yes, t, true, 1 in any case;
 //  - synchronize() takes its Work out of torch's registry under
-//    allow_inflight_collective_as_graph_input, as WorkNCCL::synchronize does.
+//    allow_inflight_collective_as_graph_input, as WorkNCCL::synchronize does
+//    (ProcessGroup.hpp l.28-51 in torch 2.13);
+//  - all_to_all's list form is an ordinary collective (ProcessGroupNCCL::
+//    alltoall: collective(), a future marked with its outputs).
 // The bytes move through Gloo, at once, on host views of the vehicle tensors.
 namespace vehicle {
 

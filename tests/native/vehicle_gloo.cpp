@@ -20,14 +20,17 @@ c10::Stream current() {
 }
 
 // A Gloo work on device tensors: `copyBack` (if any) runs in wait(), on the
-// current stream; the end of what ran at issue is `end`.
+// current stream; the end of what ran at issue is `end`. The reduce-scatter's
+// (a LambdaWork in ProcessGroupGloo.cpp) has no future, as there.
 class GlooWork : public c10d::Work {
  public:
   GlooWork(c10::Event end, std::vector<at::Tensor> outputs, std::function<void()> copyBack)
       : end_(std::move(end)), outputs_(std::move(outputs)), copyBack_(std::move(copyBack)) {
-    future_ = c10::make_intrusive<c10::ivalue::Future>(
-        c10::ListType::create(c10::TensorType::get()), std::vector<c10::Device>{device()});
-    future_->markCompleted(c10::IValue(outputs_));
+    if (!copyBack_) {
+      future_ = c10::make_intrusive<c10::ivalue::Future>(
+          c10::ListType::create(c10::TensorType::get()), std::vector<c10::Device>{device()});
+      future_->markCompleted(c10::IValue(outputs_));
+    }
   }
 
   bool isCompleted() override {
@@ -49,6 +52,7 @@ class GlooWork : public c10d::Work {
     return outputs_;
   }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    TORCH_CHECK(future_, "Work::getFuture not implemented (ProcessGroupGloo's reduce-scatter of device tensors)");
     return future_;
   }
 

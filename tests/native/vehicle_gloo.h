@@ -7,7 +7,8 @@
 // ProcessGroupGloo with the vehicle's tensors, as it is with CUDA tensors
 // (FAIRRING_TEST_LOCAL_GLOO makes the local groups of a composed allreduce
 // Gloo's, so that several ranks of a simulated machine share one GPU). What
-// it copies from torch's ProcessGroupGloo.cpp (the CUDA works):
+// it copies from torch's ProcessGroupGloo.cpp and gloo/ProcessGroupGlooCuda.cpp
+// (AsyncAllreduceCUDAHostWork; _reduce_scatter_base's LambdaWork):
 //  - at issue, a stream of the group's own waits for the caller's current
 //    stream and copies the inputs to the host; Gloo reduces there;
 //  - allreduce and _allgather_base copy the result back in run(), on that
