@@ -33,7 +33,7 @@ void SubgroupAllreduce::await(const c10::intrusive_ptr<c10d::Work>& work, const 
 
 void SubgroupAllreduce::premultiply(const at::Tensor& piece, RedOp op) const {
   if (premultiplies(op, piece.scalar_type()) && options_.worldSize > 1) {
-    piece.mul_(1.0 / options_.worldSize);
+    piece.div_(options_.worldSize); // divided, not times a rounded 1/N: exact where x/N is
   }
 }
 

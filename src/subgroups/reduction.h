@@ -19,12 +19,14 @@ at::ScalarType reductionDtype(at::ScalarType dtype);
 at::Tensor asReducible(const at::Tensor& t);
 // The op a sub-group reduces with: AVG sums (its 1/N is ours, premultiplied).
 c10d::ReduceOp groupOp(RedOp op, at::ScalarType original);
-// Whether AVG multiplies each rank's input by 1/N before it sums, as NCCL's
-// AVG does on floating types (src/enqueue.cc, hostToDevRedOp: a premultiplied
-// sum): for float16 and bfloat16, where a sum of values near the top of their
-// range overflows before a division at the end. 32- and 64-bit floats are
-// summed and divided once, exact wherever the sum and quotient are (the range
-// is no concern there, and the order of NCCL's sums differs in any case).
+// Whether AVG divides each rank's input by N before it sums, as NCCL's AVG
+// premultiplies floating types by 1/N (src/enqueue.cc, hostToDevRedOp: a
+// premultiplied sum): for float16 and bfloat16, where a sum of values near the
+// top of their range overflows before a division at the end. Divided rather
+// than multiplied by a rounded 1/N, so that x/N is exact wherever it can be.
+// 32- and 64-bit floats are summed and divided once, exact wherever the sum
+// and quotient are (the range is no concern there, and the order of NCCL's
+// sums differs in any case).
 inline bool premultiplies(RedOp op, at::ScalarType dtype) {
   return op == RedOp::AVG && (dtype == at::kHalf || dtype == at::kBFloat16);
 }

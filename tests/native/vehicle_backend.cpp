@@ -245,8 +245,8 @@ c10::intrusive_ptr<c10d::Work> StreamedBackend::allreduce(
     const c10d::AllreduceOptions& opts) {
   return run("allreduce", opts.asyncOp, tensors, tensors, {}, [&] {
     auto views = hostViews(tensors);
-    // NCCL averages; Gloo does not: 16-bit floats premultiplied by 1/N, as
-    // NCCL's AVG does, and summed; other floats summed and divided.
+    // NCCL averages; Gloo does not: 16-bit floats divided by N first, as
+    // NCCL's AVG premultiplies, and summed; other floats summed and divided.
     const bool average = opts.reduceOp.op_ == c10d::ReduceOp::AVG;
     const bool premultiplied = average && !views.empty() &&
         (views[0].scalar_type() == at::kHalf || views[0].scalar_type() == at::kBFloat16);
@@ -256,7 +256,7 @@ c10::intrusive_ptr<c10d::Work> StreamedBackend::allreduce(
     }
     if (premultiplied) {
       for (at::Tensor& view : views) {
-        view.mul_(1.0 / getSize());
+        view.div_(getSize());
       }
     }
     gloo_->allreduce(views, summed)->wait();

@@ -49,7 +49,7 @@
 //    sizes (ProcessGroupNCCL::allgather and reduce_scatter when
 //    check_same_size fails: broadcasts and reduces in such a block); an empty
 //    block's end returns no Work;
-//  - AVG premultiplies 16-bit floats by 1/N (NCCL 2.28's ncclAvg:
+//  - AVG divides 16-bit floats by N before the sum (NCCL 2.28's ncclAvg:
 //    src/enqueue.cc l.2285-2320, hostToDevRedOp, ncclDevPreMulSum for floats)
 //    and divides other floats' sum (the order of sums differs anyway);
 //  - TORCH_NCCL_BLOCKING_WAIT (then NCCL_BLOCKING_WAIT) is read as torch's

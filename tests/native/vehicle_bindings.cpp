@@ -7,11 +7,25 @@
 
 #include "test_module.h"
 #include "vehicle_backend.h"
-#include "vehicle_gloo.h"
 #include "vehicle_device.h"
+#include "vehicle_gloo.h"
 #include "vehicle_ledger.h"
 
 namespace py = pybind11;
+
+namespace {
+
+void bindGlooOnVehicle(py::module_& v) {
+  py::class_<vehicle::GlooOnVehicle, c10d::Backend, c10::intrusive_ptr<vehicle::GlooOnVehicle>>(
+      v, "GlooOnVehicle", "ProcessGroupGloo as it is with device tensors (copies through the host).")
+      .def(
+          py::init([](const c10::intrusive_ptr<c10d::Backend>& gloo, const std::string& name) {
+            return c10::make_intrusive<vehicle::GlooOnVehicle>(gloo, name);
+          }),
+          py::arg("gloo"), py::arg("name"));
+}
+
+} // namespace
 
 void bindStreamVehicle(py::module_& m) {
   auto v = m.def_submodule("vehicle", "The stream vehicle: a test-only accelerator whose streams are recorded.");
@@ -83,13 +97,7 @@ void bindStreamVehicle(py::module_& m) {
           py::arg("gloo"), py::arg("name"))
       .def("collectives", &vehicle::StreamedBackend::collectives)
       .def("held_shelves", &vehicle::StreamedBackend::heldShelves);
-  py::class_<vehicle::GlooOnVehicle, c10d::Backend, c10::intrusive_ptr<vehicle::GlooOnVehicle>>(
-      v, "GlooOnVehicle", "ProcessGroupGloo as it is with device tensors (copies through the host).")
-      .def(
-          py::init([](const c10::intrusive_ptr<c10d::Backend>& gloo, const std::string& name) {
-            return c10::make_intrusive<vehicle::GlooOnVehicle>(gloo, name);
-          }),
-          py::arg("gloo"), py::arg("name"));
+  bindGlooOnVehicle(v);
   v.def(
       "is_streamed_work", [](const c10::intrusive_ptr<c10d::Work>& work) { return vehicle::isStreamedWork(work); },
       py::arg("work"), "Whether `work` is the stand-in's own Work (a collective returned as the delegate made it).");
