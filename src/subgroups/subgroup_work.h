@@ -75,8 +75,10 @@ class SubgroupWork : public c10d::Work {
   // never get past this operation, so nothing after it may be issued).
   std::shared_ptr<GroupFailure> groupFailure_;
   // A wait that times out aborts the communicators the operation ran on, as
-  // ProcessGroupNCCL's does with its own (WorkNCCL's wait under blocking
-  // wait): their kernels may never end, and nothing after them can run.
+  // ProcessGroupNCCL's does with its own (WorkNCCL::wait: on a timeout,
+  // "Abort NCCL communicators", WorkNCCL::abort -> ncclCommAbort of that
+  // Work's communicator): their kernels may never end, and nothing after
+  // them can run.
   const std::function<void()> abortOnTimeout_;
 };
 
