@@ -138,6 +138,7 @@ def _agree(store: Any, rank: int, size: int, timeout: timedelta, group_id: str) 
             cuda_decision = CudaDecision("nccl", "a stand-in accelerator (tests)")
         if not config.test_cpu_subgroups:
             config.check_staging_fits(topology.num_machines, topology.local_size)
+        config.check_staging_allocatable()
         # What each size of CUDA allreduce runs, the same on every rank (rank 0's).
         cuda_plan, ctas = plan_for_job(store, topology, config, timeout, gpu_facts)
         # From job-wide values and the topology: the same on every rank.

@@ -526,6 +526,20 @@ class Config:
                 "FAIRRING_SLICE_SIZE"
             )
 
+    def check_staging_allocatable(self) -> None:
+        """Fail if ``total_memory`` is more than this machine's memory: the core would
+        fail to allocate it only once groups are built, a rank at a time, and a peer
+        still connecting would see a closed connection, not the variable at fault."""
+        try:
+            physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            return
+        if 0 < physical < self.total_memory:
+            raise ValueError(
+                f"FAIRRING_TOTAL_MEMORY={self.total_memory} is more than this machine's "
+                f"memory ({physical} bytes); set a smaller FAIRRING_TOTAL_MEMORY"
+            )
+
     def check_consistent_across_ranks(
         self, store: Any, rank: int, world_size: int, timeout: timedelta | None = None
     ) -> None:
