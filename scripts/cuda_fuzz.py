@@ -54,6 +54,7 @@ if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
 import cuda_fuzz_programs as programs  # noqa: E402 - lives in tests/
+import cuda_fuzz_rank  # noqa: E402 - lives in tests/
 import torch  # noqa: E402
 
 SHAPES: dict[str, list[str]] = {
@@ -137,7 +138,7 @@ def run_once(
     machines = SHAPES[shape]
     try:
         got = run_ranks(
-            programs.run_program,
+            cuda_fuzz_rank.run_program,
             len(machines),
             machines,
             env=mode_env(mode, program.seed, device),

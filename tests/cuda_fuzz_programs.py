@@ -305,21 +305,6 @@ def draw_program(seed: int, world: int, kinds: Iterable[str], ops: int = 16) -> 
     return Program(seed, world, ops_t, ranks, frozenset(consumed))
 
 
-def run_program(
-    rank: int,
-    world: int,
-    program: Program,
-    mode: str,
-    plant: int | None = None,
-    device: str = "vehicle",
-) -> dict[str, object]:
-    """The rank function for run_ranks: tests/cuda_fuzz_rank.py's (imported there only,
-    where the vehicle is installed)."""
-    from cuda_fuzz_rank import run_program as run
-
-    return run(rank, world, program, mode, plant, device)
-
-
 def covered(seeds: Iterable[int], world_of: dict[int, int], kinds: Iterable[str]) -> set[str]:
     """The kinds the programs of ``seeds`` (world ``world_of[seed]``) contain."""
     out: set[str] = set()

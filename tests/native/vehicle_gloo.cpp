@@ -71,13 +71,18 @@ GlooOnVehicle::GlooOnVehicle(c10::intrusive_ptr<c10d::Backend> gloo, std::string
       name_(std::move(name)),
       stream_(newStream("Gloo's copy stream of " + name_).id()) {}
 
-c10::intrusive_ptr<c10d::Work> GlooOnVehicle::allreduce(
-    std::vector<at::Tensor>& tensors,
-    const c10d::AllreduceOptions& opts) {
+c10::Stream GlooOnVehicle::copyStream() const {
   const c10::Stream copies(c10::Stream::UNSAFE, device(), stream_);
   c10::Event issued(device().type());
   issued.record(current());
   issued.block(copies);
+  return copies;
+}
+
+c10::intrusive_ptr<c10d::Work> GlooOnVehicle::allreduce(
+    std::vector<at::Tensor>& tensors,
+    const c10d::AllreduceOptions& opts) {
+  const c10::Stream copies = copyStream();
   c10::StreamGuard onCopies(copies);
   std::vector<at::Tensor> host;
   for (const at::Tensor& t : tensors) {
@@ -98,10 +103,7 @@ c10::intrusive_ptr<c10d::Work> GlooOnVehicle::_allgather_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::AllgatherOptions& opts) {
-  const c10::Stream copies(c10::Stream::UNSAFE, device(), stream_);
-  c10::Event issued(device().type());
-  issued.record(current());
-  issued.block(copies);
+  const c10::Stream copies = copyStream();
   c10::StreamGuard onCopies(copies);
   at::Tensor in = hostView(input).clone();
   at::Tensor out = at::empty(output.sizes(), in.options());
@@ -118,10 +120,7 @@ c10::intrusive_ptr<c10d::Work> GlooOnVehicle::_reduce_scatter_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::ReduceScatterOptions& opts) {
-  const c10::Stream copies(c10::Stream::UNSAFE, device(), stream_);
-  c10::Event issued(device().type());
-  issued.record(current());
-  issued.block(copies);
+  const c10::Stream copies = copyStream();
   c10::StreamGuard onCopies(copies);
   at::Tensor in = hostView(input).clone();
   at::Tensor out = at::empty(output.sizes(), in.options());

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <c10/core/Stream.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <string>
@@ -43,6 +44,9 @@ class GlooOnVehicle : public c10d::Backend {
   void abort() override;
 
  private:
+  // The copies' stream, made to wait for the caller's current stream.
+  c10::Stream copyStream() const;
+
   c10::intrusive_ptr<c10d::Backend> gloo_;
   std::string name_;
   int64_t stream_; // the copies' stream
