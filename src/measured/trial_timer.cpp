@@ -113,7 +113,7 @@ class DeviceTimer : public TrialTimer {
       recorded_ = true;
       return;
     }
-    WorkDone(work).block(timing_);
+    WorkDone(work, {}).block(timing_);
     end_.record(timing_);
     recorded_ = true;
   }

@@ -49,8 +49,16 @@ bool WorkDone::carriesEvents() const {
   return !future->storages().empty();
 }
 
-void WorkDone::blockCallerStream() {
+WorkDone::WorkDone(c10::intrusive_ptr<c10d::Work> work, const std::vector<at::Tensor>& tensors)
+    : work_(std::move(work)) {
+  if (!carriesEvents()) {
+    held_ = tensors;
+  }
+}
+
+std::vector<at::Tensor> WorkDone::blockCallerStream() {
   work_->synchronize();
+  return held_;
 }
 
 void WorkDone::block(const c10::Stream& stream) {

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <ATen/ATen.h>
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -79,23 +80,28 @@ class EventDone : public DonePoint {
 // reduce_scatter lists of uneven sizes, batch_isend_irecv) are marked with an
 // empty list, and c10's Future::markCompleted records events only on the
 // devices of its value's storages. For those the caller's current stream
-// waits through the Work's own synchronize(), as the user's wait() would:
-// that empties the Work's hold too, but the caller's stream, where freed
-// memory is handed out again, then waits for the call's end.
+// waits through the Work's own synchronize(), as the user's wait() would.
+// That empties the Work's hold on the call's tensors (which may come from
+// any stream's pool), so this keeps them itself (`held_`) for the composed
+// call that waited, which tells the allocator of its own streams (each after
+// the call's end) before they may go.
 class WorkDone : public DonePoint {
  public:
-  explicit WorkDone(c10::intrusive_ptr<c10d::Work> work) : work_(std::move(work)) {}
+  // `tensors`: the call's, held only where its future carries no event.
+  WorkDone(c10::intrusive_ptr<c10d::Work> work, const std::vector<at::Tensor>& tensors);
   bool reached() override {
     return work_->isCompleted();
   }
   void block(const c10::Stream& stream) override;
   // Whether its future carries the call's end (block() orders a stream).
   bool carriesEvents() const;
-  // The caller's current stream waits for the call's end (its synchronize()).
-  void blockCallerStream();
+  // The caller's current stream waits for the call's end (its synchronize());
+  // returns the call's tensors, for the caller to keep alive on its streams.
+  std::vector<at::Tensor> blockCallerStream();
 
  private:
   c10::intrusive_ptr<c10d::Work> work_;
+  std::vector<at::Tensor> held_;
 };
 
 } // namespace fairring

@@ -203,7 +203,7 @@ void SubgroupAllreduce::orderAfter(const std::vector<at::Tensor>& tensors, const
   if (planted(Plant::kDelegatedHoldReleasedAtIssue) && streams_ && streams_->onDevice()) {
     plants::releaseDelegateHoldAtIssue(*work, *streams_->stream(0));
   }
-  inFlight_.add(std::move(ranges), std::make_shared<WorkDone>(work));
+  inFlight_.add(std::move(ranges), std::make_shared<WorkDone>(work, tensors));
 }
 
 void SubgroupAllreduce::useDevice(c10::Device device, std::unique_lock<std::mutex>& lock) {
@@ -271,6 +271,7 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::run(
   // Asked before anything is issued, so that an error of the device's here
   // fails this call only, not the group.
   std::vector<Done> after;
+  std::vector<at::Tensor> held; // eventless delegated calls' tensors, waited for through their Work
   if (streams_->onDevice()) {
     inFlight_.forget([](const Done& done) { return done->reached(); });
     if (!planted(Plant::kByteRangesOff)) {
@@ -281,7 +282,9 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::run(
       // nothing is waited for there, before the first step waits for it.
       const auto delegated = std::dynamic_pointer_cast<WorkDone>(point);
       if (delegated && !planted(Plant::kEventlessWorkUnordered) && !delegated->carriesEvents()) {
-        delegated->blockCallerStream();
+        for (at::Tensor& t : delegated->blockCallerStream()) {
+          held.push_back(std::move(t));
+        }
       }
     }
   }
@@ -306,7 +309,7 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::run(
     if (prepared.finish) {
       prepared.finish();
     }
-    for (const std::vector<at::Tensor>* tensors : {&outputs, &prepared.buffers}) {
+    for (const std::vector<at::Tensor>* tensors : {&outputs, &prepared.buffers, &held}) {
       for (const at::Tensor& t : *tensors) {
         streams_->keepAlive(t, last);
       }
