@@ -251,6 +251,30 @@ void SubgroupAllreduce::failAt(uint64_t turn, const std::string& message) {
   throw c10::DistBackendError(message);
 }
 
+std::vector<Done> SubgroupAllreduce::earlierOverlapping(
+    const std::vector<ByteRange>& ranges,
+    std::vector<at::Tensor>& held) {
+  std::vector<Done> after;
+  if (!streams_->onDevice()) {
+    return after;
+  }
+  inFlight_.forget([](const Done& done) { return done->reached(); });
+  if (!planted(Plant::kByteRangesOff)) {
+    after = inFlight_.overlapping(ranges);
+  }
+  for (const Done& point : after) {
+    // The caller's stream is current: a delegated call whose future orders
+    // nothing is waited for there, before the first step waits for it.
+    const auto delegated = std::dynamic_pointer_cast<WorkDone>(point);
+    if (delegated && !planted(Plant::kEventlessWorkUnordered) && !delegated->carriesEvents()) {
+      for (at::Tensor& t : delegated->blockCallerStream()) {
+        held.push_back(std::move(t));
+      }
+    }
+  }
+  return after;
+}
+
 c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::run(
     std::vector<at::Tensor> outputs,
     const CallPlan& plan,
@@ -270,24 +294,8 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::run(
   const std::vector<ByteRange> ranges = byteRangesOf(outputs);
   // Asked before anything is issued, so that an error of the device's here
   // fails this call only, not the group.
-  std::vector<Done> after;
   std::vector<at::Tensor> held; // eventless delegated calls' tensors, waited for through their Work
-  if (streams_->onDevice()) {
-    inFlight_.forget([](const Done& done) { return done->reached(); });
-    if (!planted(Plant::kByteRangesOff)) {
-      after = inFlight_.overlapping(ranges);
-    }
-    for (const Done& point : after) {
-      // The caller's stream is current: a delegated call whose future orders
-      // nothing is waited for there, before the first step waits for it.
-      const auto delegated = std::dynamic_pointer_cast<WorkDone>(point);
-      if (delegated && !planted(Plant::kEventlessWorkUnordered) && !delegated->carriesEvents()) {
-        for (at::Tensor& t : delegated->blockCallerStream()) {
-          held.push_back(std::move(t));
-        }
-      }
-    }
-  }
+  std::vector<Done> after = earlierOverlapping(ranges, held);
   countCall(plan, after.size());
   const std::vector<c10::Device> devices =
       streams_->onDevice() ? std::vector<c10::Device>{device} : std::vector<c10::Device>{};

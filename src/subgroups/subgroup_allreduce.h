@@ -243,6 +243,10 @@ class SubgroupAllreduce {
   // The device of the first of `tensors` on this path's kind of device.
   c10::Device deviceOf(const std::vector<at::Tensor>& tensors) const;
   [[noreturn]] void failAt(uint64_t turn, const std::string& message);
+  // The in-flight operations whose bytes overlap `ranges` (on the device
+  // only); the tensors of those among them that are eventless delegated calls
+  // go to `held`, their Works waited for on the caller's current stream.
+  std::vector<Done> earlierOverlapping(const std::vector<ByteRange>& ranges, std::vector<at::Tensor>& held);
 
   const Subgroups groups_;
   const SubgroupOptions options_;
