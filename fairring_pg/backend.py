@@ -143,7 +143,9 @@ def _agree(store: Any, rank: int, size: int, timeout: timedelta, group_id: str) 
         cuda_plan, ctas = plan_for_job(store, topology, config, timeout, gpu_facts)
         # From job-wide values and the topology: the same on every rank.
         cpu_plan = plan_cpu_allreduce(config, topology.num_machines, topology.local_size)
-        shape = measured.job_shape(topology, config, cpu_plan, cuda_plan)
+        shape = measured.job_shape(
+            topology, config, cpu_plan, cuda_plan, gpu_facts, cuda_decision.delegate, ctas
+        )
         known = measured.agree_on_known(store, rank, timeout, config, shape, group_id)
         token = job_token(store, rank, timeout)
     except Exception as exc:

@@ -11,11 +11,19 @@ median speed and those calls' mean ``bytes``, the ``winner``, the ``trial_calls`
 The plan file: rank 0 of the group reads it when the group is made and publishes what it
 holds through the store, so every rank starts from the same decisions (a class decided
 there runs its winner from its first call, without trials); rank 0 writes the file again,
-whole, after each new decision. A file made by a job of another shape (machines, ranks,
-the plans' rows, the settings that change what either way does) is an error on every
-rank at ``init_process_group``, naming what differs: ignoring it would rerun the trials
-unnoticed, and saving this job's decisions would destroy the other job's. A group other
-than the default one keeps its own file (``plan.json`` -> ``plan.g3.json`` for group 3).
+whole, after each new decision. The file names the shape its decisions depend on
+(:func:`job_shape`): machines and ranks; the settings that change what either way does;
+what the machines are made of (the node facts the CUDA plan is built from, the NICs'
+rates, the GPUs' models, SMs and memory, the CPU cores); the torch and NCCL versions; the
+CPU and CUDA delegates; the plans' rows. A file made under another shape is an error on
+every rank at ``init_process_group``, naming the field, the file's value and this job's:
+ignoring it would rerun the trials unnoticed, and saving this job's decisions would
+destroy the other job's; taking it as it is would run another cluster's winners. One
+difference only warns: a torch a patch release apart (2.4.0 and 2.4.1, the same build
+tag), whose NCCL is compared on its own. A patch release fixes bugs and keeps Gloo and
+the collectives' code paths; refusing it would make a routine upgrade of the cluster's
+torch fail every job that names the file at its start. A group other than the default
+one keeps its own file (``plan.json`` -> ``plan.g3.json`` for group 3).
 """
 
 from __future__ import annotations
@@ -23,17 +31,24 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import tempfile
+import warnings
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
 from fairring_pg.config import Config, file_for_group
+from fairring_pg.cuda.decision import GpuFacts
+from fairring_pg.cuda.node_facts import UNKNOWN, NodeFacts
 from fairring_pg.model.cpu_plan import CpuPlan
 from fairring_pg.model.cuda_plan import CudaPlan
+from fairring_pg.process_groups import CPU_DELEGATE
 from fairring_pg.startup import wait_for
 from fairring_pg.topology import Topology
 
-FORMAT = "fairring-plan-file/1"
+# /2: the shape names the machines, the delegates and the torch and NCCL versions.
+FORMAT = "fairring-plan-file/2"
 # The calls of trials each measured class costs (src/measured/trial_order.h's
 # kDecisionCall): blocks of three calls of one way, A B B A, the first of each untimed;
 # the next call decides.
@@ -44,32 +59,112 @@ _log = logging.getLogger("fairring_pg")
 
 
 def job_shape(
-    topology: Topology, config: Config, cpu_plan: CpuPlan, cuda_plan: CudaPlan
+    topology: Topology,
+    config: Config,
+    cpu_plan: CpuPlan,
+    cuda_plan: CudaPlan,
+    facts: Sequence[GpuFacts],
+    cuda_delegate: str,
+    sub_group_ctas: int,
 ) -> dict[str, Any]:
-    """What a plan file must have been saved under to fit this job."""
-    return {
+    """What a plan file must have been saved under to fit this job, in the order a
+    misfit is looked for (causes before the plans they shape): its size, the settings,
+    what its machines are made of and run, from ``facts`` (every rank's, as published:
+    the same on every rank), the delegates (``cuda_delegate``: the CUDA decision's), the
+    sub-group communicators' CTA cap and the plans' rows. JSON's values, as the file
+    holds them."""
+    nodes = [NodeFacts.from_json(f.node) if f.node else UNKNOWN for f in facts]
+    shape = {
         "world_size": topology.world_size,
         "machines": topology.num_machines,
         "local_size": topology.local_size,
+        "settings": config.plan_shaping(),
+        "node": _agreed([_node(n) for n in nodes]),
+        "link_rates": _agreed([_rates(n) for n in nodes]),
+        "gpu_models": _agreed([list(f.gpu_models) if f.cuda else None for f in facts]),
+        "gpu_sms": _agreed([f.sms if f.cuda else None for f in facts]),
+        "gpu_memory": _agreed([f.gpu_memory if f.cuda else None for f in facts]),
+        "cpu_cores": _agreed([f.cores for f in facts]),
+        "torch_version": _agreed([f.torch for f in facts]),
+        "nccl_version": _agreed([f.nccl_version for f in facts]),
+        "cpu_delegate": CPU_DELEGATE,
+        "cuda_delegate": cuda_delegate,
+        "sub_group_ctas": sub_group_ctas,
         "cpu_rows": [list(row) for row in cpu_plan.core_rows()],
         "cuda_rows": [list(row) for row in cuda_plan.core_rows()],
-        "settings": config.plan_shaping(),
+    }
+    result: dict[str, Any] = json.loads(json.dumps(shape))
+    return result
+
+
+def _agreed(values: Sequence[Any]) -> Any:
+    """One fact of every rank's: its value where all ranks' are equal, else
+    ``{"differ": [each distinct value]}`` (None: no rank)."""
+    distinct = {json.dumps(v, sort_keys=True): v for v in values}
+    if len(distinct) <= 1:
+        return next(iter(distinct.values()), None)
+    return {"differ": [distinct[key] for key in sorted(distinct)]}
+
+
+def _node(facts: NodeFacts) -> dict[str, Any]:
+    """The facts the CUDA plan's model takes (fairring_pg.cuda.node_facts), whatever
+    their source; the NICs' rates are ``link_rates``. In the order the file keeps."""
+    return {
+        "arch": facts.arch,
+        "cpu": facts.cpu,
+        "intra": facts.intra,
+        "nvlink": facts.nvlink,
+        "nvls": facts.nvls,
     }
 
 
-def _misfit(path: str, saved: Any, shape: dict[str, Any]) -> str | None:
-    """Why the file's content ``saved`` does not fit ``shape``, or None."""
-    if not isinstance(saved, dict) or saved.get("format") != FORMAT:
-        return f"it is not a plan file of this version (expected format {FORMAT!r})"
-    theirs = saved.get("shape", {})
+def _rates(facts: NodeFacts) -> list[str] | None:
+    """The nominal rate of each NIC NCCL would use, fastest first; None where unknown."""
+    return [f"{rate * 8 / 1e9:g} Gbit/s" for rate in facts.nic_rates] or None
+
+
+def _differences(theirs: Any, shape: dict[str, Any]) -> Iterator[tuple[str, Any, Any]]:
+    """(field, the file's value, this job's) for each field of ``shape`` the file's
+    shape ``theirs`` holds otherwise; a setting as ``settings.<name>``."""
+    saved = theirs if isinstance(theirs, dict) else {}
     for field, mine in shape.items():
         if field == "settings":
+            settings = saved.get("settings")
+            settings = settings if isinstance(settings, dict) else {}
             for name, value in mine.items():
-                if theirs.get("settings", {}).get(name) != value:
-                    other = theirs.get("settings", {}).get(name)
-                    return f"it was saved with {name}={other!r}, this job has {value!r}"
-        elif theirs.get(field) != mine:
-            return f"its {field} is {theirs.get(field)!r}, this job's is {mine!r}"
+                if settings.get(name) != value:
+                    yield f"settings.{name}", settings.get(name), value
+        elif saved.get(field) != mine:
+            yield field, saved.get(field), mine
+
+
+_RELEASE = re.compile(r"(\d+)\.(\d+)\.(\d+)(\+[\w.]+)?")
+
+
+def _tolerated(field: str, theirs: Any, mine: Any) -> bool:
+    """Whether a file that differs from this job only so is kept, with a warning: a
+    torch a patch release apart, with the same build tag (``2.4.0+cu121`` and
+    ``2.4.1+cu121``; NCCL's version is a field of its own). See the module's docstring."""
+    if field != "torch_version" or not (isinstance(theirs, str) and isinstance(mine, str)):
+        return False
+    a, b = _RELEASE.fullmatch(theirs), _RELEASE.fullmatch(mine)
+    if a is None or b is None:
+        return False
+    return (a[1], a[2], a[4]) == (b[1], b[2], b[4]) and a[3] != b[3]
+
+
+def _misfit(path: str, saved: Any, shape: dict[str, Any]) -> str | None:
+    """Why the file's content ``saved`` does not fit ``shape``, or None: the first field
+    that differs (but for :func:`_tolerated` ones), with the file's value and this job's."""
+    if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+        return f"it is not a plan file of this version (expected format {FORMAT!r})"
+    for field, theirs, mine in _differences(saved.get("shape"), shape):
+        if _tolerated(field, theirs, mine):
+            continue
+        if field.startswith("settings."):
+            name = field.removeprefix("settings.")
+            return f"it was saved with {name}={theirs!r}, this job has {mine!r}"
+        return f"its {field} is {theirs!r}, this job's is {mine!r}"
     return None
 
 
@@ -91,6 +186,14 @@ def read_known(path: str, shape: dict[str, Any]) -> list[dict[str, Any]]:
             f"{VARIABLE}={path!r} holds the decisions of another job: {why}; expected a file "
             "saved by a job of the same shape (name another file, or delete this one to "
             "measure again)"
+        )
+    for field, theirs, mine in _differences(saved.get("shape"), shape):  # all tolerated
+        warnings.warn(
+            f"fairring: {VARIABLE}={path!r} was saved with {field} {theirs!r}, this job has "
+            f"{mine!r}: a patch release apart, so its decisions are kept (the file takes "
+            "this job's with its next decision; delete it to measure again)",
+            RuntimeWarning,
+            stacklevel=2,
         )
     return list(saved.get("decisions", []))
 

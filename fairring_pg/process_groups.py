@@ -21,6 +21,9 @@ from fairring_pg.config import Config
 
 # make(prefix, rank in the group, group size, global ranks, name) -> a c10d Backend
 GroupMaker = Callable[[str, int, int, list[int], str], Any]
+# Who runs the collectives on CPU tensors that fairring does not run itself
+# (make_gloo_delegate); a saved plan file names it (fairring_pg.measured.job_shape).
+CPU_DELEGATE = "gloo"
 
 
 @dataclass(frozen=True)

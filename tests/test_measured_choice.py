@@ -18,7 +18,8 @@ module's ``measured.set_trial_seconds``), so that they say which way wins on eac
 - NCCL's own allreduce against the composition, the CUDA side's logic on the CPU sub-group
   path (FAIRRING_TEST_CPU_SUBGROUPS, Gloo groups standing in for NCCL), at 2 x 2;
 - FAIRRING_PLAN_FILE: a job saves its decisions, a later job of the same shape runs them
-  from the first call, one of another shape fails at init on every rank, naming why;
+  from the first call, one of another shape (or whose file names another torch) fails
+  at init on every rank, naming why (each field of the shape: tests/test_plan_file_shape.py);
 - the fixed modes and ``model`` make no trial.
 
 The plants ``measured_own_times`` (each rank decides from its own times) and
@@ -144,7 +145,7 @@ def test_a_plan_file_of_another_job_is_refused_naming_what_differs(tmp_path: Pat
 
     def shape(world: int, machines: int, local: int) -> dict[str, Any]:
         topo: Any = SimpleNamespace(world_size=world, num_machines=machines, local_size=local)
-        return measured.job_shape(topo, auto, plan, nccl_only)
+        return measured.job_shape(topo, auto, plan, nccl_only, [], "none", 0)
 
     path = tmp_path / "plan.json"
     assert measured.read_known(str(path), shape(2, 2, 1)) == []  # the first job makes it
@@ -536,6 +537,14 @@ def test_the_plan_file_is_saved_reused_and_refused_for_another_shape(tmp_path: P
         assert o.status == "error", o.describe()
         assert "FAIRRING_PLAN_FILE=" in (o.error_message or ""), o.describe()
         assert "its world_size is 2, this job's is 4" in (o.error_message or ""), o.describe()
+    # The same shape but for the torch it was saved under: refused on every rank alike.
+    saved["shape"]["torch_version"] = "1.0.0"
+    path.write_text(json.dumps(saved))
+    outcomes = launch(_plan_file_job, 2, TWO_BY_ONE, env=env, timeout_s=120, step="reuse")
+    named = f"its torch_version is '1.0.0', this job's is {str(torch.__version__)!r}"
+    for o in outcomes:
+        assert o.status == "error", o.describe()
+        assert named in (o.error_message or ""), o.describe()
 
 
 # ------------------------------------------------------------------------ no trial at all

@@ -7,8 +7,10 @@ store, the same on every rank by construction, never from what one process sees:
 ``torch.cuda.device_count()`` differs with ``CUDA_VISIBLE_DEVICES`` (Slurm's
 ``--gpus-per-task=1`` shows each rank one GPU of eight). Each rank publishes the host
 as NCCL sees it (``NCCL_HOSTID``, else the hostname; how several machines are simulated
-on one GPU), whether it has CUDA and NCCL, and the UUIDs of the GPUs it sees; then
-:func:`decide` reads the same list on every rank:
+on one GPU), whether it has CUDA and NCCL, and the UUIDs of the GPUs it sees (and, for
+the plan file's shape, fairring_pg.measured, the GPUs' models and memory, its machine's
+cores, its torch's and NCCL's versions); then :func:`decide` reads the same list on
+every rank:
 
 - no rank sees a GPU, or some do not: no CUDA delegate (a CUDA collective raises,
   saying which ranks have none);
@@ -57,6 +59,14 @@ class GpuFacts:
     # NCCL's CTA variables in that process ({} where none is set): NCCL lets them replace
     # a communicator's config (fairring_pg.cuda.job_plan.nccl_cta_limits).
     nccl_ctas: tuple[tuple[str, int], ...] = ()
+    # For the plan file's shape (fairring_pg.measured.job_shape): the models of the GPUs
+    # it sees, the smallest one's memory in bytes (0: none), its machine's CPU cores,
+    # its torch's version and its NCCL's (None: a torch without NCCL).
+    gpu_models: tuple[str, ...] = ()
+    gpu_memory: int = 0
+    cores: int = 0
+    torch: str = ""
+    nccl_version: str | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +97,31 @@ def visible_gpu_sms() -> int:
     return min(counts, default=0)
 
 
+def visible_gpu_models() -> tuple[str, ...]:
+    """The models of the GPUs this process sees, each once, sorted."""
+    return tuple(sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())}))
+
+
+def visible_gpu_memory() -> int:
+    """The memory of the smallest GPU this process sees, in bytes (0: none)."""
+    sizes = [
+        int(torch.cuda.get_device_properties(i).total_memory)
+        for i in range(torch.cuda.device_count())
+    ]
+    return min(sizes, default=0)
+
+
+def nccl_version() -> str | None:
+    """The version of the NCCL this torch runs (``2.21.5``); None where it has none."""
+    if not dist.is_nccl_available():
+        return None
+    try:
+        version = torch.cuda.nccl.version()
+    except (AttributeError, RuntimeError):
+        return None
+    return ".".join(str(part) for part in version) if isinstance(version, tuple) else str(version)
+
+
 def local_gpu_facts(host: str) -> GpuFacts:
     """This process's facts; tests replace this function to fake other machines.
     Raises ValueError for a bad FAIRRING_NODE."""
@@ -99,6 +134,11 @@ def local_gpu_facts(host: str) -> GpuFacts:
         node=node_facts.from_env().to_json(),
         sms=visible_gpu_sms() if has_cuda else 0,
         nccl_ctas=nccl_cta_variables(),
+        gpu_models=visible_gpu_models() if has_cuda else (),
+        gpu_memory=visible_gpu_memory() if has_cuda else 0,
+        cores=os.cpu_count() or 0,
+        torch=str(torch.__version__),
+        nccl_version=nccl_version(),
     )
 
 
@@ -138,6 +178,11 @@ def exchange_gpu_facts(
                 entry["node"],
                 entry["sms"],
                 tuple((str(k), int(v)) for k, v in entry.get("nccl_ctas", [])),
+                tuple(entry.get("gpu_models", ())),
+                int(entry.get("gpu_memory", 0)),
+                int(entry.get("cores", 0)),
+                str(entry.get("torch", "")),
+                entry.get("nccl_version"),
             )
         )
     return facts
