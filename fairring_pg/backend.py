@@ -83,7 +83,7 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
         opts.ring_delegate = process_groups.make_gloo_delegate(
             store, rank, size, timeout, config, dist_backend_opts, role="ring"
         )
-    _set_measured(agreed, opts, store, rank, size, timeout, dist_backend_opts)
+    _set_measured(agreed, opts, rank, dist_backend_opts)
     cuda_delegate = _cuda_side(agreed, store, rank, size, timeout, dist_backend_opts, cpu_delegate)
     if config.test_cpu_subgroups and _core_factory is None:
         make = process_groups.gloo_maker(
@@ -234,20 +234,10 @@ def _cuda_side(
     return cuda_delegate
 
 
-def _set_measured(
-    agreed: _Agreed,
-    opts: Any,
-    store: Any,
-    rank: int,
-    size: int,
-    timeout: timedelta,
-    dist_backend_opts: Any,
-) -> None:
-    """The measured choice's part of the options, where a plan measures some size: its
-    agreement group (a Gloo group of its own, so that its one allreduce per decision
-    never meets the program's collectives, or those of callbacks, in another order on
-    another rank), the plan file's decisions, and on rank 0 the hook that logs and
-    saves new ones."""
+def _set_measured(agreed: _Agreed, opts: Any, rank: int, dist_backend_opts: Any) -> None:
+    """The measured choice's part of the options, where a plan measures some size: the
+    plan file's decisions, and on rank 0 the hook that logs and saves new ones (the
+    agreements go through the group's store: src/measured/agreement.h)."""
     config = agreed.config
     cpu_measures = agreed.cpu_plan.measures and not config.test_cpu_subgroups
     # The CUDA plan is run where sub-groups are made (or by CPU tensors, in tests).
@@ -257,9 +247,6 @@ def _set_measured(
     composed = kinds is not None or config.test_cpu_subgroups or _stand_in_accelerator is not None
     if not (cpu_measures or (agreed.cuda_plan.measures and composed)):
         return
-    opts.measured_agreement = process_groups.make_gloo_delegate(
-        store, rank, size, timeout, config, dist_backend_opts, role="measure"
-    )
     opts.accelerator_delegate_name = agreed.cuda_decision.delegate
     measured.set_known(opts, agreed.known)
     if rank == 0:

@@ -6,7 +6,9 @@ A decision is a dict: ``device`` ("cpu", "cuda"), the size class (``from_bytes``
 ``to_bytes``: exclusive, None for no end), the two ``ways`` (``("engine", "ring")``,
 ``("nccl", "composed")``), per way the slowest rank's ``seconds`` for a timed call at its
 median speed and those calls' mean ``bytes``, the ``winner``, the ``trial_calls`` it cost and its
-``source`` ("measured", or "plan file").
+``source`` ("measured", "plan file", or "kept": some rank could not time its trial calls,
+``reason`` says which and why, and every rank keeps the program's own way; logged as a
+warning, never saved).
 
 The plan file: rank 0 of the group reads it when the group is made and publishes what it
 holds through the store, so every rank starts from the same decisions (a class decided
@@ -241,6 +243,23 @@ def describe(decision: dict[str, Any], machines: int, local_size: int) -> str:
     )
 
 
+def describe_kept(decision: dict[str, Any], machines: int, local_size: int) -> str:
+    """One log line for a class that keeps the program's own way because some rank
+    could not time its trial calls."""
+    end = decision["to_bytes"]
+    span = (
+        f"{decision['from_bytes']} B and up"
+        if end is None
+        else f"{decision['from_bytes']}-{end - 1} B"
+    )
+    return (
+        f"fairring: the measured choice of {decision['device']} allreduces of {span} at "
+        f"{machines} x {local_size} could not compare the ways: {decision['reason']}; every "
+        f"rank runs {decision['winner']} (the program's own way) from call "
+        f"{decision['trial_calls']} on"
+    )
+
+
 class Recorder:
     """Rank 0's hook for new decisions (src/measured/'s onDecision): says each once in
     the log and keeps the plan file, if any, up to date."""
@@ -255,6 +274,10 @@ class Recorder:
 
     def __call__(self, device: str, decision_json: str) -> None:
         decision = json.loads(decision_json)
+        if decision["source"] == "kept":
+            # Not saved: a later job measures again.
+            _log.warning(describe_kept(decision, self._machines, self._local))
+            return
         _log.info(describe(decision, self._machines, self._local))
         self._decisions[(device, decision["from_bytes"])] = {
             **decision,

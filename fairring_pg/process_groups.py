@@ -1,10 +1,9 @@
 """The c10d process groups fairring's creator makes and hands to the core.
 
 Delegates run what fairring does not do itself: the Gloo group for CPU tensors (and,
-under their own store prefixes, the group of Gloo's ring and the measured choice's
-agreement group), the NCCL group for CUDA tensors. Makers build the sub-groups an
-allreduce is composed of (fairring_pg.cuda.subgroups): NCCL's for CUDA tensors, Gloo's
-for the CPU test path, or a stand-in accelerator's in tests.
+under its own store prefix, the group of Gloo's ring), the NCCL group for CUDA tensors.
+Makers build the sub-groups an allreduce is composed of (fairring_pg.cuda.subgroups):
+NCCL's for CUDA tensors, Gloo's for the CPU test path, or a stand-in accelerator's in tests.
 """
 
 from __future__ import annotations
@@ -72,8 +71,7 @@ def make_gloo_delegate(
     role: str = "gloo",
 ) -> Any:
     """The Gloo group that runs every non-allreduce collective on CPU tensors
-    (``role="ring"``: the one that runs the allreduces given to Gloo's ring;
-    ``role="measure"``: the measured choice's agreement group)."""
+    (``role="ring"``: the one that runs the allreduces given to Gloo's ring)."""
     name = str(dist_backend_opts.group_id)
     return gloo_group(
         dist.PrefixStore(f"fairring/{role}/", store),

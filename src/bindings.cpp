@@ -94,7 +94,6 @@ void bindOptions(py::module_& m) {
           py::arg("rows"),
           "What each size of CPU allreduce runs: rows of (from_bytes, 'engine', 'ring' or 'measure').")
       .def_readwrite("ring_delegate", &BackendOptions::ringDelegate)
-      .def_readwrite("measured_agreement", &BackendOptions::measuredAgreement)
       .def_readwrite("accelerator_delegate_name", &BackendOptions::acceleratorDelegateName)
       .def(
           "set_on_measured",

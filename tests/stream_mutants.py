@@ -128,6 +128,15 @@ CATCHERS: dict[str, Catch] = {
     "trials_on_one_way_calls": Catch(
         (f"{CORNERS}test_calls_only_the_composition_takes_are_no_trials",), ()
     ),
+    # Each rank's first agreement pairs with the others' first: the CPU class's figures
+    # with the vehicle's on some ranks, and ties keep the program's ways.
+    "agreement_by_order": Catch(
+        (
+            "test_measured_agreement.py::"
+            "test_two_devices_deciding_from_two_threads_in_other_orders_agree",
+        ),
+        (),
+    ),
 }
 
 _FAILED = re.compile(r"^FAILED (\S+)", re.MULTILINE)

@@ -123,7 +123,6 @@ c10::intrusive_ptr<c10d::Work> CpuPath::runChosen(
     const char* profilingTitle,
     const std::vector<at::Tensor>& inputs) {
   const Choice choice = choose(work, op);
-  CpuAllreduce::Ring ring = choice.ring ? ringOf(work, op, outputs, finish) : nullptr;
   std::shared_ptr<TrialTimer> timer;
   CpuAllreduce::Observe observe;
   if (choice.turn && choice.turn->timed) {
@@ -131,6 +130,7 @@ c10::intrusive_ptr<c10d::Work> CpuPath::runChosen(
     measured_->keep(*choice.turn, timer);
     observe = [timer](const c10::intrusive_ptr<c10::ivalue::Future>& source) { timer->watch(source); };
   }
+  CpuAllreduce::Ring ring = choice.ring ? ringOf(work, op, outputs, finish, timer) : nullptr;
   try {
     return cpuAllreduce_->run(
         work, op, std::move(outputs), std::move(finish), opType, profilingTitle, inputs, ring, observe);
@@ -146,9 +146,13 @@ CpuAllreduce::Ring CpuPath::ringOf(
     const at::Tensor& work,
     c10d::ReduceOp::RedOpType op,
     std::vector<at::Tensor> outputs,
-    std::function<void()> finish) {
+    std::function<void()> finish,
+    std::shared_ptr<TrialTimer> timer) {
   const int64_t bytes = work.numel() * static_cast<int64_t>(work.element_size());
-  return [this, work, op, bytes, outputs = std::move(outputs), finish = std::move(finish)]() {
+  return [this, work, op, bytes, outputs = std::move(outputs), finish = std::move(finish), timer]() {
+    if (timer) {
+      timer->began(); // a trial of the ring is timed from its hand-over, as the program's own call would be
+    }
     std::vector<at::Tensor> tensors{work};
     c10d::AllreduceOptions opts;
     opts.reduceOp = c10d::ReduceOp(op);

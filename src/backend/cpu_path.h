@@ -93,12 +93,13 @@ class CpuPath : public DevicePath {
       c10d::OpType opType,
       const char* profilingTitle,
       const std::vector<at::Tensor>& inputs);
-  // The allreduce of `work` on Gloo's ring.
+  // The allreduce of `work` on Gloo's ring (`timer`: a trial's, started again at the hand-over).
   CpuAllreduce::Ring ringOf(
       const at::Tensor& work,
       c10d::ReduceOp::RedOpType op,
       std::vector<at::Tensor> outputs,
-      std::function<void()> finish);
+      std::function<void()> finish,
+      std::shared_ptr<TrialTimer> timer);
 
   const c10::intrusive_ptr<c10d::Backend> gloo_;
   c10::intrusive_ptr<c10d::Backend> ring_;

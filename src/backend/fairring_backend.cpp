@@ -2,6 +2,7 @@
 #include "backend/without_gil.h"
 
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "backend/cpu_path.h"
 #include "backend/delegate_path.h"
@@ -36,6 +37,7 @@ FairringBackend::FairringBackend(
     : c10d::Backend(rank, size),
       cpu_(std::move(cpuDelegate)),
       cuda_(std::move(cudaDelegate)),
+      measuredStore_(c10::make_intrusive<c10d::PrefixStore>("measured/", store)),
       accelerator_(options.acceleratorType),
       coalescing_(options.acceleratorType, cuda_) {
   TORCH_CHECK(cpu_, "fairring: a CPU delegate backend is required");
@@ -84,8 +86,9 @@ std::unique_ptr<MeasuredChoice> FairringBackend::measuredChoice(
     }
   }
   measured.rank = getRank();
+  measured.size = getSize();
   measured.timeout = options.engine.timeout;
-  measured.agreement = options.measuredAgreement;
+  measured.store = measuredStore_;
   measured.onDecision = options.onMeasured;
   return std::make_unique<MeasuredChoice>(std::move(measured));
 }

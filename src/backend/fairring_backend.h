@@ -48,12 +48,11 @@ struct BackendOptions {
   // ring allreduces would interleave with collectives issued from callbacks
   // differently on each rank. Set where a row of cpuPlan is not the engine's.
   c10::intrusive_ptr<c10d::Backend> ringDelegate;
-  // The measured choice (src/measured/, FAIRRING_*_ALLREDUCE=auto): the Gloo
-  // group of its agreements (set where some row of a plan is measured), the
+  // The measured choice (src/measured/, FAIRRING_*_ALLREDUCE=auto): the
   // decisions FAIRRING_PLAN_FILE held, by device ("cpu", "cuda"), what the
   // accelerator's delegate is called in them, and who is told of each new
-  // one (fairring_pg.measured: the log and the file).
-  c10::intrusive_ptr<c10d::Backend> measuredAgreement;
+  // one (fairring_pg.measured: the log and the file). Its agreements go
+  // through the group's store.
   std::vector<std::pair<std::string, MeasuredDecision>> measuredKnown;
   std::string acceleratorDelegateName{"nccl"};
   std::function<void(const std::string&, const std::string&)> onMeasured;
@@ -252,6 +251,8 @@ class FairringBackend : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Backend> cpu_;
   c10::intrusive_ptr<c10d::Backend> cuda_;
+  // The measured choice's agreements' keys ("measured/" in the group's store).
+  const c10::intrusive_ptr<c10d::Store> measuredStore_;
   const c10::DeviceType accelerator_; // CUDA, or the stream vehicle in tests
   std::unique_ptr<DevicePath> cpuPath_;
   std::unique_ptr<DevicePath> acceleratorPath_;

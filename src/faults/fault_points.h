@@ -33,8 +33,8 @@ inline constexpr const char* kEngineReduce = "engine.reduce"; // key: the turn; 
 inline constexpr const char* kEngineAbort = "engine.abort"; // key: the peer; its abort read, not yet acted on
 inline constexpr const char* kEngineLost = "engine.lost"; // key: the peer; its connection read as closed, not yet acted on
 inline constexpr const char* kSubgroupsIssue = "subgroups.issue"; // key: the turn; a composed call, before it is issued
-inline constexpr const char* kMeasuredDecide = "measured.decide"; // key: the class's first byte; before its agreement
-inline constexpr const char* kMeasuredTrialDone = "measured.trial_done"; // key: the call; a trial call's end, before it is kept
+inline constexpr const char* kMeasuredDecide = "measured.decide"; // key: the class's first byte; before its agreement (throw: this rank cannot take part)
+inline constexpr const char* kMeasuredTrialDone = "measured.trial_done"; // key: the call; a host trial call's end, before it is kept (throw: its timer fails)
 inline constexpr std::array<std::string_view, 10> kPoints{
     kMeshConnect,
     kMeshSendFirst,

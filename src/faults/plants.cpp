@@ -28,8 +28,9 @@ const std::vector<std::string>& names() {
       "point_to_point_marks_delegate",
       "eventless_work_unordered",
       "trials_on_one_way_calls",
+      "agreement_by_order",
   };
-  static_assert(static_cast<int>(Plant::kCount) == 18, "a name for every plant");
+  static_assert(static_cast<int>(Plant::kCount) == 19, "a name for every plant");
   return all;
 }
 

@@ -31,6 +31,7 @@ enum class Plant : uint8_t {
   kPointToPointMarksDelegate, // send/recv mark the delegate used, so only their ranks enter its barrier
   kEventlessWorkUnordered, // a delegated Work whose future carries no event is waited for through it alone
   kTrialsOnOneWayCalls, // a measured row's call that only the composition takes still takes a trial turn
+  kAgreementByOrder, // the measured choice's agreements named by their order on the rank, not device and class
   kCount,
 };
 

@@ -15,10 +15,20 @@ namespace fairring {
 
 namespace {
 
-// The agreement's figures: per way this rank's time of a call at its median
-// speed, then 1 + the rank that could not time its calls (0: none), all combined
-// by MAX.
-constexpr int64_t kFigures = 3;
+std::string jsonEscaped(const std::string& text) {
+  std::string out;
+  for (const char c : text) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      out += ' ';
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
 
 double median(std::vector<double> values) {
   if (values.empty()) {
@@ -31,7 +41,9 @@ double median(std::vector<double> values) {
 
 } // namespace
 
-MeasuredChoice::MeasuredChoice(MeasuredOptions options) : options_(std::move(options)) {
+MeasuredChoice::MeasuredChoice(MeasuredOptions options)
+    : options_(std::move(options)),
+      agreement_(options_.store, options_.rank, options_.size, options_.device) {
   const auto& rows = options_.rows;
   classOfRow_.assign(rows.size(), -1);
   for (size_t i = 0; i < rows.size(); ++i) {
@@ -53,8 +65,8 @@ MeasuredChoice::MeasuredChoice(MeasuredOptions options) : options_(std::move(opt
     classes_.push_back(std::move(c));
   }
   TORCH_CHECK(
-      classes_.empty() || options_.agreement, "fairring: the measured choice of ", options_.device,
-      " allreduces needs its agreement group");
+      classes_.empty() || options_.store, "fairring: the measured choice of ", options_.device,
+      " allreduces needs the job's store");
 }
 
 bool MeasuredChoice::measures(size_t row) const {
@@ -88,7 +100,13 @@ MeasuredChoice::Turn MeasuredChoice::next(size_t row, size_t bytes) {
   const std::vector<Timed> timed = std::move(c.timed);
   c.timed.clear();
   lock.unlock();
-  const Outcome outcome = decide(c.fromBytes, c.toBytes, timed);
+  Outcome outcome;
+  try {
+    outcome = decide(c.fromBytes, c.toBytes, timed);
+  } catch (const std::exception& e) {
+    outcome.failure = "fairring: the measured choice of " + options_.device + " allreduces of " +
+        range(c.fromBytes, c.toBytes) + " failed on rank " + std::to_string(options_.rank) + ": " + e.what();
+  }
   lock.lock();
   if (outcome.decision) {
     c.decision = *outcome.decision;
@@ -128,7 +146,7 @@ MeasuredChoice::Outcome MeasuredChoice::decide(size_t fromBytes, size_t toBytes,
   std::array<std::vector<double>, 2> perByte; // each timed call's seconds per byte
   std::array<double, 2> bytes{};
   std::array<int, 2> counted{};
-  std::string mine; // why this rank cannot time its calls
+  RankFigures mine;
   for (const Timed& t : timed) {
     const TrialTime time = t.timer->read(deadline, stop);
     std::optional<double> s = time.seconds;
@@ -138,61 +156,75 @@ MeasuredChoice::Outcome MeasuredChoice::decide(size_t fromBytes, size_t toBytes,
       }
     }
     if (!s) {
-      mine = time.error;
+      mine.cannotTime = time.error;
       break;
     }
     perByte[t.way].push_back(*s / static_cast<double>(std::max<size_t>(1, t.bytes)));
     bytes[t.way] += static_cast<double>(t.bytes);
     ++counted[t.way];
   }
-  if (mine.empty() && (counted[0] != kTimedCalls || counted[1] != kTimedCalls)) {
-    mine = "it timed " + std::to_string(counted[0]) + " and " + std::to_string(counted[1]) + " calls, not " +
-        std::to_string(kTimedCalls) + " of each way";
+  if (mine.cannotTime.empty() && (counted[0] != kTimedCalls || counted[1] != kTimedCalls)) {
+    mine.cannotTime = "it timed " + std::to_string(counted[0]) + " and " + std::to_string(counted[1]) +
+        " calls, not " + std::to_string(kTimedCalls) + " of each way";
   }
-  // Tests: this rank reaches the agreement late.
-  faults::hit(faults::kMeasuredDecide, static_cast<int64_t>(fromBytes));
-  at::Tensor figures = at::zeros({kFigures}, at::kDouble);
-  double* f = figures.data_ptr<double>();
-  if (mine.empty()) {
-    for (int w = 0; w < 2; ++w) {
-      // A call's time at this way's median speed: one slow spell of a shared host
-      // moves a median of four calls less than their mean.
-      f[w] = median(perByte[w]) * bytes[w] / kTimedCalls;
-    }
+  for (int w = 0; w < 2 && mine.cannotTime.empty(); ++w) {
+    // A call's time at this way's median speed: one slow spell of a shared host
+    // moves a median of four calls less than their mean.
+    mine.seconds[w] = median(perByte[w]) * bytes[w] / kTimedCalls;
   }
-  f[2] = mine.empty() ? 0.0 : options_.rank + 1.0;
   const std::string what = "fairring: the measured choice of " + options_.device + " allreduces of " +
-      range(fromBytes, toBytes) + " (" + options_.ways[0] + " or " + options_.ways[1] + ") failed";
-  if (!plants::planted(plants::Plant::kMeasuredOwnTimes)) {
-    try {
-      std::vector<at::Tensor> tensors{figures};
-      c10d::AllreduceOptions opts;
-      opts.reduceOp = plants::planted(plants::Plant::kMeasuredFastestRank) ? c10d::ReduceOp::MIN : c10d::ReduceOp::MAX;
-      options_.agreement->allreduce(tensors, opts)->wait(options_.timeout);
-    } catch (const std::exception& e) {
-      return Outcome{std::nullopt, what + " on rank " + std::to_string(options_.rank) +
-                         ": agreeing with the other ranks failed: " + e.what()};
-    }
-  }
-  if (f[2] > 0) {
-    const int failed = static_cast<int>(f[2]) - 1;
-    return Outcome{std::nullopt, what + " on every rank: rank " + std::to_string(failed) +
-                       " could not time its trial calls" + (failed == options_.rank ? " (" + mine + ")" : "")};
+      range(fromBytes, toBytes) + " (" + options_.ways[0] + " or " + options_.ways[1] + ")";
+  const Agreed agreed = agree(fromBytes, mine, deadline, stop);
+  if (!agreed.failure.empty()) {
+    return Outcome{std::nullopt, what + " failed on every rank: the ranks could not agree: " + agreed.failure};
   }
   MeasuredDecision d;
   d.fromBytes = fromBytes;
   d.toBytes = toBytes;
+  const int kept = options_.kept;
+  const int other = 1 - kept;
+  if (agreed.cannotTimeRank >= 0) {
+    // Every rank agreed, and the program's own way is what it had without us.
+    d.winner = kept;
+    d.keptBecause =
+        "rank " + std::to_string(agreed.cannotTimeRank) + " could not time its trial calls (" + agreed.cannotTime + ")";
+    return Outcome{d, ""};
+  }
   for (int w = 0; w < 2; ++w) {
-    d.seconds[w] = f[w];
+    d.seconds[w] = agreed.seconds[w];
     d.bytes[w] = bytes[w] / kTimedCalls;
   }
   // Per byte, where a class holds calls of several sizes (the same calls, so the same
   // bytes, on every rank); the program's own way unless beaten by the margin.
-  const int kept = options_.kept;
-  const int other = 1 - kept;
-  const bool replaced = f[other] * bytes[kept] * (1 + kMeasuredMargin) < f[kept] * bytes[other];
+  const bool replaced = d.seconds[other] * bytes[kept] * (1 + kMeasuredMargin) < d.seconds[kept] * bytes[other];
   d.winner = replaced ? other : kept;
   return Outcome{d, ""};
+}
+
+Agreed MeasuredChoice::agree(
+    size_t fromBytes,
+    const RankFigures& mine,
+    TrialTimer::Clock::time_point deadline,
+    const Agreement::Stop& stop) {
+  std::optional<RankFigures> figures = mine;
+  std::string failure;
+  try {
+    // Tests: this rank reaches the agreement late, or cannot take part.
+    faults::hit(faults::kMeasuredDecide, static_cast<int64_t>(fromBytes));
+  } catch (const std::exception& e) {
+    figures.reset();
+    failure = e.what();
+  }
+  if (figures && plants::planted(plants::Plant::kMeasuredOwnTimes)) {
+    Agreed own;
+    own.seconds = figures->seconds;
+    if (!figures->cannotTime.empty()) {
+      own.cannotTimeRank = options_.rank;
+      own.cannotTime = figures->cannotTime;
+    }
+    return own;
+  }
+  return agreement_.combine(fromBytes, figures, failure, deadline, stop);
 }
 
 std::vector<MeasuredDecision> MeasuredChoice::decisions() const {
@@ -228,7 +260,11 @@ std::string decisionJson(const std::string& device, const std::array<std::string
       << d.seconds[1] << "], \"bytes\": [" << d.bytes[0] << ", " << d.bytes[1] << "], \"winner\": \""
       << ways[d.winner] << "\", \"trial_calls\": " << (d.fromFile ? 0 : kDecisionCall)
       << ", \"timed_calls\": " << (d.fromFile ? 0 : kTimedCalls) << ", \"source\": \""
-      << (d.fromFile ? "plan file" : "measured") << "\"}";
+      << (d.fromFile ? "plan file" : d.keptBecause.empty() ? "measured" : "kept") << "\"";
+  if (!d.keptBecause.empty()) {
+    out << ", \"reason\": \"" << jsonEscaped(d.keptBecause) << "\"";
+  }
+  out << "}";
   return out.str();
 }
 

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "measured/agreement.h"
 #include "measured/trial_order.h"
 #include "measured/trial_timer.h"
 
@@ -38,6 +39,9 @@ struct MeasuredDecision {
   std::array<double, 2> seconds{};
   std::array<double, 2> bytes{};
   bool fromFile{false}; // FAIRRING_PLAN_FILE's, not measured in this job
+  // Non-empty: some rank could not time its trial calls, and every rank keeps
+  // the program's own way (MeasuredOptions::kept); why, as every rank says it.
+  std::string keptBecause;
 };
 
 struct MeasuredOptions {
@@ -53,14 +57,14 @@ struct MeasuredOptions {
   // same copy): those classes run their winner from their first call.
   std::vector<MeasuredDecision> known;
   int rank{0};
+  int size{0};
   std::chrono::milliseconds timeout{0};
-  // A Gloo group of fairring's own for the agreements alone: on any group the
-  // program or its callbacks also use, an agreement could meet their
-  // collectives in another order on another rank.
-  c10::intrusive_ptr<c10d::Backend> agreement;
-  // Told of every decision made in this job, on every rank, on the deciding
-  // thread with no lock held (fairring_pg.measured logs it once and saves the
-  // file): (device, the decision as JSON).
+  // The job's store (the group's prefix): the agreements' keys (agreement.h).
+  c10::intrusive_ptr<c10d::Store> store;
+  // Told of every decision this rank makes, on the deciding thread with no
+  // lock held: (device, the decision as JSON). fairring_pg sets it on rank 0
+  // only (fairring_pg.measured: the log line, once, and the file); unset on
+  // the other ranks.
   std::function<void(const std::string&, const std::string&)> onDecision;
 };
 
@@ -69,16 +73,18 @@ struct MeasuredOptions {
 // Each measured row of the plan is a size class; its calls take turns by their
 // number in the class (trial_order.h), so alike on every rank; at the decision
 // call each rank waits for its own timings (each way's median), the ranks combine
-// them in one MAX allreduce on the agreement group (the slowest rank's count), and every
-// rank runs the faster way from that call on. Every call is one way on every
-// rank, so exact throughout.
+// them through the store (agreement.h: the slowest rank's count), and every
+// rank runs the faster way from that call on; where some rank could not time
+// its calls, every rank keeps the program's own way. Every call is one way on
+// every rank, so exact throughout.
 //
-// Why it cannot deadlock: the agreement is issued at the same call of the
-// class on every rank, from the calling thread, in program order, on a group
-// nothing else uses; what a rank waits for before it (its own trial calls)
-// was issued by every rank before that call, so completes without anything
-// this rank issues later. Waits hold no lock (and not the GIL) and end at the
-// group's timeout or when the group stops.
+// Why it cannot deadlock: the agreement is made at the same call of the
+// class on every rank, under keys that name the device and the class, so it
+// pairs with nothing else whatever order other threads' calls come in; what a
+// rank waits for before it (its own trial calls) was issued by every rank
+// before that call, so completes without anything this rank issues later.
+// Waits hold no lock (and not the GIL) and end at the group's timeout, when a
+// rank says it cannot take part, or when the group stops.
 class MeasuredChoice {
  public:
   struct Turn {
@@ -99,8 +105,10 @@ class MeasuredChoice {
   // The way the next call of measured row `row` (of `bytes` bytes) runs: a
   // trial, or the class's winner. Only calls every rank counts alike may ask
   // (the program's own, of a kind both ways run). At the class's decision call
-  // it decides first, and throws, on every rank alike, where that failed, as
-  // every later call of the class then does.
+  // it decides first: where some rank could not time its trial calls, the
+  // class keeps the program's own way on every rank; where the ranks could not
+  // agree, it throws on every rank alike, as every later call of the class
+  // then does.
   Turn next(size_t row, size_t bytes);
   // A timed turn's timer, once its call was issued (or raised).
   void keep(const Turn& turn, std::shared_ptr<TrialTimer> timer);
@@ -118,7 +126,7 @@ class MeasuredChoice {
     kTrying, // calls 0 .. kDecisionCall-1: the trials, in trial_order's order
     kDeciding, // the decision call waits for its timings and the other ranks
     kDecided, // every call runs the winner
-    kFailed, // the ranks could not decide: every call raises why
+    kFailed, // the ranks could not agree: every call raises why
   };
   struct Timed {
     int way{0};
@@ -141,9 +149,15 @@ class MeasuredChoice {
 
   // Waits for this rank's timings and agrees with the other ranks.
   Outcome decide(size_t fromBytes, size_t toBytes, const std::vector<Timed>& timed);
+  Agreed agree(
+      size_t fromBytes,
+      const RankFigures& mine,
+      TrialTimer::Clock::time_point deadline,
+      const Agreement::Stop& stop);
   std::string range(size_t fromBytes, size_t toBytes) const;
 
   const MeasuredOptions options_;
+  const Agreement agreement_;
   std::vector<int> classOfRow_; // -1: not measured
   mutable std::mutex mu_;
   std::condition_variable decided_; // a class left kDeciding

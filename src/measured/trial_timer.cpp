@@ -44,6 +44,10 @@ class HostTimer : public TrialTimer, public std::enable_shared_from_this<HostTim
   void raised(const std::string& what) override {
     finish("the call raised: " + what);
   }
+  void began() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    start_ = Clock::now();
+  }
 
   TrialTime read(Clock::time_point deadline, const Stop& stop) override {
     std::unique_lock<std::mutex> lock(mu_);
@@ -65,6 +69,10 @@ class HostTimer : public TrialTimer, public std::enable_shared_from_this<HostTim
     // Late on a thread of its own: the thread that completes the call's future
     // (the engine's) goes on with the calls after it, the ring's turns too.
     if (auto late = faults::at(faults::kMeasuredTrialDone, call_)) {
+      if (late->action == faults::Action::kThrow) {
+        end("its timer failed (a test's fault point)"); // tests: this rank cannot time it
+        return;
+      }
       std::thread([self = shared_from_this(), delay = late->delay, error = std::move(error)]() mutable {
         std::this_thread::sleep_for(delay);
         self->end(std::move(error));
@@ -86,7 +94,7 @@ class HostTimer : public TrialTimer, public std::enable_shared_from_this<HostTim
   }
 
   const int64_t call_;
-  const Clock::time_point start_;
+  Clock::time_point start_; // under mu_ once the call was issued
   std::mutex mu_;
   std::condition_variable ended_;
   bool done_{false};
@@ -161,6 +169,7 @@ std::shared_ptr<TrialTimer> TrialTimers::start(int64_t call, c10::Device device)
   if (!device.has_index()) {
     device = impl.getDevice();
   }
+  std::lock_guard<std::mutex> lock(mu_);
   auto it = timing_.find(device.index());
   if (it == timing_.end()) {
     it = timing_.emplace(device.index(), impl.getNewStream(device)).first;

@@ -10,6 +10,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 
@@ -43,6 +44,9 @@ class TrialTimer {
   virtual void watch(const c10::intrusive_ptr<c10d::Work>& work) = 0;
   // The call was issued: `future` completes when it ends (host calls only).
   virtual void watch(const c10::intrusive_ptr<c10::ivalue::Future>& future) = 0;
+  // The call's own work starts now, later than the timer did (a host call
+  // handed over once its turn comes: Gloo's ring after its announcement).
+  virtual void began() {}
   // The call raised instead of being issued.
   virtual void raised(const std::string& what) = 0;
   // Waits, holding no lock and polling, until the call is done, `deadline`
@@ -59,13 +63,12 @@ class TrialTimers {
   // A timer for trial call `call` of its class, on `device` (the call's
   // tensors'); `call` is the key of the test-only fault point
   // "measured.trial_done", which makes that call end late.
-  // Called by the issuing thread of the device's calls only (the composed
-  // path's), so it owns timing_ without a lock; that thread is the only one a
-  // device's measured calls are issued from (composed_path.h).
+  // Any thread may ask (a program issues a device's calls from several).
   std::shared_ptr<TrialTimer> start(int64_t call, c10::Device device);
 
  private:
-  std::map<c10::DeviceIndex, c10::Stream> timing_; // per device index
+  std::mutex mu_;
+  std::map<c10::DeviceIndex, c10::Stream> timing_; // per device index, under mu_
 };
 
 } // namespace fairring
