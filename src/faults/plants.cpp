@@ -29,8 +29,9 @@ const std::vector<std::string>& names() {
       "eventless_work_unordered",
       "trials_on_one_way_calls",
       "agreement_by_order",
+      "announcement_parked",
   };
-  static_assert(static_cast<int>(Plant::kCount) == 19, "a name for every plant");
+  static_assert(static_cast<int>(Plant::kCount) == 20, "a name for every plant");
   return all;
 }
 

@@ -32,6 +32,7 @@ enum class Plant : uint8_t {
   kEventlessWorkUnordered, // a delegated Work whose future carries no event is waited for through it alone
   kTrialsOnOneWayCalls, // a measured row's call that only the composition takes still takes a trial turn
   kAgreementByOrder, // the measured choice's agreements named by their order on the rank, not device and class
+  kAnnouncementParked, // an announcement that comes before its call is left unread, stopping its gather lane
   kCount,
 };
 

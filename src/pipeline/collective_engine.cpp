@@ -18,7 +18,9 @@ CollectiveEngine::CollectiveEngine(RankLayout layout, EngineOptions options)
     : layout_(std::move(layout)),
       options_(std::move(options)),
       timeline_(options_.timelinePath, layout_.rank()),
-      steps_{allreduceSteps(layout_), reduceScatterSteps(layout_), allGatherSteps(layout_), allreduceSteps(layout_)},
+      steps_{
+          allreduceSteps(layout_), reduceScatterSteps(layout_), allGatherSteps(layout_), allreduceSteps(layout_),
+          announceSteps(layout_)},
       outboxes_(layout_),
       staging_(options_.totalMemory, options_.slotBytes) {
   TORCH_CHECK(
@@ -131,9 +133,11 @@ void CollectiveEngine::deliverParked(Operation& op, Slice& slice, Actions& actio
   for (const Parked& p : waiting) {
     if (failure_.fails(op.seq)) {
       // The operation failed while delivering: drop the rest unread.
-      discard(p.peer, laneOf(p.header.route), p.bytes, actions);
+      if (!p.consumed) {
+        discard(p.peer, laneOf(p.header.route), p.bytes, actions);
+      }
     } else {
-      deliver(op, slice, p.peer, p.header, p.bytes, actions);
+      deliver(op, slice, p.peer, p.header, p.bytes, actions, p.consumed);
     }
   }
 }

@@ -102,12 +102,14 @@ class CollectiveEngine : private StepContext {
   [[noreturn]] void refuse(const std::string& message);
 
   // A call handed to Gloo's ring (one rank per machine) takes its turn here
-  // as an operation that moves nothing but announces the call as an allreduce
-  // of the engine would (its size, dtype and op): ranks that disagree, or a
+  // as an announcement (OpKind::kAnnounce: its size, dtype and op in one
+  // empty message to each local and rail peer, no slot, one hop, started at
+  // once, not behind earlier slices): ranks that disagree, or a
   // rank that runs the same call on the engine (its size or dtype decided the
   // path differently), fail at that turn naming both sides, which Gloo's ring
   // would not (it reduces whatever it is given). The future completes once
-  // every rank has announced the same call, and fails wherever the group fails
+  // this rank's machine and rail peers announced the same call (so no two
+  // ranks hand Gloo different calls: announce_steps.cpp), and fails wherever the group fails
   // at or before its turn. Throws the group's failure if that turn has failed
   // already; `seq` is the turn.
   c10::intrusive_ptr<Future> announce(int64_t numel, at::ScalarType dtype, c10d::ReduceOp::RedOpType op, uint64_t& seq);
@@ -149,6 +151,9 @@ class CollectiveEngine : private StepContext {
     int peer;
     DataHeader header;
     size_t bytes;
+    // An empty gather-lane message (an announcement) read on arrival, so that
+    // its connection reads on: it is only counted when delivered.
+    bool consumed{false};
   };
 
   // Admission (engine_admission.cpp).
@@ -188,7 +193,16 @@ class CollectiveEngine : private StepContext {
   // Messages (engine_messages.cpp).
   void onMessage(int peer, Lane lane, Status status, std::string header, size_t bytes);
   void onData(int peer, Lane lane, const DataHeader& h, size_t bytes, Actions& actions);
-  void deliver(Operation& op, Slice& slice, int peer, const DataHeader& h, size_t bytes, Actions& actions);
+  void deliver(
+      Operation& op,
+      Slice& slice,
+      int peer,
+      const DataHeader& h,
+      size_t bytes,
+      Actions& actions,
+      bool consumed = false);
+  // Parks a message whose operation (or slice) is not active yet.
+  void park(int peer, Lane lane, const DataHeader& h, size_t bytes, Actions& actions);
   void onReceived(uint64_t seq, int64_t s, int g, Route route, Status status);
   void onSent(uint64_t seq, int64_t s, int g, int peer, Status status);
   // Reads and drops the body of a message for an operation that failed, so
@@ -229,7 +243,7 @@ class CollectiveEngine : private StepContext {
   Timeline timeline_;
   std::unique_ptr<PeerMesh> mesh_;
   TaskQueue tasks_;
-  std::array<std::unique_ptr<KindSteps>, 4> steps_; // by OpKind
+  std::array<std::unique_ptr<KindSteps>, 5> steps_; // by OpKind
   GroupFailure failure_;
 
   mutable std::mutex mu_;

@@ -169,7 +169,7 @@ c10::intrusive_ptr<CollectiveEngine::Future> CollectiveEngine::announce(
     RedOp op,
     uint64_t& seq) {
   auto future = c10::make_intrusive<Future>(c10::ListType::create(c10::TensorType::get()));
-  auto o = newOp(OpKind::kAllreduce, at::empty({0}, at::TensorOptions().dtype(dtype)), op, {}, nullptr, future);
+  auto o = newOp(OpKind::kAnnounce, at::empty({0}, at::TensorOptions().dtype(dtype)), op, {}, nullptr, future);
   o->announcedNumel = numel;
   seq = admit(std::move(o));
   return future;
@@ -225,12 +225,24 @@ void CollectiveEngine::admitLocked(std::unique_ptr<Operation> o, Actions& action
   layOut(*o);
   const KindSteps& steps = stepsOf(*o);
   int64_t segments = 0;
+  const bool inOrder = steps.activatesInOrder();
   for (const Slice& slice : o->slices) {
     segments += static_cast<int64_t>(slice.segments.size());
-    waitingForSlot_.emplace_back(o->seq, slice.index);
+    if (inOrder) {
+      waitingForSlot_.emplace_back(o->seq, slice.index);
+    }
   }
   outboxes_.expect(o->seq, segments * steps.toEachLocalPeer(), segments * steps.toRail());
+  Operation& op = *o;
   ops_[o->seq] = std::move(o);
+  if (!inOrder) {
+    // Nothing on the reduce lane and nothing staged: it starts now, not
+    // behind the slices of earlier operations that wait for a slot.
+    for (Slice& slice : op.slices) {
+      slice.state.moveTo(SliceState::kActive);
+      activate(op, slice, actions);
+    }
+  }
   pump(actions);
 }
 

@@ -40,7 +40,9 @@ void CollectiveEngine::failLocked(const std::string& message, Actions& actions, 
   }
   for (auto it = parked_.lower_bound({fromSeq, 0}); it != parked_.end();) {
     for (const Parked& p : it->second) {
-      discard(p.peer, laneOf(p.header.route), p.bytes, actions);
+      if (!p.consumed) {
+        discard(p.peer, laneOf(p.header.route), p.bytes, actions);
+      }
     }
     it = parked_.erase(it);
   }

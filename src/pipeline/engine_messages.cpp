@@ -9,6 +9,7 @@
 #include <algorithm>
 
 #include "faults/fault_points.h"
+#include "faults/plants.h"
 #include "ops/reduce_kind.h"
 #include "pipeline/collective_engine.h"
 
@@ -59,7 +60,7 @@ void CollectiveEngine::onData(int peer, Lane lane, const DataHeader& h, size_t b
     if (!sameOp(op, h)) {
       failLocked(describeMismatch(op, peer, h), actions, op.seq);
     } else if (!op.slices[h.slice].active()) {
-      parked_[{h.opSeq, h.slice}].push_back(Parked{peer, h, bytes});
+      park(peer, lane, h, bytes, actions);
     } else {
       deliver(op, op.slices[h.slice], peer, h, bytes, actions);
     }
@@ -70,9 +71,25 @@ void CollectiveEngine::onData(int peer, Lane lane, const DataHeader& h, size_t b
             " but it has already finished on " + layout_.describe(layout_.rank()) + " (with fewer elements)",
         actions, h.opSeq);
   } else {
-    // The peer is ahead of us; the connection waits until we post this operation.
-    parked_[{h.opSeq, h.slice}].push_back(Parked{peer, h, bytes});
+    // The peer is ahead of us; the connection waits until we post this
+    // operation (but for an announcement: park()).
+    park(peer, lane, h, bytes, actions);
   }
+}
+
+void CollectiveEngine::park(int peer, Lane lane, const DataHeader& h, size_t bytes, Actions& actions) {
+  Parked parked{peer, h, bytes};
+  // An announcement may come before this rank's call does, on the gather
+  // lane, which must never stop reading at a message (the results of earlier
+  // operations come behind it): it has no body, so it is read now.
+  if (static_cast<OpKind>(h.kind) == OpKind::kAnnounce && bytes == 0 && lane == Lane::kGather &&
+      !plants::planted(plants::Plant::kAnnouncementParked)) {
+    parked.consumed = true;
+    actions.push_back([this, peer, lane] {
+      mesh_->receive(peer, lane, nullptr, 0, [](const Status&) {}); // a lost connection is told apart
+    });
+  }
+  parked_[{h.opSeq, h.slice}].push_back(std::move(parked));
 }
 
 void CollectiveEngine::deliver(
@@ -81,7 +98,8 @@ void CollectiveEngine::deliver(
     int peer,
     const DataHeader& h,
     size_t bytes,
-    Actions& actions) {
+    Actions& actions,
+    bool consumed) {
   if (!sameOp(op, h)) {
     failLocked(describeMismatch(op, peer, h), actions, op.seq);
     return;
@@ -119,6 +137,12 @@ void CollectiveEngine::deliver(
   }
   seg.announced[route][index] = 1;
   ++seg.pendingReads;
+  if (consumed) {
+    actions.push_back([this, p = h.route, seq = op.seq, s = h.slice, g = h.segment] {
+      onReceived(seq, s, g, p, Status());
+    });
+    return;
+  }
   actions.push_back([this, peer, p = h.route, dst = landing->dst, bytes, seq = op.seq, s = h.slice, g = h.segment] {
     mesh_->receive(peer, laneOf(p), dst, bytes, [this, seq, s, g, p](Status status) {
       onReceived(seq, s, g, p, std::move(status));
@@ -219,7 +243,8 @@ std::string CollectiveEngine::describeOp(const DataHeader& h) const {
   const auto kind = static_cast<OpKind>(h.kind);
   const bool allreduce = kind == OpKind::kAllreduce;
   const std::string what = allreduce ? "" : std::string(opKindName(kind)) + " of ";
-  const std::string perRank = allreduce || kind == OpKind::kBarrier ? "" : " per rank";
+  const bool whole = allreduce || kind == OpKind::kBarrier || kind == OpKind::kAnnounce;
+  const std::string perRank = whole ? "" : " per rank";
   const std::string reduction = kind == OpKind::kAllGather ? "" : " with ReduceOp." + opName(static_cast<RedOp>(h.op));
   return what + std::to_string(h.numel) + " elements" + perRank + " of " +
       dtypeName(static_cast<at::ScalarType>(h.dtype)) + reduction;

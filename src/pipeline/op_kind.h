@@ -14,6 +14,10 @@ enum class OpKind : uint8_t {
   // An allreduce of nothing: it completes on a rank only once every rank has
   // posted it, and fails wherever the group failed at or before its turn.
   kBarrier = 3,
+  // A call handed to Gloo's ring, announced at its turn (its size, dtype and
+  // op in the headers): one empty message to each local and rail peer, on the
+  // gather lane, no slot (announce_steps.cpp).
+  kAnnounce = 4,
 };
 
 // As torch names the collective.
@@ -23,6 +27,7 @@ inline const char* opKindName(OpKind kind) {
     case OpKind::kReduceScatter: return "reduce_scatter";
     case OpKind::kAllGather: return "all_gather";
     case OpKind::kBarrier: return "barrier";
+    case OpKind::kAnnounce: return "ring allreduce";
   }
   return "unknown collective";
 }

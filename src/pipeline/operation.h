@@ -126,7 +126,7 @@ struct Operation {
   int64_t tEnqueued{0};
 
   bool sliced() const {
-    return kind == OpKind::kAllreduce || kind == OpKind::kBarrier;
+    return kind == OpKind::kAllreduce || kind == OpKind::kBarrier || kind == OpKind::kAnnounce;
   }
   int64_t numel() const {
     return sliced() ? plan.numel() : sharded.partElems();

@@ -90,6 +90,12 @@ class KindSteps {
   virtual bool staged() const {
     return true;
   }
+  // Whether its slices activate in the global slot order (which keeps
+  // reduce-lane messages in order); a kind that sends nothing on the reduce
+  // lane and stages nothing starts at admission.
+  virtual bool activatesInOrder() const {
+    return true;
+  }
   // What a message on `route` is called in errors: by default the
   // allreduce's exchange on it (its four steps that move data use the four
   // routes); a kind whose messages are something else names its own.
@@ -124,5 +130,6 @@ class KindSteps {
 std::unique_ptr<KindSteps> allreduceSteps(const RankLayout& layout);
 std::unique_ptr<KindSteps> reduceScatterSteps(const RankLayout& layout);
 std::unique_ptr<KindSteps> allGatherSteps(const RankLayout& layout);
+std::unique_ptr<KindSteps> announceSteps(const RankLayout& layout);
 
 } // namespace fairring
