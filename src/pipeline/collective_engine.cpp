@@ -90,23 +90,22 @@ void CollectiveEngine::pump(Actions& actions) {
     Slice& slice = op.slices[s];
     // A kind that stages nothing still activates in the global order: that
     // is what keeps its messages in order on the reduce lane.
-    if (stepsOf(op).staged()) {
+    const bool staged = stepsOf(op).staged();
+    if (staged) {
       const int slot = staging_.tryAcquire();
       if (slot < 0) {
         return;
       }
       slice.slot = slot;
       slice.staging = staging_.data(slot);
-      slice.state.moveTo(SliceState::kStaged);
-    } else {
-      slice.state.moveTo(SliceState::kActive);
     }
     waitingForSlot_.pop_front();
-    activate(op, slice, actions);
+    activate(op, slice, staged ? SliceState::kStaged : SliceState::kActive, actions);
   }
 }
 
-void CollectiveEngine::activate(Operation& op, Slice& slice, Actions& actions) {
+void CollectiveEngine::activate(Operation& op, Slice& slice, SliceState state, Actions& actions) {
+  slice.state.moveTo(state);
   timeline_.stamp(slice.tActive);
   for (Segment& seg : slice.segments) {
     seg.state.moveTo(SegmentState::kStepping);

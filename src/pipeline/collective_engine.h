@@ -151,8 +151,8 @@ class CollectiveEngine : private StepContext {
     int peer;
     DataHeader header;
     size_t bytes;
-    // An empty gather-lane message (an announcement) read on arrival, so that
-    // its connection reads on: it is only counted when delivered.
+    // An empty gather-lane message read on arrival, so that its connection
+    // reads on: it is only counted when delivered.
     bool consumed{false};
   };
 
@@ -176,7 +176,8 @@ class CollectiveEngine : private StepContext {
     return *steps_[static_cast<int>(op.kind)];
   }
   void pump(Actions& actions);
-  void activate(Operation& op, Slice& slice, Actions& actions);
+  // Moves the slice to `state` (kStaged or kActive) and starts its segments.
+  void activate(Operation& op, Slice& slice, SliceState state, Actions& actions);
   void deliverParked(Operation& op, Slice& slice, Actions& actions);
   void advance(Turn& t);
   void endStep(Turn& t);

@@ -239,8 +239,7 @@ void CollectiveEngine::admitLocked(std::unique_ptr<Operation> o, Actions& action
     // Nothing on the reduce lane and nothing staged: it starts now, not
     // behind the slices of earlier operations that wait for a slot.
     for (Slice& slice : op.slices) {
-      slice.state.moveTo(SliceState::kActive);
-      activate(op, slice, actions);
+      activate(op, slice, SliceState::kActive, actions);
     }
   }
   pump(actions);

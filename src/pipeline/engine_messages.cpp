@@ -72,18 +72,17 @@ void CollectiveEngine::onData(int peer, Lane lane, const DataHeader& h, size_t b
         actions, h.opSeq);
   } else {
     // The peer is ahead of us; the connection waits until we post this
-    // operation (but for an announcement: park()).
+    // operation (but for a message with no body: park()).
     park(peer, lane, h, bytes, actions);
   }
 }
 
 void CollectiveEngine::park(int peer, Lane lane, const DataHeader& h, size_t bytes, Actions& actions) {
   Parked parked{peer, h, bytes};
-  // An announcement may come before this rank's call does, on the gather
-  // lane, which must never stop reading at a message (the results of earlier
-  // operations come behind it): it has no body, so it is read now.
-  if (static_cast<OpKind>(h.kind) == OpKind::kAnnounce && bytes == 0 && lane == Lane::kGather &&
-      !plants::planted(plants::Plant::kAnnouncementParked)) {
+  // The gather lane never stops reading at a message (the results of earlier
+  // operations may come behind it), so one with no body (an announcement of
+  // a call this rank has not made yet) is read now and kept until its turn.
+  if (bytes == 0 && lane == Lane::kGather && !plants::planted(plants::Plant::kAnnouncementParked)) {
     parked.consumed = true;
     actions.push_back([this, peer, lane] {
       mesh_->receive(peer, lane, nullptr, 0, [](const Status&) {}); // a lost connection is told apart
