@@ -34,6 +34,7 @@ ENV = fairring_env(total_memory=256 * 1024, slice_size=32 * 1024, FAIRRING_SLICE
 SIZES = (1, 7, 1000, 30_000, 200_000)
 ROUNDS = 3  # each case repeats with fresh random timing
 CALLBACK_THREAD = "fairring-cb"
+INLINE_AT = 5  # in_order: the allreduce whose callback is attached after its wait
 # The random delays derive from this seed (FAIRRING_TEST_SEED replays a failed run);
 # every error a case reports names it.
 SEED = int(os.environ.get("FAIRRING_TEST_SEED") or random.SystemRandom().randrange(1 << 32))
@@ -92,11 +93,15 @@ def _in_order_round(rank: int, world: int, case: Case) -> str | None:
     issue_pause = _delays(case, "issue", rank, case.count, 0.004)
     callback_pause = _delays(case, "callback", rank, case.count, 0.004)
     ran: list[tuple[int, str]] = []
+    # The thread attaching the callbacks, where c10 runs one inline. Not
+    # threading.main_thread().native_id: in a forked rank (tests/rank_zygote.py)
+    # Python keeps the parent's there, so inline runs looked like another thread's.
+    here = threading.get_native_id()
+    inline = f"inline on {here}"
 
     def make_callback(i: int) -> Callable[[torch.futures.Future], torch.Tensor]:
         def callback(fut: torch.futures.Future) -> torch.Tensor:
-            on_main = threading.get_native_id() == threading.main_thread().native_id
-            ran.append((i, threading.main_thread().native_id if on_main else _thread_name()))
+            ran.append((i, inline if threading.get_native_id() == here else _thread_name()))
             time.sleep(callback_pause[i])
             return fut.value()[0]
 
@@ -105,19 +110,23 @@ def _in_order_round(rank: int, world: int, case: Case) -> str | None:
     futures = []
     for i, n in enumerate(sizes):
         t = torch.full((n,), float(rank + 1 + i))
-        futures.append(dist.all_reduce(t, async_op=True).get_future().then(make_callback(i)))
+        fut = dist.all_reduce(t, async_op=True).get_future()
+        if i == INLINE_AT:
+            fut.wait()  # every round has one callback that runs inline, told apart
+        futures.append(fut.then(make_callback(i)))
         time.sleep(issue_pause[i])
     for i, (n, fut) in enumerate(zip(sizes, futures, strict=True)):
         want = torch.full((n,), _rank_sum(world, lambda r, i=i: r + 1 + i))
         if err := _expect(f"allreduce #{i}", fut.wait(), want):
             return err
-    # A callback attached after its future completed runs inline, on the main thread
-    # (c10's rule; rare here, as callbacks are attached right after the issue): the
-    # others ran on completion threads, in issue order.
-    inline = threading.main_thread().native_id
+    # A callback attached after its future completed runs inline, on the attaching
+    # thread (c10's rule; rare here but at INLINE_AT, as callbacks are attached right
+    # after the issue): the others ran on completion threads, in issue order.
     order = [i for i, name in ran if name != inline]
     if len(ran) != case.count:
         return f"{len(ran)} of {case.count} callbacks ran"
+    if (INLINE_AT, inline) not in ran:
+        return f"allreduce #{INLINE_AT}'s callback, attached after its wait, ran elsewhere: {ran}"
     # Inline runs are the exception: a core that ran every callback inline (or most)
     # would leave nothing here to check the order of.
     if len(order) < case.count // 2:
