@@ -21,6 +21,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -28,6 +29,7 @@ from typing import Any
 
 import fault_points
 import pytest
+import stream_mutants
 import torch
 import torch.distributed as dist
 from killed_peer import call_after_error, warm_up
@@ -413,42 +415,99 @@ def test_aborts_held_during_start_up_leave_before_the_close() -> None:
 
 
 def _destroy_while_callback_engine_connects(rank: int, world: int) -> dict[str, Any] | None:
-    """Rank 1 dies once the first allreduce is done; rank 0's callback of it issues an
-    allreduce, whose engine waits (up to the group's timeout) for rank 1's address;
-    rank 0 destroys the group meanwhile."""
+    """Rank 0's callback of an allreduce issues another, whose engine waits for rank 1,
+    which never issues one from a callback (alive, so nothing tells rank 0 it will not
+    come); rank 0 destroys the group meanwhile. Forced onto a completion thread: rank 1
+    issues its allreduce only once rank 0 has attached the callback."""
     group = dist.new_group(backend="fairring", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     warm_up(rank, group)
-    fut = dist.all_reduce(torch.ones(10), group=group, async_op=True).get_future()
+    store = default_store()
     if rank == 1:
-        fut.wait()
-        os.kill(os.getpid(), signal.SIGKILL)
+        store.wait(["attached"])
+        dist.all_reduce(torch.ones(10), group=group)
+        store.wait(["destroyed"])  # then its own destroy: rank 0 has closed
+        dist.destroy_process_group(group)
+        return None
+    fut = dist.all_reduce(torch.ones(10), group=group, async_op=True).get_future()
 
-    def nested(f: torch.futures.Future[Any]) -> str:
+    def nested(f: torch.futures.Future[Any]) -> tuple[str, bool]:
         message, _ = _attempt(lambda: dist.all_reduce(torch.ones(10), group=group))
-        return message or "completed"
+        return message or "completed", threading.get_native_id() == here
 
+    here = threading.get_native_id()
     chained = fut.then(nested)
+    store.set("attached", "1")
     # The callbacks' engine has published its address: it is inside its start, waiting
     # for rank 1's, which never comes.
-    store = dist.PrefixStore("callbacks/", core_store(group))  # as the backend makes it
-    _wait_until("the callbacks' engine to start", lambda: store.check(["addr/rail/0"]))
+    callbacks = dist.PrefixStore("callbacks/", core_store(group))  # as the backend makes it
+    _wait_until("the callbacks' engine to start", lambda: callbacks.check(["addr/rail/0"]))
     destroy_s = _destroy(group)
-    return {"destroy_s": destroy_s, "nested": chained.wait()}
+    store.set("destroyed", "1")
+    message, inline = chained.wait()
+    return {"destroy_s": destroy_s, "nested": message, "inline": inline}
 
 
 def test_destroy_is_not_held_by_a_callback_engine_still_connecting() -> None:
     outcomes = launch(
-        _destroy_while_callback_engine_connects,
+        _destroy_while_callback_engine_connects, 2, ["m0", "m1"], timeout_s=JOB_TIMEOUT_S
+    )
+    assert all(o.ok for o in outcomes), "\n".join(o.describe() for o in outcomes)
+    v = outcomes[0].value
+    assert not v["inline"], "the callback ran on the attaching thread: the case was not forced"
+    assert v["destroy_s"] < DESTROY_S, f"destroy took {v['destroy_s']:.1f} s"
+    assert "shut down" in v["nested"], v["nested"]
+
+
+LOST_PEER_S = 5.0  # far below GROUP_TIMEOUT_S: the callbacks' engine gave up on its own
+
+
+def _peer_lost_while_callback_engine_connects(rank: int, world: int, inline: bool) -> Any:
+    """Rank 1 dies once its allreduce is done; rank 0's callback of it issues an
+    allreduce, whose engine would wait (up to the group's timeout) for rank 1's address.
+    ``inline``: rank 0 waits before attaching, so the callback runs on its own thread
+    (c10's rule); else rank 1 joins only once rank 0 has attached it."""
+    stream_mutants.arm_from_env()
+    group = dist.new_group(backend="fairring", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    warm_up(rank, group)
+    store = default_store()
+    if rank == 1:
+        if not inline:
+            store.wait(["attached"])
+        dist.all_reduce(torch.ones(10), group=group)
+        os.kill(os.getpid(), signal.SIGKILL)
+    fut = dist.all_reduce(torch.ones(10), group=group, async_op=True).get_future()
+    here = threading.get_native_id()
+    if inline:
+        fut.wait()
+
+    def nested(f: torch.futures.Future[Any]) -> tuple[str | None, float, bool]:
+        message, took = _attempt(lambda: dist.all_reduce(torch.ones(10), group=group))
+        return message, took, threading.get_native_id() == here
+
+    chained = fut.then(nested)
+    store.set("attached", "1")
+    message, took, ran_inline = chained.wait()
+    destroy_s = _destroy(group)
+    return {"message": message, "took": took, "inline": ran_inline, "destroy_s": destroy_s}
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "on_a_completion_thread"])
+def test_a_lost_peer_ends_the_start_of_the_callbacks_engine(inline: bool) -> None:
+    outcomes = launch(
+        _peer_lost_while_callback_engine_connects,
         2,
         ["m0", "m1"],
         timeout_s=JOB_TIMEOUT_S,
         abort_grace_s=None,
+        inline=inline,
     )
     assert outcomes[1].status == "crashed", outcomes[1].describe()
     assert outcomes[0].ok, outcomes[0].describe()
     v = outcomes[0].value
+    assert v["inline"] == inline, f"the callback ran {'inline' if v['inline'] else 'on a thread'}"
+    assert v["message"] is not None and "rank 1" in v["message"], v["message"]
+    assert v["took"] < LOST_PEER_S, f"the callback's allreduce raised after {v['took']:.1f} s"
     assert v["destroy_s"] < DESTROY_S, f"destroy took {v['destroy_s']:.1f} s"
-    assert "shut down" in v["nested"], v["nested"]
 
 
 def _fairring_threads(name: str) -> int:

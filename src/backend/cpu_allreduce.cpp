@@ -5,6 +5,7 @@
 
 #include "backend/future_work.h"
 #include "backend/python_callback.h"
+#include "faults/plants.h"
 
 namespace fairring {
 
@@ -121,15 +122,27 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::runOn(
   return result;
 }
 
+std::optional<std::string> CpuAllreduce::lostPeerOrFailure() const {
+  if (engine_.failure().failed()) {
+    return engine_.failure().refusal();
+  }
+  if (plants::planted(plants::Plant::kCallbacksStartIgnoresLoss)) {
+    return std::nullopt;
+  }
+  return engine_.failure().departed();
+}
+
 void CpuAllreduce::refuseIfFailed() {
-  if (!engine_.failure().failed()) {
+  const std::optional<std::string> lost = lostPeerOrFailure();
+  if (!lost) {
     return;
   }
-  // The group has failed, so its program's calls raise: so do collectives from
-  // callbacks, with the same reason. The callbacks' engine fails from this
-  // call's turn on and tells its peers, whose same call would otherwise wait
-  // for this rank, then report its close at destroy instead (chaos seed 0).
-  const std::string refusal = engine_.failure().refusal();
+  // The group has failed (or lost a peer: its program's next call raises), so
+  // do collectives from callbacks, with the same reason. The callbacks' engine
+  // fails from this call's turn on and tells its peers, whose same call would
+  // otherwise wait for this rank, then report its close at destroy instead
+  // (chaos seed 0).
+  const std::string refusal = *lost;
   std::shared_ptr<CollectiveEngine> engine;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -174,7 +187,9 @@ CollectiveEngine& CpuAllreduce::callbackEngine() {
   // the others here, and a shutdown meanwhile interrupts it.
   std::string error;
   try {
-    engine->start(*store_);
+    // A peer this group lost will never connect: the wait ends when the
+    // program's engine learns it, not at the timeout.
+    engine->start(*store_, [this] { return lostPeerOrFailure(); });
   } catch (const std::exception& e) {
     error = e.what();
   }

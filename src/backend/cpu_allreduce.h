@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -109,6 +110,9 @@ class CpuAllreduce {
   // From a callback: throws the group's failure if it has failed, failing the
   // callbacks' engine with it (so that its peers hear of it too).
   void refuseIfFailed();
+  // Why the program's engine can take no more calls: its group failed, or a
+  // peer left (the next call raises that); nullopt while healthy.
+  std::optional<std::string> lostPeerOrFailure() const;
 
   const int rank_;
   CollectiveEngine& engine_;

@@ -30,8 +30,9 @@ const std::vector<std::string>& names() {
       "trials_on_one_way_calls",
       "agreement_by_order",
       "announcement_parked",
+      "callbacks_start_ignores_loss",
   };
-  static_assert(static_cast<int>(Plant::kCount) == 20, "a name for every plant");
+  static_assert(static_cast<int>(Plant::kCount) == 21, "a name for every plant");
   return all;
 }
 

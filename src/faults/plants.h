@@ -33,6 +33,7 @@ enum class Plant : uint8_t {
   kTrialsOnOneWayCalls, // a measured row's call that only the composition takes still takes a trial turn
   kAgreementByOrder, // the measured choice's agreements named by their order on the rank, not device and class
   kAnnouncementParked, // an announcement that comes before its call is left unread, stopping its gather lane
+  kCallbacksStartIgnoresLoss, // the callbacks' engine starts (and waits out the timeout) after its group lost a peer
   kCount,
 };
 

@@ -63,8 +63,8 @@ class CollectiveEngine : private StepContext {
   ~CollectiveEngine() override;
 
   // Connects to the peers; throws with a clear message on failure, or if
-  // shutdown() comes first (it interrupts the wait).
-  void start(c10d::Store& store);
+  // shutdown() comes first (it interrupts the wait), or `giveUp` gives a reason.
+  void start(c10d::Store& store, PeerMesh::GiveUp giveUp = {});
 
   // Reduces `work` (contiguous) in place across all ranks. `outputs` is the
   // future's value; `finish` runs (on the reduction thread) once `work` holds

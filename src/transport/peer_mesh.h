@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -50,10 +51,14 @@ class PeerMesh {
   PeerMesh(const RankLayout& layout, Options options, OnMessage onMessage);
   ~PeerMesh();
 
+  // Asked while start() waits (every few ms): a reason to stop connecting,
+  // such as another group of the same ranks having lost one of them.
+  using GiveUp = std::function<std::optional<std::string>()>;
+
   // Listens, publishes the address in the store, connects to every peer and
   // waits until every peer has connected back, all within the timeout; then
-  // stops listening.
-  Status start(c10d::Store& store);
+  // stops listening. Every wait ends early at interrupt() or at `giveUp`.
+  Status start(c10d::Store& store, GiveUp giveUp = {});
 
   enum class Priority : uint8_t {
     kInOrder, // behind everything queued for that connection's writer
@@ -110,6 +115,8 @@ class PeerMesh {
   // and the deadline end the wait (the store's own would take its timeout).
   Status addressOf(c10d::Store& store, int peer, Clock::time_point deadline, std::string& url);
   bool interrupted();
+  // Why start() stops now (interrupt(), close() or giveUp), or nullopt.
+  std::optional<std::string> stopped();
   void readLoop(Inbound& in);
   void writeLoop(Writer& writer);
   Status transmit(Outbound& out, Outgoing& msg);
@@ -124,6 +131,7 @@ class PeerMesh {
   // The memory probe: its address and value go in every local hello.
   const uint64_t probe_;
   std::unique_ptr<Gate> gate_;
+  GiveUp giveUp_; // set by start(), used only by its thread
 
   std::mutex mu_;
   std::condition_variable cv_;

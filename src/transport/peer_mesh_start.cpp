@@ -29,7 +29,8 @@ std::string addressKey(Reach reach, int rank) {
 
 } // namespace
 
-Status PeerMesh::start(c10d::Store& store) {
+Status PeerMesh::start(c10d::Store& store, GiveUp giveUp) {
+  giveUp_ = std::move(giveUp);
   const std::string me = layout_.describe(layout_.rank());
   if (options_.token.size() != Hello::kTokenBytes) {
     return Status::error(
@@ -103,33 +104,41 @@ Status PeerMesh::openGate(const std::string& me, std::string urls[2]) {
 }
 
 Status PeerMesh::awaitPeers(const std::string& me, const std::vector<int>& peers, Clock::time_point deadline) {
-  std::unique_lock<std::mutex> lock(mu_);
   const size_t expected = peers.size() * kNumLanes;
-  const bool all =
-      cv_.wait_until(lock, deadline, [&] { return closed_ || interrupted_ || inbound_.size() == expected; });
-  if (closed_ || interrupted_) {
-    return Status::error("fairring: the process group was shut down while " + me + " was connecting");
-  }
-  if (all) {
-    return Status();
-  }
-  std::string missing;
-  for (int peer : peers) {
-    if (!inbound_.count({peer, Lane::kReduce}) || !inbound_.count({peer, Lane::kGather})) {
-      missing += (missing.empty() ? "" : ", ") + layout_.describe(peer);
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      const auto until = std::min(deadline, Clock::now() + kStorePoll);
+      cv_.wait_until(lock, until, [&] { return closed_ || interrupted_ || inbound_.size() == expected; });
+      if (closed_ || interrupted_) {
+        return Status::error("fairring: the process group was shut down while " + me + " was connecting");
+      }
+      if (inbound_.size() == expected) {
+        return Status();
+      }
+      if (Clock::now() >= deadline) {
+        std::string missing;
+        for (int peer : peers) {
+          if (!inbound_.count({peer, Lane::kReduce}) || !inbound_.count({peer, Lane::kGather})) {
+            missing += (missing.empty() ? "" : ", ") + layout_.describe(peer);
+          }
+        }
+        return Status::error(
+            "fairring: " + me + " timed out after " + std::to_string(options_.timeout.count()) +
+            " ms waiting for " + missing + " to connect");
+      }
+    }
+    if (auto why = stopped()) { // the give-up's own locks, not under ours
+      return Status::error(*why);
     }
   }
-  return Status::error(
-      "fairring: " + me + " timed out after " + std::to_string(options_.timeout.count()) + " ms waiting for " +
-      missing + " to connect");
 }
 
 Status PeerMesh::addressOf(c10d::Store& store, int peer, Clock::time_point deadline, std::string& url) {
   const std::string key = addressKey(reachOf(peer), peer);
   while (!store.check({key})) {
-    if (interrupted()) {
-      return Status::error("fairring: the process group was shut down while " + layout_.describe(layout_.rank()) +
-                           " was connecting");
+    if (auto why = stopped()) {
+      return Status::error(*why);
     }
     if (Clock::now() >= deadline) {
       return failure(
@@ -144,8 +153,23 @@ Status PeerMesh::addressOf(c10d::Store& store, int peer, Clock::time_point deadl
 }
 
 bool PeerMesh::interrupted() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return interrupted_ || closed_;
+  return stopped().has_value();
+}
+
+std::optional<std::string> PeerMesh::stopped() {
+  const std::string me = layout_.describe(layout_.rank());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (interrupted_ || closed_) {
+      return "fairring: the process group was shut down while " + me + " was connecting";
+    }
+  }
+  if (giveUp_) {
+    if (auto why = giveUp_()) {
+      return "fairring: " + me + " stopped connecting: " + *why;
+    }
+  }
+  return std::nullopt;
 }
 
 void PeerMesh::interrupt() {
@@ -254,13 +278,19 @@ Status PeerMesh::hello(
       std::this_thread::sleep_for(kRetryPause);
     }
     if (Status s = connectTo(url, deadline, socket, [this] { return interrupted(); }); !s.ok()) {
+      if (auto why = stopped()) {
+        return Status::error(*why);
+      }
       return failure("connecting to", peer, s.message());
     }
     if (Status s = writeFull(socket, bytes.data(), bytes.size()); !s.ok()) {
       closedWhy = s.message();
       continue;
     }
-    if (!waitReadable(socket, deadline)) {
+    if (!waitReadable(socket, deadline, [this] { return interrupted(); })) {
+      if (auto why = stopped()) {
+        return Status::error(*why);
+      }
       return failure(
           "connecting to", peer, "no answer to its hello within " + std::to_string(options_.timeout.count()) + " ms");
     }

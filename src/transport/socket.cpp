@@ -225,14 +225,18 @@ Status writeFull(const Socket& s, const void* data, size_t bytes) {
   return writeFull(s, &iov, 1);
 }
 
-bool waitReadable(const Socket& s, Clock::time_point deadline) {
+bool waitReadable(const Socket& s, Clock::time_point deadline, const std::function<bool()>& stop) {
+  const long long slice = stop ? 50 : 1000;
   while (true) {
+    if (stop && stop()) {
+      return false;
+    }
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
     if (left <= 0) {
       return false;
     }
     struct pollfd pfd {s.fd(), POLLIN, 0};
-    const int rc = ::poll(&pfd, 1, static_cast<int>(std::min<long long>(left, 1000)));
+    const int rc = ::poll(&pfd, 1, static_cast<int>(std::min<long long>(left, slice)));
     if (rc > 0) {
       return true;
     }

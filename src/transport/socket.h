@@ -63,7 +63,8 @@ Status writeFull(const Socket& s, struct iovec* iov, int count);
 Status writeFull(const Socket& s, const void* data, size_t bytes);
 
 // Waits until `s` is readable or `deadline` passes (false then).
-bool waitReadable(const Socket& s, Clock::time_point deadline);
+// `stop` (if given) is asked every 50 ms: true ends the wait early (false).
+bool waitReadable(const Socket& s, Clock::time_point deadline, const std::function<bool()>& stop = {});
 
 void setBlocking(const Socket& s, bool blocking);
 void setNoDelay(const Socket& s);
