@@ -28,7 +28,7 @@ from fairring_pg.model.cpu_plan import CpuPlan, plan_cpu_allreduce
 from fairring_pg.model.cuda_plan import CudaPlan
 from fairring_pg.network import listen_address
 from fairring_pg.process_groups import StandInAccelerator
-from fairring_pg.startup import publish_failure, wait_for
+from fairring_pg.startup import all_passed, publish_failure, wait_for
 from fairring_pg.topology import Topology, discover
 
 _TOKEN_KEY = "fairring/job_token"
@@ -39,6 +39,9 @@ _core_factory: Callable[..., Any] | None = None
 # Private seam for tests: a device that takes CUDA's place (the stream vehicle of
 # tests/native/), with its own world group and sub-groups. None means CUDA.
 _stand_in_accelerator: StandInAccelerator | None = None
+# Tests only: runs on each rank after its own checks, before the ranks' verdict (a
+# check that fails late on one rank, or early).
+_before_verdict: Callable[[int], None] | None = None
 
 
 @dataclass
@@ -148,6 +151,9 @@ def _agree(store: Any, rank: int, size: int, timeout: timedelta, group_id: str) 
         )
         known = measured.agree_on_known(store, rank, timeout, config, shape, group_id)
         token = job_token(store, rank, timeout)
+        if _before_verdict is not None:
+            _before_verdict(rank)
+        all_passed(store, rank, size, timeout)
     except Exception as exc:
         publish_failure(store, rank, exc)
         raise

@@ -15,6 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 FAILURE_KEY = "fairring/startup_failed"
+PASSED_KEY = "fairring/startup_passed"
 _POLL_S = 0.05
 
 
@@ -24,6 +25,16 @@ def publish_failure(store: Any, rank: int, exc: BaseException) -> None:
         store.set(FAILURE_KEY, f"rank {rank}: {type(exc).__name__}: {exc}")
     except Exception:  # noqa: BLE001 - the original error is what matters
         pass
+
+
+def all_passed(store: Any, rank: int, size: int, timeout: timedelta) -> None:
+    """This rank passed every check of its start; wait until every rank says so, or raise
+    the first failure one of them published. No rank builds a group (Gloo's, the core's)
+    before this: one that did would see a peer that failed later leave mid-connect, and
+    report a closed connection instead of the setting at fault."""
+    store.set(f"{PASSED_KEY}/{rank}", "1")
+    keys = [f"{PASSED_KEY}/{r}" for r in range(size)]
+    wait_for(store, keys, timeout, "waiting for every rank to pass its start-up checks")
 
 
 def wait_for(store: Any, keys: Sequence[str], timeout: timedelta, what: str) -> None:

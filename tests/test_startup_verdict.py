@@ -1,0 +1,89 @@
+"""A check that fails on one rank only fails the start on every rank, naming it.
+
+Ranks check what they see (the machine's memory, an interface, a build) each on its own,
+then wait for every rank's verdict (fairring_pg.startup.all_passed) before building any
+group. A rank that built one while a peer was still checking would see that peer leave
+mid-connect and report a closed connection instead of the setting at fault (a fresh
+clone's run of test_bad_input once showed Gloo's "connectFullMesh failed"). The failing
+rank's check is forced here (fairring_pg.backend's test hook) to end late, after the
+others passed theirs, and early, before they did.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from multiprocess import SHAPES
+from reliability_helpers import run_bare
+
+SHAPE = SHAPES["2x2"]
+FAILING = 3
+WHY = "FAIRRING_TOTAL_MEMORY=900G is more than this machine's memory (forced by the test)"
+INIT_TIMEOUT_S = 20.0
+# Far below the init timeout: every rank raises once the failing one has published.
+BOUND_S = 5.0
+LATE_S = 1.5
+
+
+def _start(rank: int, world: int, store: Any, late: bool, planted: bool) -> dict[str, Any]:
+    import fairring_pg.backend as backend
+
+    def check(r: int) -> None:
+        if r == FAILING:
+            if late:
+                time.sleep(LATE_S)  # the others have passed theirs and wait
+            raise ValueError(WHY)
+        if not late:
+            time.sleep(LATE_S)  # the failing rank has published before these finish
+
+    backend._before_verdict = check
+    if planted:
+        # The bug the verdict is for: each rank goes on alone.
+        backend.all_passed = lambda *args: None
+    t0 = time.monotonic()
+    try:
+        dist.init_process_group(
+            "fairring",
+            store=store,
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=INIT_TIMEOUT_S),
+        )
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        return {"error": f"{type(exc).__name__}: {exc}", "took": time.monotonic() - t0}
+    dist.destroy_process_group()
+    return {"error": None, "took": time.monotonic() - t0}
+
+
+def _verdicts(late: bool, planted: bool) -> list[str]:
+    outcomes = run_bare(_start, SHAPE, timeout_s=90, late=late, planted=planted)
+    problems = []
+    for o in outcomes:
+        if o.status != "ok":
+            problems.append(o.describe())
+            continue
+        error, took = o.value["error"], o.value["took"]
+        if error is None:
+            problems.append(f"rank {o.rank}: init_process_group succeeded")
+        elif WHY not in error or (o.rank != FAILING and f"rank {FAILING}" not in error):
+            problems.append(f"rank {o.rank}: the error does not say rank {FAILING}'s: {error}")
+        elif took > BOUND_S:
+            problems.append(f"rank {o.rank}: raised after {took:.1f} s")
+    return problems
+
+
+@pytest.mark.parametrize("late", [True, False], ids=["fails_late", "fails_early"])
+def test_one_ranks_failed_check_fails_every_rank_naming_it(late: bool) -> None:
+    problems = _verdicts(late, planted=False)
+    assert not problems, "\n".join(problems)
+
+
+def test_without_the_verdict_the_others_do_not_say_why() -> None:
+    # The plant: the check above would pass with no verdict only if it could not fail.
+    problems = _verdicts(late=True, planted=True)
+    print("\n".join(problems))
+    assert problems, "every rank named the failing rank's setting without the verdict"
