@@ -23,6 +23,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import stream_mutants
 import torch
 import torch.distributed as dist
 from chaos_plan import MATE_AFTER_S, Call, Job
@@ -425,6 +426,7 @@ def _die(job: Job, job_dir: Path, store: Any, runners: list[_Runner], call: Call
 
 
 def chaos_rank(rank: int, world: int, job: Job, job_dir: str) -> dict[str, Any]:
+    stream_mutants.arm_from_env()
     directory = Path(job_dir)
     (directory / f"rank{rank}.pid").write_text(str(os.getpid()))
     store = default_store()

@@ -157,6 +157,11 @@ CATCHERS: dict[str, Catch] = {
         ),
         (),
     ),
+    # 2 x 2 freezes where a rank that times out waits for a live rank (the seeds where
+    # that came first, half of them, when the rule was tightened): it names that one.
+    "timeout_names_next_peer": Catch(
+        ("test_chaos.py::test_a_freeze_is_named_at_the_end_of_the_wait_chain",), ()
+    ),
 }
 
 _FAILED = re.compile(r"^FAILED (\S+)", re.MULTILINE)

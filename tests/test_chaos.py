@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from chaos_plan import FAULTS, RING_NUMEL, SHAPES, Call, Fault, Job, draw_job, machines_of
-from chaos_verdict import DESTROY_FAST_S, KILL_FAST_S, TOLD_S, judge
+from chaos_verdict import DESTROY_FAST_S, KILL_S, TOLD_S, judge
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
@@ -251,14 +251,14 @@ BREAKS: list[tuple[str, str, Callable[[Job, list[Any], dict[str, float]], Any], 
     (
         "kill",
         "raised after the bound",
-        lambda j, o, f: _all(o, 0, "fairring", T0 + 0.02 + KILL_FAST_S + 0.05),
+        lambda j, o, f: _all(o, 0, "fairring", T0 + 0.02 + KILL_S + 0.05),
         "after the kill",
     ),
     (
         "kill",
-        "slower than Gloo, which was fast",
-        lambda j, o, f: _all(o, 1, "fairring", T0 + 0.02 + 0.12),
-        "Gloo's slowest 0.040 s",
+        "a later call raised late, the first in time",
+        lambda j, o, f: _set(o, 1, 4, ended_at=T0 + 0.02 + KILL_S + 0.05),
+        "allreduce",
     ),
     (
         "kill",
@@ -369,15 +369,25 @@ def test_a_group_that_ddp_keeps_alive_is_not_blamed_for_its_gloo_delegates() -> 
     assert any("fairring threads left" in p for p in judge(job, outcomes, files).problems)
 
 
-@pytest.mark.parametrize(("fairring_s", "fails"), [(0.32, False), (0.36, True)])
-def test_on_a_loaded_machine_a_kill_is_raised_as_fast_as_gloo(
+@pytest.mark.parametrize(("fairring_s", "fails"), [(0.9, False), (1.1, True)])
+def test_a_kill_is_judged_by_its_own_bound_whatever_gloo_took(
     fairring_s: float, fails: bool
 ) -> None:
-    job, outcomes, files = _killed()  # the mates die 0.15 s after the kill
+    job, outcomes, files = _killed()
     for rank in (0, 1):
-        _all(outcomes, rank, "gloo", T0 + 0.02 + 0.3)  # Gloo took 0.3 s: no 0.1 s bound
+        _all(outcomes, rank, "gloo", T0 + 0.02 + 30.0)  # Gloo sat out its timeout
         _all(outcomes, rank, "fairring", T0 + 0.02 + fairring_s)
     assert bool(judge(job, outcomes, files).problems) is fails
+
+
+def test_a_call_posted_after_the_kill_is_timed_from_its_posting() -> None:
+    job, outcomes, files = _killed()
+    r = _rec(outcomes, 0, 4, "fairring")
+    r["posted_at"] = T0 + 5.0  # long after the kill: refused at once
+    r["ended_at"] = T0 + 5.0 + KILL_S / 2
+    assert judge(job, outcomes, files).problems == []
+    r["ended_at"] = T0 + 5.0 + KILL_S + 0.1
+    assert any("after the kill or its posting" in p for p in judge(job, outcomes, files).problems)
 
 
 # ------------------------------------------------------------- the ranks' stamps
@@ -479,6 +489,18 @@ def _chaos() -> Any:
         return chaos
     finally:
         sys.path.remove(str(SCRIPTS))
+
+
+# 2 x 2 freezes in which the first rank to time out waited for a live rank, which waited
+# for the frozen one (seeds that failed when the freeze rule began to demand the frozen
+# rank's name): which rank times out first is timing, so four of them.
+FREEZE_CHAINS = (3, 35, 73, 78)
+
+
+def test_a_freeze_is_named_at_the_end_of_the_wait_chain() -> None:
+    results = _chaos().run(list(FREEZE_CHAINS), quiet=True)
+    failed = [f"{r.job.describe()}: {r.verdict.problems}" for r in results if r.verdict.problems]
+    assert not failed, "\n".join(failed)
 
 
 def test_the_ci_seeds_keep_every_rule(capsys: pytest.CaptureFixture[str]) -> None:

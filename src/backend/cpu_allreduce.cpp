@@ -189,7 +189,7 @@ CollectiveEngine& CpuAllreduce::callbackEngine() {
   try {
     // A peer this group lost will never connect: the wait ends when the
     // program's engine learns it, not at the timeout.
-    engine->start(*store_, [this] { return lostPeerOrFailure(); });
+    engine->start(store_, [this] { return lostPeerOrFailure(); });
   } catch (const std::exception& e) {
     error = e.what();
   }

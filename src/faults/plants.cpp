@@ -31,8 +31,9 @@ const std::vector<std::string>& names() {
       "agreement_by_order",
       "announcement_parked",
       "callbacks_start_ignores_loss",
+      "timeout_names_next_peer",
   };
-  static_assert(static_cast<int>(Plant::kCount) == 21, "a name for every plant");
+  static_assert(static_cast<int>(Plant::kCount) == 22, "a name for every plant");
   return all;
 }
 

@@ -46,8 +46,9 @@ CollectiveEngine::CollectiveEngine(RankLayout layout, EngineOptions options)
   enlist(this);
 }
 
-void CollectiveEngine::start(c10d::Store& store, PeerMesh::GiveUp giveUp) {
-  const Status status = mesh_->start(store, std::move(giveUp));
+void CollectiveEngine::start(const c10::intrusive_ptr<c10d::Store>& store, PeerMesh::GiveUp giveUp) {
+  store_ = store;
+  const Status status = mesh_->start(*store, std::move(giveUp));
   if (!status.ok()) {
     mesh_->close();
     throw c10::DistBackendError(status.message());

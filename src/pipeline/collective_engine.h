@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -64,7 +65,7 @@ class CollectiveEngine : private StepContext {
 
   // Connects to the peers; throws with a clear message on failure, or if
   // shutdown() comes first (it interrupts the wait), or `giveUp` gives a reason.
-  void start(c10d::Store& store, PeerMesh::GiveUp giveUp = {});
+  void start(const c10::intrusive_ptr<c10d::Store>& store, PeerMesh::GiveUp giveUp = {});
 
   // Reduces `work` (contiguous) in place across all ranks. `outputs` is the
   // future's value; `finish` runs (on the reduction thread) once `work` holds
@@ -229,8 +230,17 @@ class CollectiveEngine : private StepContext {
   // the aborts are out (closing earlier would drop them).
   bool readyToClose() const;
   void checkDeadlines(std::unique_lock<std::mutex>& lock);
-  std::string describeWait(const Operation& op) const;
-  std::string describeSegmentWait(const Operation& op, const Segment& seg) const;
+  // What the operation waits for, and the ranks it waits for (none where it
+  // waits for a slot, or for its own sends).
+  std::string describeWait(const Operation& op, std::vector<int>& peers) const;
+  std::string describeSegmentWait(const Operation& op, const Segment& seg, std::vector<int>& peers) const;
+
+  // The wait chain (engine_blame.cpp): an operation that has waited half
+  // the timeout notes whom it waits for in the store; one that timed out
+  // follows the notes to a rank that wrote none, and names it (blame, called
+  // holding no lock).
+  void noteLongWaits(std::unique_lock<std::mutex>& lock);
+  std::string blame(uint64_t seq, const std::vector<int>& waited);
 
   // The timeline (engine_timeline.cpp).
   void recordSegment(const Operation& op, const Slice& slice, const Segment& seg);
@@ -243,6 +253,7 @@ class CollectiveEngine : private StepContext {
   const EngineOptions options_;
   Timeline timeline_;
   std::unique_ptr<PeerMesh> mesh_;
+  c10::intrusive_ptr<c10d::Store> store_; // set by start(); the wait chain's
   TaskQueue tasks_;
   std::array<std::unique_ptr<KindSteps>, 5> steps_; // by OpKind
   GroupFailure failure_;

@@ -35,6 +35,7 @@ void CollectiveEngine::watchdog() {
       graveyard_.clear();
       continue;
     }
+    noteLongWaits(lock);
     checkDeadlines(lock);
   }
 }
@@ -49,13 +50,22 @@ void CollectiveEngine::checkDeadlines(std::unique_lock<std::mutex>& lock) {
     if (now <= op->deadline) {
       continue;
     }
+    std::vector<int> waited;
+    const std::string message = "fairring: " + std::string(opKindName(op->kind)) + " #" + std::to_string(seq) +
+        " (" + describeOp(op->header(0, 0, Route::kWithinMachine)) + ") timed out after " +
+        std::to_string(options_.timeout.count()) + " ms on " + layout_.describe(layout_.rank()) + ": " +
+        describeWait(*op, waited);
+    // The peer it waits for may itself wait for another: name the rank at
+    // the end of the chain, without holding the lock (aborts, destroy).
+    const uint64_t turn = seq; // ops_ may change meanwhile
+    lock.unlock();
+    const std::string chain = blame(turn, waited);
+    lock.lock();
+    if (failure_.failed() || life_.is(EngineLife::kShutDown)) {
+      return; // another rank's abort came first: its reason stands
+    }
     Actions actions;
-    failLocked(
-        "fairring: " + std::string(opKindName(op->kind)) + " #" + std::to_string(seq) + " (" +
-            describeOp(op->header(0, 0, Route::kWithinMachine)) + ") timed out after " +
-            std::to_string(options_.timeout.count()) + " ms on " + layout_.describe(layout_.rank()) + ": " +
-            describeWait(*op),
-        actions);
+    failLocked(message + chain, actions);
     lock.unlock();
     run(actions);
     lock.lock();
@@ -63,7 +73,7 @@ void CollectiveEngine::checkDeadlines(std::unique_lock<std::mutex>& lock) {
   }
 }
 
-std::string CollectiveEngine::describeWait(const Operation& op) const {
+std::string CollectiveEngine::describeWait(const Operation& op, std::vector<int>& peers) const {
   for (const Slice& slice : op.slices) {
     if (slice.state.is(SliceState::kDone)) {
       continue;
@@ -79,13 +89,14 @@ std::string CollectiveEngine::describeWait(const Operation& op) const {
       if (slice.segments.size() > 1) {
         where += ", segment " + std::to_string(seg.index) + " of " + std::to_string(slice.segments.size()) + ",";
       }
-      return where + " is " + describeSegmentWait(op, seg);
+      return where + " is " + describeSegmentWait(op, seg, peers);
     }
   }
   return "it is finishing";
 }
 
-std::string CollectiveEngine::describeSegmentWait(const Operation& op, const Segment& seg) const {
+std::string CollectiveEngine::describeSegmentWait(const Operation& op, const Segment& seg, std::vector<int>& peers)
+    const {
   const KindSteps& steps = stepsOf(op);
   const std::string at = std::string(" (step ") + steps.stepName(seg.step) + ")";
   for (int route = 0; route < kNumRoutes; ++route) {
@@ -101,6 +112,7 @@ std::string CollectiveEngine::describeSegmentWait(const Operation& op, const Seg
       const bool all = std::all_of(announced.begin() + i, announced.begin() + i + pieces, [](char a) { return a != 0; });
       if (peer != layout_.rank() && !all) {
         missing += (missing.empty() ? "" : ", ") + steps.label(p) + " from " + layout_.describe(peer);
+        peers.push_back(peer);
       }
     }
     if (!missing.empty()) {

@@ -119,6 +119,7 @@ struct Operation {
   size_t elemSize{1};
   int64_t slicesLeft{0};
   std::chrono::steady_clock::time_point deadline;
+  bool waitsNoted{false}; // its wait has been written to the store (engine_blame.cpp)
   c10::intrusive_ptr<Future> future;
   std::vector<at::Tensor> outputs;
   std::function<void()> finish;
