@@ -217,19 +217,35 @@ def _bad_call(
                     f"rank {fault.rank}: {r['error'] or 'it completed'}"
                 )
                 continue
-            took = r["ended_at"] - max(last_post, r["posted_at"])
+            took = _raised_within(
+                rank, job, r, last_post, TOLD_S, "it was posted everywhere", problems
+            )
             worst = max(worst, took)
-            if took > TOLD_S:
-                problems.append(
-                    f"rank {rank}: {_what(job, r)} raised {took:.2f} s after it was posted "
-                    "everywhere"
-                )
     holder = (fault.rank + 1) % job.world
     if fault.held_abort_ms and survivors[holder]["fired"].get("mesh.send.first", 0) == 0:
         problems.append(
             f"rank {holder}: mesh.send.first was armed to hold its aborts but never fired"
         )
     return Verdict(problems, "raised naming the bad call", raise_s=worst)
+
+
+def _raised_within(
+    rank: int,
+    job: Job,
+    r: dict[str, Any],
+    since: float,
+    bound: float,
+    after: str,
+    problems: list[str],
+) -> float:
+    """Seconds from the later of ``since`` and the call's posting to its raise; a problem
+    past ``bound``."""
+    took = r["ended_at"] - max(since, r["posted_at"])
+    if took > bound:
+        problems.append(
+            f"rank {rank}: {_what(job, r)} raised {took:.3f} s after {after} (bound {bound} s)"
+        )
+    return took
 
 
 def _no_time(rank: int, event: str, problems: list[str]) -> Verdict:
@@ -287,14 +303,9 @@ def _killed(
                     f"rank {rank}: {_what(job, r)} raised before the kill: {r['error']}"
                 )
                 continue
-            took = r["ended_at"] - max(killed_at, r["posted_at"])
-            worst = max(worst, took)
-            if took > KILL_S:
-                problems.append(
-                    f"rank {rank}: {_what(job, r)} raised {took:.3f} s after the kill or its "
-                    f"posting, whichever was later (bound {KILL_S} s; Gloo's slowest first "
-                    f"raise {'none' if gloo_worst is None else f'{gloo_worst:.3f} s'})"
-                )
+            gloo = "none" if gloo_worst is None else f"{gloo_worst:.3f} s"
+            after = f"the kill or its posting, whichever was later (Gloo's slowest: {gloo})"
+            worst = max(worst, _raised_within(rank, job, r, killed_at, KILL_S, after, problems))
     return Verdict(
         problems, "raised naming the killed rank", raise_s=worst, gloo_raise_s=gloo_worst
     )
