@@ -84,9 +84,10 @@ def run_job(seed: int) -> JobResult:
             job=job,
             job_dir=tmp,
         )
+        names = ["kill_at", "freeze_at", *(f"mate_at_{r}" for r in range(job.world))]
         files = {
             name: float((directory / name).read_text())
-            for name in ("kill_at", "freeze_at")
+            for name in names
             if (directory / name).exists()
         }
         verdict = judge(job, outcomes, files)

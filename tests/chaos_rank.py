@@ -384,9 +384,10 @@ def _write_time(path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _watch_for_mates_death(job_dir: Path) -> None:
+def _watch_for_mates_death(job_dir: Path, rank: int) -> None:
     """As torchrun's agent does: once a rank of this machine died, the rest of the
-    machine dies MATE_AFTER_S later."""
+    machine dies MATE_AFTER_S later (stamped, so that the verdict tells this death from
+    a crash of fairring's before it)."""
 
     def watch() -> None:
         path = job_dir / "kill_at"
@@ -394,6 +395,7 @@ def _watch_for_mates_death(job_dir: Path) -> None:
             time.sleep(_POLL_S)
         killed_at = float(path.read_text())
         time.sleep(max(0.0, killed_at + MATE_AFTER_S - time.time()))
+        _write_time(job_dir / f"mate_at_{rank}")
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, daemon=True, name="chaos-mate").start()
@@ -432,7 +434,7 @@ def chaos_rank(rank: int, world: int, job: Job, job_dir: str) -> dict[str, Any]:
     store = default_store()
     fault = job.fault
     if fault.kind == "kill" and fault.mates_die and rank in job.mates(fault.rank):
-        _watch_for_mates_death(directory)
+        _watch_for_mates_death(directory, rank)
     armed: list[str] = []
     if rank == fault.rank and fault.kind == "delay" and fault.turn < 0:
         _arm(fault.point, "delay", fault.delay_ms, fault.times, fault.peer)

@@ -33,9 +33,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import signal
 from typing import Any
 
-from chaos_plan import Job
+from chaos_plan import MATE_AFTER_S, Job
 
 # A killed peer's connections close at its death: each survivor's calls that need it
 # raise within this, on a 2-core machine running the job's 4-6 ranks beside Gloo's.
@@ -109,8 +110,7 @@ def judge(job: Job, outcomes: list[Any], files: dict[str, float]) -> Verdict:
             dead |= set(job.mates(fault.rank))
     for o in outcomes:
         if o.rank in dead:
-            if o.status != "crashed":
-                problems.append(f"rank {o.rank} should have died, but: {o.status}")
+            problems += _died_as_planned(job, o, files)
         elif not o.ok:
             head = o.describe().splitlines()
             problems.append(" | ".join(head[:2]) if head else f"rank {o.rank}: {o.status}")
@@ -147,6 +147,20 @@ def judge(job: Job, outcomes: list[Any], files: dict[str, float]) -> Verdict:
     if verdict.problems and not verdict.outcome.startswith("FAILED"):
         verdict.outcome = "FAILED"
     return verdict
+
+
+def _died_as_planned(job: Job, o: Any, files: dict[str, float]) -> list[str]:
+    """A dead rank died of the fault's SIGKILL (the victim's own, a frozen rank's from
+    the harness, a mate's once it stamped its death), not of a crash of its own."""
+    if o.status != "crashed":
+        return [f"rank {o.rank} should have died, but: {o.status}"]
+    if o.exitcode != -signal.SIGKILL:
+        return [f"rank {o.rank} died of exit status {o.exitcode}, not the fault's SIGKILL"]
+    if job.fault.kind == "kill" and o.rank != job.fault.rank:
+        mate_at, killed_at = files.get(f"mate_at_{o.rank}"), files.get("kill_at")
+        if mate_at is None or killed_at is None or mate_at < killed_at + MATE_AFTER_S - EARLY_S:
+            return [f"rank {o.rank}, the dead rank's machine-mate, died before its time"]
+    return []
 
 
 def _fairring_threads(resources: dict[str, Any]) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -17,7 +18,17 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from chaos_plan import FAULTS, RING_NUMEL, SHAPES, Call, Fault, Job, draw_job, machines_of
+from chaos_plan import (
+    FAULTS,
+    MATE_AFTER_S,
+    RING_NUMEL,
+    SHAPES,
+    Call,
+    Fault,
+    Job,
+    draw_job,
+    machines_of,
+)
 from chaos_verdict import DESTROY_FAST_S, KILL_S, TOLD_S, judge
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
@@ -80,6 +91,7 @@ def _outcome(rank: int, value: dict[str, Any] | None, status: str = "ok") -> Sim
         status=status,
         ok=status == "ok",
         value=value,
+        exitcode=-signal.SIGKILL if status == "crashed" else 0,
         describe=lambda: f"rank {rank}: {status}",
     )
 
@@ -118,7 +130,8 @@ def _killed() -> tuple[Job, list[Any], dict[str, float]]:
         ]
         outcomes.append(_outcome(rank, _value(records)))
     job = _job(Fault("kill", rank=3, turn=1, mates_die=True))
-    return job, sorted(outcomes, key=lambda o: o.rank), {"kill_at": T0 + 0.02}
+    files = {"kill_at": T0 + 0.02, "mate_at_2": T0 + 0.02 + MATE_AFTER_S}
+    return job, sorted(outcomes, key=lambda o: o.rank), files
 
 
 def _frozen() -> tuple[Job, list[Any], dict[str, float]]:
@@ -248,6 +261,18 @@ BREAKS: list[tuple[str, str, Callable[[Job, list[Any], dict[str, float]], Any], 
         "after it was posted",
     ),
     ("bad_call", "a held abort that never fired", lambda j, o, f: _held_abort(j), "never fired"),
+    (
+        "kill",
+        "the machine-mate crashed",
+        lambda j, o, f: setattr(o[2], "exitcode", -signal.SIGSEGV),
+        "not the fault's SIGKILL",
+    ),
+    (
+        "kill",
+        "the machine-mate died early (no stamp of its planned death)",
+        lambda j, o, f: f.pop("mate_at_2"),
+        "died before its time",
+    ),
     (
         "kill",
         "raised after the bound",
