@@ -143,10 +143,25 @@ def judge(job: Job, outcomes: list[Any], files: dict[str, float]) -> Verdict:
             verdict.outcome = (
                 f"delay fired x{fired}: exact" if fired else "delay never fired: exact"
             )
+    verdict.problems += _not_bit_identical(job, survivors)
     verdict.destroy_s = destroy
     if verdict.problems and not verdict.outcome.startswith("FAILED"):
         verdict.outcome = "FAILED"
     return verdict
+
+
+def _not_bit_identical(job: Job, survivors: dict[int, Any]) -> list[str]:
+    """An allreduce that completed on several ranks gave each the same bytes."""
+    digests: dict[int, dict[int, int]] = {}
+    for rank, v in survivors.items():
+        for r in _fairring(v):
+            if r.get("digest") is not None:
+                digests.setdefault(r["index"], {})[rank] = r["digest"]
+    return [
+        f"{job.calls[index].describe()}: the ranks' results differ in their bytes: {by_rank}"
+        for index, by_rank in sorted(digests.items())
+        if len(set(by_rank.values())) > 1
+    ]
 
 
 def _died_as_planned(job: Job, o: Any, files: dict[str, float]) -> list[str]:

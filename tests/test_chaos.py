@@ -262,6 +262,12 @@ BREAKS: list[tuple[str, str, Callable[[Job, list[Any], dict[str, float]], Any], 
     ),
     ("bad_call", "a held abort that never fired", lambda j, o, f: _held_abort(j), "never fired"),
     (
+        "clean",
+        "one rank's bytes differ from the others'",
+        lambda j, o, f: [_set(o, r, 3, digest=7 if r == 2 else 5) for r in range(4)],
+        "differ in their bytes",
+    ),
+    (
         "kill",
         "the machine-mate crashed",
         lambda j, o, f: setattr(o[2], "exitcode", -signal.SIGSEGV),

@@ -57,7 +57,18 @@ c10::intrusive_ptr<c10d::Work> CpuPath::delegated(
     const std::vector<at::Tensor>& tensors,
     const Issue& issue,
     Callers callers) {
-  return issue(*gloo_);
+  c10::intrusive_ptr<c10d::Work> work = issue(*gloo_);
+  if (callers == Callers::kEveryRank && work) {
+    // Counted until it ends, for a timeout's wait chain (engine_blame.cpp).
+    const auto& calls = engine_->delegatedCalls();
+    const uint64_t id = calls->begin();
+    try {
+      work->getFuture()->addCallback([calls, id](c10::ivalue::Future&) { calls->end(id); });
+    } catch (const std::exception&) {
+      calls->end(id); // a Work without a future: not counted
+    }
+  }
+  return work;
 }
 
 c10::intrusive_ptr<c10d::Work> CpuPath::allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {

@@ -21,6 +21,7 @@
 #include "common/state.h"
 #include "common/status.h"
 #include "failure/group_failure.h"
+#include "pipeline/delegated_calls.h"
 #include "pipeline/engine_life.h"
 #include "pipeline/operation.h"
 #include "pipeline/outboxes.h"
@@ -113,6 +114,11 @@ class CollectiveEngine : private StepContext {
   // ranks hand Gloo different calls: announce_steps.cpp), and fails wherever the group fails
   // at or before its turn. Throws the group's failure if that turn has failed
   // already; `seq` is the turn.
+  // The group's collectives on its delegate, which the wait chain counts.
+  const std::shared_ptr<DelegatedCalls>& delegatedCalls() const {
+    return delegated_;
+  }
+
   c10::intrusive_ptr<Future> announce(int64_t numel, at::ScalarType dtype, c10d::ReduceOp::RedOpType op, uint64_t& seq);
   // The call at turn `seq` runs outside the engine now (on Gloo's ring):
   // `fail` runs (on an engine thread, or here if that turn has failed already)
@@ -239,7 +245,8 @@ class CollectiveEngine : private StepContext {
   // the timeout notes whom it waits for in the store; one that timed out
   // follows the notes to a rank that wrote none, and names it (blame, called
   // holding no lock).
-  void noteLongWaits(std::unique_lock<std::mutex>& lock);
+  void noteLongWaits(); // holding mu_
+  void note(uint64_t seq, std::vector<int> waited);
   std::string blame(uint64_t seq, const std::vector<int>& waited);
 
   // The timeline (engine_timeline.cpp).
@@ -254,6 +261,7 @@ class CollectiveEngine : private StepContext {
   Timeline timeline_;
   std::unique_ptr<PeerMesh> mesh_;
   c10::intrusive_ptr<c10d::Store> store_; // set by start(); the wait chain's
+  const std::shared_ptr<DelegatedCalls> delegated_ = std::make_shared<DelegatedCalls>();
   TaskQueue tasks_;
   std::array<std::unique_ptr<KindSteps>, 5> steps_; // by OpKind
   GroupFailure failure_;

@@ -6,7 +6,9 @@
 // would send the user to the wrong machine. So every rank whose oldest
 // operation has waited half the timeout writes whom it waits for to the
 // group's store ("waits/<rank>" = "<turn>:<ranks>", once per operation, so a
-// healthy job writes nothing), and a rank that times out follows those notes
+// healthy job writes nothing; a rank blocked that long in a collective of the
+// delegate's, a broadcast from a frozen root, waits for every other rank, as
+// far as it can tell), and a rank that times out follows those notes
 // from the ranks it waits for until one that wrote none: frozen, or not at
 // this call for half the timeout. That rank is named.
 //
@@ -39,7 +41,7 @@ std::string waitsKey(int rank) {
   return "waits/" + std::to_string(rank);
 }
 
-std::string note(uint64_t seq, const std::vector<int>& ranks) {
+std::string noteText(uint64_t seq, const std::vector<int>& ranks) {
   std::string text = std::to_string(seq) + ":";
   for (size_t i = 0; i < ranks.size(); ++i) {
     text += (i ? "," : "") + std::to_string(ranks[i]);
@@ -140,31 +142,48 @@ void readChain(
 
 } // namespace
 
-void CollectiveEngine::noteLongWaits(std::unique_lock<std::mutex>& lock) {
+void CollectiveEngine::noteLongWaits() {
   const auto now = Clock::now();
+  const auto halfway = options_.timeout / 2;
   for (auto& [seq, op] : ops_) {
     if (op->waitsNoted) {
       continue;
     }
-    if (now < op->deadline - options_.timeout / 2) {
-      return; // the oldest not yet noted is young: so are the rest
+    if (now < op->deadline - halfway) {
+      break; // the oldest not yet noted is young: so are the rest
     }
     op->waitsNoted = true;
     std::vector<int> waited;
     describeWait(*op, waited);
-    if (waited.empty() || !store_) {
-      continue; // waiting for a slot (an older operation's note says why), or for its sends
+    if (!waited.empty()) { // else a slot (an older operation's note says why), or its sends
+      note(seq, std::move(waited));
+      return;
     }
-    std::string text = note(seq, waited);
-    // Its own thread: the store's host may be the rank that froze.
-    std::thread([store = store_, key = waitsKey(layout_.rank()), text = std::move(text)] {
-      try {
-        store->set(key, std::vector<uint8_t>(text.begin(), text.end()));
-      } catch (const std::exception&) {
+  }
+  // Blocked in the delegate's collective (a broadcast from a frozen root): it
+  // waits for every other rank, as far as anyone here can tell.
+  if (delegated_->takeOldBefore(now - halfway)) {
+    std::vector<int> others;
+    for (int r = 0; r < layout_.worldSize(); ++r) {
+      if (r != layout_.rank()) {
+        others.push_back(r);
       }
-    }).detach();
+    }
+    note(nextSeq_, std::move(others));
+  }
+}
+
+void CollectiveEngine::note(uint64_t seq, std::vector<int> waited) {
+  if (!store_) {
     return;
   }
+  // Its own thread: the store's host may be the rank that froze.
+  std::thread([store = store_, key = waitsKey(layout_.rank()), text = noteText(seq, waited)] {
+    try {
+      store->set(key, std::vector<uint8_t>(text.begin(), text.end()));
+    } catch (const std::exception&) {
+    }
+  }).detach();
 }
 
 std::string CollectiveEngine::blame(uint64_t seq, const std::vector<int>& waited) {
@@ -173,7 +192,7 @@ std::string CollectiveEngine::blame(uint64_t seq, const std::vector<int>& waited
   }
   auto chain = std::make_shared<Chain>();
   const auto deadline = Clock::now() + kChainWait;
-  std::thread(readChain, store_, layout_.rank(), note(seq, waited), waited, layout_.worldSize(), deadline, chain)
+  std::thread(readChain, store_, layout_.rank(), noteText(seq, waited), waited, layout_.worldSize(), deadline, chain)
       .detach();
   std::unique_lock<std::mutex> lock(chain->mu);
   chain->cv.wait_until(lock, deadline + kChainWait / 4, [&] { return chain->done; });

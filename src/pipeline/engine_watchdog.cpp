@@ -35,7 +35,7 @@ void CollectiveEngine::watchdog() {
       graveyard_.clear();
       continue;
     }
-    noteLongWaits(lock);
+    noteLongWaits();
     checkDeadlines(lock);
   }
 }
