@@ -10,10 +10,12 @@ rank getting a call wrong. Every job is judged by tests/chaos_verdict.py's rules
     python scripts/chaos.py --jobs 500 --seed 0      # by hand
     python scripts/chaos.py --seed 17 --jobs 1       # replay one seed
     python scripts/chaos.py --seeds 3,8,15           # given seeds (tests/test_chaos.py)
+    python scripts/chaos.py --jobs 40 --load 2       # beside 2 busy processes
 
 Prints one line per failing job with the command that replays it, then a summary:
-jobs, faults by kind, outcomes, the worst time to raise by fault against Gloo's in the
-same job (kills and freezes run the same program on a Gloo group beside fairring's).
+jobs, faults by kind, outcomes, the worst time to raise by fault, and Gloo's in the
+same job beside it (kills and freezes run the same program on a Gloo group beside
+fairring's).
 Exit status 0 when no job failed.
 """
 
@@ -21,11 +23,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import json
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -182,11 +187,23 @@ def run(seeds: list[int], quiet: bool = False) -> list[JobResult]:
     return results
 
 
+@contextlib.contextmanager
+def load_beside(processes: int) -> Iterator[None]:
+    """``processes`` busy loops beside the jobs for the run's length (each wants a whole
+    core): the jobs then wait for cores as on a machine that also compiles or trains."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+    try:
+        yield
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+
+
 def markdown(results: list[JobResult], lines: list[str], command: str) -> str:
     """The run as bench/results/chaos.md keeps it: when, where, the command, the
     summary, and every failing job with its replay."""
     import os
-    import subprocess
 
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
@@ -225,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quiet", action="store_true", help="print only failing jobs and the summary"
     )
+    parser.add_argument(
+        "--load", type=int, default=0, help="busy processes beside the jobs (default: none)"
+    )
     args = parser.parse_args(argv)
     seeds = (
         [int(s) for s in args.seeds.split(",")]
@@ -232,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         else list(range(args.seed, args.seed + args.jobs))
     )
     t0 = time.monotonic()
-    results = run(seeds, args.quiet)
+    with load_beside(args.load):
+        results = run(seeds, args.quiet)
     wall = time.monotonic() - t0
     lines = summary(results, wall)
     print("\n".join(lines))
