@@ -110,26 +110,24 @@ Status PeerMesh::awaitPeers(const std::string& me, const std::vector<int>& peers
       std::unique_lock<std::mutex> lock(mu_);
       const auto until = std::min(deadline, Clock::now() + kStorePoll);
       cv_.wait_until(lock, until, [&] { return closed_ || interrupted_ || inbound_.size() == expected; });
-      if (closed_ || interrupted_) {
-        return Status::error("fairring: the process group was shut down while " + me + " was connecting");
-      }
-      if (inbound_.size() == expected) {
+      if (!closed_ && !interrupted_ && inbound_.size() == expected) {
         return Status();
       }
-      if (Clock::now() >= deadline) {
-        std::string missing;
-        for (int peer : peers) {
-          if (!inbound_.count({peer, Lane::kReduce}) || !inbound_.count({peer, Lane::kGather})) {
-            missing += (missing.empty() ? "" : ", ") + layout_.describe(peer);
-          }
-        }
-        return Status::error(
-            "fairring: " + me + " timed out after " + std::to_string(options_.timeout.count()) +
-            " ms waiting for " + missing + " to connect");
-      }
     }
-    if (auto why = stopped()) { // the give-up's own locks, not under ours
+    if (auto why = stopped()) { // a shutdown, or the give-up (asked without our lock)
       return Status::error(*why);
+    }
+    if (Clock::now() >= deadline) {
+      std::string missing;
+      std::lock_guard<std::mutex> lock(mu_);
+      for (int peer : peers) {
+        if (!inbound_.count({peer, Lane::kReduce}) || !inbound_.count({peer, Lane::kGather})) {
+          missing += (missing.empty() ? "" : ", ") + layout_.describe(peer);
+        }
+      }
+      return Status::error(
+          "fairring: " + me + " timed out after " + std::to_string(options_.timeout.count()) + " ms waiting for " +
+          missing + " to connect");
     }
   }
 }
@@ -157,16 +155,17 @@ bool PeerMesh::interrupted() {
 }
 
 std::optional<std::string> PeerMesh::stopped() {
-  const std::string me = layout_.describe(layout_.rank());
+  bool shutDown = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (interrupted_ || closed_) {
-      return "fairring: the process group was shut down while " + me + " was connecting";
-    }
+    shutDown = interrupted_ || closed_;
+  }
+  if (shutDown) {
+    return "fairring: the process group was shut down while " + layout_.describe(layout_.rank()) + " was connecting";
   }
   if (giveUp_) {
     if (auto why = giveUp_()) {
-      return "fairring: " + me + " stopped connecting: " + *why;
+      return "fairring: " + layout_.describe(layout_.rank()) + " stopped connecting: " + *why;
     }
   }
   return std::nullopt;
