@@ -9,6 +9,7 @@ NCCL's for CUDA tensors, Gloo's for the CPU test path, or a stand-in accelerator
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -48,8 +49,60 @@ def gloo_group(
     config: Config,
     global_ranks: list[int],
     name: str,
+    members: list[int] | None = None,
 ) -> Any:
-    """A ProcessGroupGloo on ``store`` (already prefixed)."""
+    """A ProcessGroupGloo on ``store`` (already prefixed) of the fairring group's ranks
+    ``members`` (default: all). Gloo's own error for a rank that never came names a
+    store key; this one names the rank."""
+    members = list(range(size)) if members is None else members
+    store.set(f"{_CAME}/{rank}", "1")
+    try:
+        group = _gloo_group(store, rank, size, timeout, config, global_ranks, name)
+    except Exception as exc:
+        store.set(f"{_ENDED}/{rank}", "failed")
+        raise RuntimeError(
+            f"fairring: rank {members[rank]} could not connect Gloo's group {name!r} within "
+            f"{timeout}: {_who_is_missing(store, members)}: {type(exc).__name__}: {exc}"
+        ) from exc
+    store.set(f"{_ENDED}/{rank}", "connected")
+    return group
+
+
+_CAME = "came_to_connect"
+_ENDED = "ended_connecting"
+_SETTLE_S = 0.5  # for the ranks that failed alike to say so
+
+
+def _who_is_missing(store: Any, members: list[int]) -> str:
+    """The ranks that never came to connect; else those that came and, once the others
+    had time to say how they ended, never did (they died or stalled while connecting)."""
+
+    def without(key: str) -> list[int]:
+        return [m for r, m in enumerate(members) if not store.check([f"{key}/{r}"])]
+
+    if absent := without(_CAME):
+        return f"{_ranks(absent)} never came to connect it (died or stalled before)"
+    deadline = time.monotonic() + _SETTLE_S
+    while (silent := without(_ENDED)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if silent:
+        return f"{_ranks(silent)} came to connect it and left or stalled while connecting"
+    return "every rank came to connect it and ended"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(f"rank {r}" for r in ranks)
+
+
+def _gloo_group(
+    store: Any,
+    rank: int,
+    size: int,
+    timeout: timedelta,
+    config: Config,
+    global_ranks: list[int],
+    name: str,
+) -> Any:
     if config.socket_ifname is None or os.environ.get("GLOO_SOCKET_IFNAME"):
         # Gloo picks its interface itself (GLOO_SOCKET_IFNAME or the hostname).
         return dist.ProcessGroupGloo(store, rank, size, timeout)
@@ -134,6 +187,7 @@ def gloo_maker(
             config,
             [global_ranks[r] for r in members],
             name,
+            members,
         )
 
     return make

@@ -31,8 +31,24 @@ SHARDED_FORMS = {
     "all_gather": ("all_gather", "all_gather_list", "all_gather_coalesced"),
 }
 DDP_HOOKS = ("none", "fp16", "chained")
-# Fault kinds and how often each is drawn.
-FAULTS = {"none": 1, "kill": 2, "cut": 2, "freeze": 1, "delay": 2, "bad_call": 2}
+# Fault kinds and how often each is drawn: a rank killed (SIGKILL), leaving otherwise
+# (a launcher's SIGTERM, handled or not, or its program ending early), killed while its
+# group starts, a connection cut, a rank frozen, a delay at a fault point, a rank slow
+# for most of the timeout (which must not fail), a bad call, a call one rank skips.
+FAULTS = {
+    "none": 1,
+    "kill": 2,
+    "leave": 1,
+    "start_kill": 1,
+    "cut": 2,
+    "freeze": 1,
+    "delay": 2,
+    "slow": 1,
+    "bad_call": 2,
+    "skip": 1,
+}
+# How a leaving rank goes, and the exit status its launcher sees.
+LEAVES = ("sigterm", "sigterm_handled", "exit")
 # Points a delay can sit at (src/faults/fault_points.h), each firing in a program
 # without a failure. mesh.send.first holds an abort, so it fires only where a rank
 # fails: a bad call draws it (an abort held while the others wait for the reason).
@@ -47,9 +63,16 @@ BAD_CALLS = {
 # (FAIRRING_CPU_ALLREDUCE=auto): 3x1 programs draw some that large.
 RING_NUMEL = 1 << 18
 MAX_NUMEL = 1 << 14
+# A kill in the middle of a large transfer: the turn's call made 16 MiB, killed up to
+# BIG_AFTER_MS after every rank posted it.
+BIG_NUMEL = 1 << 22
+BIG_AFTER_MS = 150
 MATE_AFTER_S = 0.15  # torchrun's agent ends the rest of a machine whose rank died
 GROUP_TIMEOUT_S = 30.0  # a fault that is not a freeze must never need the timeout
-FREEZE_TIMEOUT_S = 3.0
+FREEZE_TIMEOUT_S = 3.0  # a freeze, a kill at start-up, a skipped call: the timeout ends it
+SLOW_TIMEOUT_S = 5.0
+SLOW_FRACTION = 0.7  # a slow rank posts its call this far into the group's timeout
+START_KILL_MS = 400  # a kill at start-up falls this long after the group's creation began
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +114,7 @@ class Fault:
     after_ms: int = 0  # kill: from posting its call to dying
     mates_die: bool = False  # kill: its machine-mates die MATE_AFTER_S later
     held_abort_ms: int = 0  # bad_call: another rank holds its aborts this long
+    how: str = ""  # leave: one of LEAVES
 
     def describe(self) -> str:
         if self.kind == "none":
@@ -103,6 +127,12 @@ class Fault:
         if self.kind == "delay":
             key = "" if self.peer < 0 else f" key {self.peer}"
             return f"delay {at}: {self.point}{key} {self.delay_ms} ms x{self.times}"
+        if self.kind == "leave":
+            return f"{self.how} of {at}"
+        if self.kind == "start_kill":
+            return f"kill of rank {self.rank} {self.after_ms} ms into the group's creation"
+        if self.kind == "slow":
+            return f"{at} {self.delay_ms} ms late"
         if self.kind == "bad_call":
             held = f", aborts held {self.held_abort_ms} ms" if self.held_abort_ms else ""
             return f"bad call ({self.variant}) {at}{held}"
@@ -127,6 +157,15 @@ class Job:
 
     def mates(self, rank: int) -> list[int]:
         return [r for r, m in enumerate(self.machines) if m == self.machines[rank] and r != rank]
+
+    def dead(self) -> set[int]:
+        """The ranks the fault ends: killed (with their machine-mates), leaving, frozen."""
+        fault = self.fault
+        if fault.kind not in ("kill", "leave", "start_kill", "freeze"):
+            return set()
+        if fault.kind == "kill" and fault.mates_die:
+            return {fault.rank, *self.mates(fault.rank)}
+        return {fault.rank}
 
     def describe(self) -> str:
         env = " ".join(f"{k}={v}" for k, v in self.env)
@@ -209,8 +248,15 @@ def _fault(rng: random.Random, calls: list[Call], machines: tuple[str, ...]) -> 
         return Fault(
             kind, rank, turn, after_ms=rng.randrange(0, 20), mates_die=multi and rng.random() < 0.5
         )
-    if kind == "freeze":
+    if kind in ("freeze", "skip"):
         return Fault(kind, rank, turn)
+    if kind == "leave":
+        return Fault(kind, rank, turn, after_ms=rng.randrange(0, 20), how=rng.choice(LEAVES))
+    if kind == "start_kill":
+        return Fault(kind, rank, -1, after_ms=rng.randrange(0, START_KILL_MS))
+    if kind == "slow":
+        late_ms = int(SLOW_FRACTION * SLOW_TIMEOUT_S * 1000)
+        return Fault(kind, rank, turn, delay_ms=late_ms)
     if kind == "cut":
         peer = rng.choice(_peers_it_reads(machines, rank))
         return Fault(kind, rank, turn, point="mesh.read.close", peer=peer)
@@ -247,6 +293,10 @@ def draw_job(seed: int) -> Job:
     hook = rng.choice(DDP_HOOKS)
     calls = [_call(rng, i, shape, world, hook) for i in range(rng.randint(5, 10))]
     fault = _fault(rng, calls, machines)
+    if fault.kind == "kill" and rng.random() < 0.3:
+        # A large transfer killed midway (on Gloo's ring where the job hands it over).
+        calls[fault.turn] = Call(fault.turn, "allreduce", BIG_NUMEL, "float32", "SUM")
+        fault = dataclasses.replace(fault, after_ms=rng.randrange(BIG_AFTER_MS))
     return Job(
         seed=seed,
         shape=shape,
@@ -254,6 +304,13 @@ def draw_job(seed: int) -> Job:
         calls=tuple(calls),
         fault=fault,
         env=_env(rng),
-        group_timeout_s=FREEZE_TIMEOUT_S if fault.kind == "freeze" else GROUP_TIMEOUT_S,
-        mirror_gloo=fault.kind in ("kill", "freeze"),
+        group_timeout_s=_timeout(fault.kind),
+        mirror_gloo=fault.kind in ("kill", "leave", "freeze"),
     )
+
+
+def _timeout(kind: str) -> float:
+    """The group's timeout: short where it ends the job, long where nothing may need it."""
+    if kind in ("freeze", "start_kill", "skip"):
+        return FREEZE_TIMEOUT_S
+    return SLOW_TIMEOUT_S if kind == "slow" else GROUP_TIMEOUT_S

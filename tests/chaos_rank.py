@@ -416,24 +416,44 @@ def _await_posted(store: Any, job: Job, turn: int) -> None:
     store.wait([f"chaos/posted/{r}/{turn}" for r in others], timedelta(seconds=60))
 
 
+class LeftEarly(Exception):
+    """A leaving rank's program ends at its turn (FAULTS' "leave", how "exit")."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # as a training script's handler does: atexit runs
+
+
 def _die(job: Job, job_dir: Path, store: Any, runners: list[_Runner], call: Call) -> None:
-    """The killed or frozen rank at its turn: once the others are inside the call, it
-    posts it (an asynchronous one) and dies or stops a few ms later."""
+    """The killed, leaving or frozen rank at its turn: once the others are inside the
+    call, it posts it (an asynchronous one) and dies, leaves or stops a few ms later."""
     fault = job.fault
     _await_posted(store, job, call.index)
-    if fault.kind == "kill":
+    if fault.kind in ("kill", "leave"):
         if call.kind not in ("barrier", "ddp"):
             for runner in runners:
                 runner.issue(call)
         time.sleep(fault.after_ms / 1000)
         _write_time(job_dir / "kill_at")
-        os.kill(os.getpid(), signal.SIGKILL)
+        if fault.how == "exit":
+            raise LeftEarly
+        os.kill(os.getpid(), signal.SIGTERM if fault.kind == "leave" else signal.SIGKILL)
+        time.sleep(600)  # the handler (sigterm_handled) raises here
     _write_time(job_dir / "freeze_at")
     os.kill(os.getpid(), signal.SIGSTOP)
     time.sleep(600)  # the first survivor SIGKILLs this process once every survivor is done
 
 
 # ---------------------------------------------------------------------- the rank
+
+
+def _kill_during_start(job_dir: Path, after_ms: int) -> None:
+    def kill() -> None:
+        time.sleep(after_ms / 1000)
+        _write_time(job_dir / "kill_at")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=kill, daemon=True, name="chaos-kill").start()
 
 
 def chaos_rank(rank: int, world: int, job: Job, job_dir: str) -> dict[str, Any]:
@@ -444,6 +464,8 @@ def chaos_rank(rank: int, world: int, job: Job, job_dir: str) -> dict[str, Any]:
     fault = job.fault
     if fault.kind == "kill" and fault.mates_die and rank in job.mates(fault.rank):
         _watch_for_mates_death(directory, rank)
+    if fault.how == "sigterm_handled" and rank == fault.rank:
+        signal.signal(signal.SIGTERM, _on_sigterm)
     armed: list[str] = []
     if rank == fault.rank and fault.kind == "delay" and fault.turn < 0:
         _arm(fault.point, "delay", fault.delay_ms, fault.times, fault.peer)
@@ -455,10 +477,22 @@ def chaos_rank(rank: int, world: int, job: Job, job_dir: str) -> dict[str, Any]:
     # Gloo's group first: what is left once fairring's group is gone is fairring's.
     gloo = dist.new_group(backend="gloo", timeout=timeout) if job.mirror_gloo else None
     before = _named_resources()
-    group = dist.new_group(backend="fairring", timeout=timeout)
+    if fault.kind == "start_kill" and rank == fault.rank:
+        _kill_during_start(directory, fault.after_ms)
+    started_at = time.time()
+    try:
+        group = dist.new_group(backend="fairring", timeout=timeout)
+    except Exception as exc:  # noqa: BLE001 - a peer lost while the group starts: the outcome
+        error = {"error": f"{type(exc).__name__}: {exc}", "posted_at": started_at}
+        return {"start_error": error | {"ended_at": time.time()}, **_regroup(job, rank)}
+    ready_at = time.time()
     # Everything that holds the group (DDP, works, runners) lives in _program's frame
     # and is gone once it returns: what is left after destroy is fairring's own.
-    out = _program(job, rank, group, gloo, directory, store, armed)
+    try:
+        out = _program(job, rank, group, gloo, directory, store, armed)
+    except LeftEarly:
+        return {"left": True}  # the harness then destroys every group, as a script's end does
+    out["start_s"] = (started_at, ready_at)
     t0 = time.monotonic()
     dist.destroy_process_group(group)
     out["destroy_s"] = time.monotonic() - t0
@@ -473,7 +507,38 @@ def chaos_rank(rank: int, world: int, job: Job, job_dir: str) -> dict[str, Any]:
         dist.destroy_process_group(gloo)
     out["fired"] = {point: _fired(point) for point in set(armed)}
     _release_frozen(store, job, rank, directory)
-    return out
+    return out | _regroup(job, rank)
+
+
+REGROUP_TIMEOUT_S = 90.0
+
+
+def _regroup(job: Job, rank: int) -> dict[str, Any]:
+    """After a rank died or left: the survivors make a new fairring group of their own in
+    the same process, as an elastic job does, and an allreduce on it is exact."""
+    survivors = sorted(set(range(job.world)) - job.dead())
+    if len(survivors) == job.world or len(survivors) < 2:
+        return {}
+    out: dict[str, Any] = {"error": None, "check": None}
+    try:
+        group = dist.new_group(
+            ranks=survivors,
+            backend="fairring",
+            # The survivors come here up to Gloo's timeout apart (the Gloo group beside).
+            timeout=timedelta(seconds=REGROUP_TIMEOUT_S),
+            use_local_synchronization=True,
+        )
+        tensor = torch.full((1000,), float(rank + 1), dtype=torch.float64)
+        dist.all_reduce(tensor, group=group)
+        want = float(sum(r + 1 for r in survivors))
+        if not torch.equal(tensor, torch.full_like(tensor, want)):
+            out["check"] = f"the new group's allreduce gave {tensor[:3].tolist()}, not {want}"
+        t0 = time.monotonic()
+        dist.destroy_process_group(group)
+        out["destroy_s"] = time.monotonic() - t0
+    except Exception as exc:  # noqa: BLE001 - the outcome
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    return {"regroup": out}
 
 
 def _program(
@@ -489,20 +554,30 @@ def _program(
     if gloo is not None:
         runners.append(_Runner(job, rank, gloo, "gloo", models))
     setup_errors = []
-    if hook is not None:
-        for runner in runners:
+    started_at = time.time()
+    try:
+        for runner in runners if hook is not None else []:
             models[runner.name] = _Model(job, runner.group, hook)
             # DDP's second iteration broadcasts its rebuilt buckets: before the program,
             # so that no program step issues a collective another rank may skip.
             for step in (-2, -1):
                 if err := models[runner.name].step(step, rank):
                     setup_errors.append(f"{runner.name}: {err}")
+    except Exception as exc:  # noqa: BLE001 - DDP's broadcast met a rank lost at start-up
+        for model in models.values():
+            model.release()
+        error = {"error": f"{type(exc).__name__}: {exc}", "posted_at": started_at}
+        return {"start_error": error | {"ended_at": time.time()}, "ring_abandoned": 0}
     waits = random.Random(f"chaos/{job.seed}/waits/{rank}")  # differs between ranks
     pending: list[_Pending] = []
     for call in job.calls:
         if call.index == fault.turn and at_fault:
-            if fault.kind in ("kill", "freeze"):
+            if fault.kind in ("kill", "leave", "freeze"):
                 _die(job, directory, store, runners, call)
+            if fault.kind == "slow":
+                time.sleep(fault.delay_ms / 1000)
+            if fault.kind == "skip":
+                continue
             if fault.kind == "cut":
                 _arm(fault.point, "close", key=fault.peer)
                 armed.append(fault.point)

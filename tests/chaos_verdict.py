@@ -81,7 +81,8 @@ def _ring(job: Job, call_index: int) -> bool:
 
 def _fairring(value: dict[str, Any]) -> list[dict[str, Any]]:
     return sorted(
-        (r for r in value["records"] if r["group"] == "fairring"), key=lambda r: r["index"]
+        (r for r in value.get("records", []) if r["group"] == "fairring"),
+        key=lambda r: r["index"],
     )
 
 
@@ -103,11 +104,7 @@ def judge(job: Job, outcomes: list[Any], files: dict[str, float]) -> Verdict:
     freeze_at, where the fault wrote them."""
     fault = job.fault
     problems: list[str] = []
-    dead: set[int] = set()
-    if fault.kind in ("kill", "freeze"):
-        dead = {fault.rank}
-        if fault.kind == "kill" and fault.mates_die:
-            dead |= set(job.mates(fault.rank))
+    dead = job.dead()
     for o in outcomes:
         if o.rank in dead:
             problems += _died_as_planned(job, o, files)
@@ -117,10 +114,16 @@ def judge(job: Job, outcomes: list[Any], files: dict[str, float]) -> Verdict:
     survivors = {o.rank: o.value for o in outcomes if o.rank not in dead and o.ok}
     if len(survivors) < job.world - len(dead):
         return Verdict(problems, "FAILED")
-    destroy = max(v["destroy_s"] for v in survivors.values())
+    ran = {rank: v for rank, v in survivors.items() if "destroy_s" in v}
+    destroy = max((v["destroy_s"] for v in ran.values()), default=0.0)
     destroy_bound = DESTROY_BOUND_S if fault.kind == "freeze" else DESTROY_FAST_S
     for rank, v in survivors.items():
-        problems += [f"rank {rank}: DDP set-up: {e}" for e in v["setup_errors"]]
+        problems += _regrouped(rank, v)
+        if "start_error" in v and fault.kind != "start_kill":
+            problems.append(f"rank {rank}: the group's start raised: {v['start_error']['error']}")
+        if rank not in ran:
+            continue
+        problems += [f"rank {rank}: DDP set-up: {e}" for e in v.get("setup_errors", [])]
         if v["destroy_s"] > destroy_bound:
             problems.append(
                 f"rank {rank}: destroy took {v['destroy_s']:.2f} s (bound {destroy_bound} s)"
@@ -128,9 +131,12 @@ def judge(job: Job, outcomes: list[Any], files: dict[str, float]) -> Verdict:
         problems += _left_behind(rank, v)
     rules = {
         "kill": _killed,
+        "leave": _killed,
+        "start_kill": _start_killed,
         "freeze": _frozen,
         "cut": _cut,
         "bad_call": _bad_call,
+        "skip": _skipped,
     }
     fired = survivors.get(fault.rank, {}).get("fired", {}).get(fault.point, 0) if fault.point else 0
     if fault.kind in rules and not (fault.kind == "cut" and not fired):
@@ -143,6 +149,8 @@ def judge(job: Job, outcomes: list[Any], files: dict[str, float]) -> Verdict:
             verdict.outcome = (
                 f"delay fired x{fired}: exact" if fired else "delay never fired: exact"
             )
+        elif fault.kind == "slow":
+            verdict.outcome = "waited for the slow rank: exact"
     verdict.problems += _not_bit_identical(job, survivors)
     verdict.destroy_s = destroy
     if verdict.problems and not verdict.outcome.startswith("FAILED"):
@@ -166,7 +174,10 @@ def _not_bit_identical(job: Job, survivors: dict[int, Any]) -> list[str]:
 
 def _died_as_planned(job: Job, o: Any, files: dict[str, float]) -> list[str]:
     """A dead rank died of the fault's SIGKILL (the victim's own, a frozen rank's from
-    the harness, a mate's once it stamped its death), not of a crash of its own."""
+    the harness, a mate's once it stamped its death), not of a crash of its own; a
+    leaving rank as its way of leaving ends a process."""
+    if job.fault.kind == "leave":
+        return _left_as_planned(job, o)
     if o.status != "crashed":
         return [f"rank {o.rank} should have died, but: {o.status}"]
     if o.exitcode != -signal.SIGKILL:
@@ -176,6 +187,31 @@ def _died_as_planned(job: Job, o: Any, files: dict[str, float]) -> list[str]:
         if mate_at is None or killed_at is None or mate_at < killed_at + MATE_AFTER_S - EARLY_S:
             return [f"rank {o.rank}, the dead rank's machine-mate, died before its time"]
     return []
+
+
+def _left_as_planned(job: Job, o: Any) -> list[str]:
+    how = job.fault.how
+    if how == "sigterm":
+        ok = o.status == "crashed" and o.exitcode == -signal.SIGTERM
+    elif how == "sigterm_handled":
+        ok = o.status == "error" and o.error_type == "SystemExit" and o.exitcode == 1
+    else:
+        ok = o.status == "ok" and o.value == {"left": True} and o.exitcode == 0
+    return [] if ok else [f"rank {o.rank} should have left by {how}, but: {o.describe()}"]
+
+
+def _regrouped(rank: int, v: dict[str, Any]) -> list[str]:
+    """The survivors' new group (tests/chaos_rank.py, _regroup) worked and went."""
+    new = v.get("regroup")
+    if new is None:
+        return []
+    if new["error"] is not None:
+        return [f"rank {rank}: the survivors' new group failed: {new['error']}"]
+    out = [f"rank {rank}: {new['check']}"] if new["check"] is not None else []
+    if new["destroy_s"] > DESTROY_FAST_S:
+        took = new["destroy_s"]
+        out.append(f"rank {rank}: destroying the survivors' new group took {took:.2f} s")
+    return out
 
 
 def _fairring_threads(resources: dict[str, Any]) -> int:
@@ -421,3 +457,76 @@ def _cut(
     if spread > TOLD_S:
         problems.append(f"the ranks raised over {spread:.2f} s: {firsts}")
     return Verdict(problems, "raised naming the cut", raise_s=spread)
+
+
+def _start_killed(
+    job: Job, survivors: dict[int, Any], files: dict[str, float], problems: list[str]
+) -> Verdict:
+    """Rank v killed while the group starts: every survivor's group creation or calls
+    raise naming v, each within the group's timeout (and FREEZE_SLACK_S) of the later of
+    the kill and its start: a rank that never connected is told by nothing sooner."""
+    fault = job.fault
+    if "kill_at" not in files:
+        return _no_time(fault.rank, "death", problems)
+    killed_at = files["kill_at"]
+    bound = job.group_timeout_s + FREEZE_SLACK_S
+    worst = 0.0
+
+    def named(r: dict[str, Any]) -> bool:
+        return _not_fairrings_error(job, r) or _names(r["error"], {fault.rank})
+
+    for rank, v in survivors.items():
+        records = [v["start_error"]] if "start_error" in v else _fairring(v)
+        if "start_error" in v and not _names(v["start_error"]["error"], {fault.rank}):
+            problems.append(
+                f"rank {rank}: creating the group raised without naming rank {fault.rank}: "
+                f"{v['start_error']['error']}"
+            )
+        during_start = "start_s" not in v or killed_at < v["start_s"][1]
+        if during_start and not any(r["error"] is not None for r in records):
+            problems.append(
+                f"rank {rank}: nothing raised, though rank {fault.rank} died while it started"
+            )
+        for r in records:
+            if "index" in r:
+                _exact_or(rank, job, r, named, problems)
+            if r["error"] is not None:
+                took = r["ended_at"] - max(killed_at, r["posted_at"])
+                worst = max(worst, took)
+                if took > bound:
+                    what = _what(job, r) if "index" in r else "creating the group"
+                    problems.append(
+                        f"rank {rank}: {what} raised {took:.3f} s after the kill (bound {bound} s)"
+                    )
+    return Verdict(problems, "raised naming the rank killed at start-up", raise_s=worst)
+
+
+def _skipped(
+    job: Job, survivors: dict[int, Any], files: dict[str, float], problems: list[str]
+) -> Verdict:
+    """Rank s skipped call k: calls before k exact; from k on, each call of each rank
+    completes (with values nobody can check: the calls pair in the ranks' orders) or
+    raises naming s or the difference, within the group's timeout (and FREEZE_SLACK_S)
+    of its posting; no rank hangs."""
+    fault = job.fault
+    bound = job.group_timeout_s + FREEZE_SLACK_S
+    worst = 0.0
+
+    def named(r: dict[str, Any]) -> bool:
+        return _not_fairrings_error(job, r) or _names(r["error"], {fault.rank})
+
+    for rank, v in survivors.items():
+        for r in _fairring(v):
+            if r["index"] < fault.turn:
+                _exact_or(rank, job, r, lambda _: False, problems)
+                continue
+            if r["error"] is None:
+                continue
+            if not named(r):
+                problems.append(
+                    f"rank {rank}: {_what(job, r)} raised without naming rank {fault.rank}: "
+                    f"{r['error']}"
+                )
+            took = _raised_within(rank, job, r, r["posted_at"], bound, "its posting", problems)
+            worst = max(worst, took)
+    return Verdict(problems, "raised or completed after the skipped call", raise_s=worst)
