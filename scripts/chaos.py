@@ -124,7 +124,7 @@ def summary(results: list[JobResult], wall_s: float) -> list[str]:
         "kill": "after the kill",
         "freeze": "after the freeze",
         "bad_call": "after the call was posted on every rank",
-        "cut": "between the first and the last rank to raise",
+        "cut": "after the cut",
     }
     for kind, measure in measures.items():
         of_kind = [r for r in results if r.job.fault.kind == kind]

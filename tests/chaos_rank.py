@@ -387,6 +387,12 @@ def _fired(point: str) -> int:
     return fault_points.uses(point)
 
 
+def _fired_at(point: str) -> float:
+    import fault_points
+
+    return fault_points.last_use(point)
+
+
 def _write_time(path: Path) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(repr(time.time()))
@@ -506,6 +512,7 @@ def chaos_rank(rank: int, world: int, job: Job, job_dir: str) -> dict[str, Any]:
     if gloo is not None:
         dist.destroy_process_group(gloo)
     out["fired"] = {point: _fired(point) for point in set(armed)}
+    out["fired_at"] = {point: _fired_at(point) for point in set(armed)}
     _release_frozen(store, job, rank, directory)
     return out | _regroup(job, rank)
 

@@ -426,19 +426,28 @@ def _frozen(
 def _cut(
     job: Job, survivors: dict[int, Any], files: dict[str, float], problems: list[str]
 ) -> Verdict:
+    """The connection from rank p breaks under a body rank c reads (at the fault point's
+    last use on c): each call exact or raising, its error naming both ends on c and p
+    and either elsewhere; every call of fairring's that raises does so within TOLD_S of
+    the later of the cut and its posting; no call completes that was posted after an
+    earlier one of its rank raised; rank c raises."""
     fault = job.fault
     culprits = {fault.rank, fault.peer}
-
-    def named(r: dict[str, Any]) -> bool:
-        if job.calls[r["index"]].kind in DELEGATED or r.get("after_ddp_failure"):
-            return True
-        if _ring(job, r["index"]) and "on Gloo's ring" in r["error"]:
-            return True
-        return _names(r["error"], culprits)
-
-    firsts = {}
+    cut_at = survivors[fault.rank]["fired_at"].get(fault.point, 0.0)
+    if not cut_at:
+        return _no_time(fault.rank, "the cut", problems)
+    worst = 0.0
     for rank, v in survivors.items():
-        records = [r for r in _fairring(v) if job.calls[r["index"]].kind not in DELEGATED]
+        ends = culprits if rank in culprits else set()
+
+        def named(r: dict[str, Any], ends: set[int] = ends) -> bool:
+            if _not_fairrings_error(job, r):
+                return True
+            if ends:
+                return all(_names(r["error"], {end}) for end in ends)
+            return _names(r["error"], culprits)
+
+        records = [r for r in _fairring(v) if not _delegated(job, r)]
         first = _first_raise(records)
         for r in records:
             _exact_or(rank, job, r, named, problems)
@@ -447,16 +456,18 @@ def _cut(
                 problems.append(
                     f"rank {rank}: {_what(job, r)} completed, posted after an earlier call raised"
                 )
-        if first is not None:
-            firsts[rank] = first
-    if fault.rank not in firsts:
-        problems.append(
-            f"rank {fault.rank}: its connection from rank {fault.peer} broke, yet it raised nothing"
-        )
-    spread = max(firsts.values()) - min(firsts.values()) if firsts else 0.0
-    if spread > TOLD_S:
-        problems.append(f"the ranks raised over {spread:.2f} s: {firsts}")
-    return Verdict(problems, "raised naming the cut", raise_s=spread)
+            if r["error"] is not None:
+                if r["ended_at"] < cut_at - EARLY_S:
+                    problems.append(f"rank {rank}: {_what(job, r)} raised before the cut")
+                    continue
+                after = "the cut or its posting, whichever was later"
+                took = _raised_within(rank, job, r, cut_at, TOLD_S, after, problems)
+                worst = max(worst, took)
+        if rank == fault.rank and first is None:
+            problems.append(
+                f"rank {rank}: its connection from rank {fault.peer} broke, yet it raised nothing"
+            )
+    return Verdict(problems, "raised naming the cut", raise_s=worst)
 
 
 def _start_killed(

@@ -31,6 +31,11 @@ def uses(point: str) -> int:
     return int(_controls().uses(point))
 
 
+def last_use(point: str) -> float:
+    """When ``point`` last fired in this process (as time.time()); 0.0 where it never did."""
+    return float(_controls().last_use(point))
+
+
 def points() -> list[str]:
     """Every fault point the core has (src/faults/fault_points.h, kPoints)."""
     return list(_controls().points())

@@ -73,7 +73,11 @@ def _record(
     }
 
 
-def _value(records: list[dict[str, Any]], fired: dict[str, int] | None = None) -> dict[str, Any]:
+def _value(
+    records: list[dict[str, Any]],
+    fired: dict[str, int] | None = None,
+    fired_at: dict[str, float] | None = None,
+) -> dict[str, Any]:
     return {
         "records": records,
         "setup_errors": [],
@@ -81,7 +85,9 @@ def _value(records: list[dict[str, Any]], fired: dict[str, int] | None = None) -
         "before": copy.deepcopy(RESOURCES),
         "after": copy.deepcopy(RESOURCES),
         "fired": fired or {},
+        "fired_at": fired_at or {},
         "ring_abandoned": 0,
+        "start_s": (T0 - 1.0, T0 - 0.5),
     }
 
 
@@ -157,9 +163,70 @@ def _cut() -> tuple[Job, list[Any], dict[str, float]]:
     for rank in range(4):
         records = [_record(i, at=0.01) for i in range(3)]
         records += [_record(i, error=why, at=0.05 + rank * 0.001) for i in (3, 4)]
-        fired = {"mesh.read.close": 1} if rank == 0 else {}
-        outcomes.append(_outcome(rank, _value(records, fired)))
+        fired, fired_at = (
+            ({"mesh.read.close": 1}, {"mesh.read.close": T0 + 0.04}) if rank == 0 else ({}, {})
+        )
+        outcomes.append(_outcome(rank, _value(records, fired, fired_at)))
     return _job(Fault("cut", rank=0, turn=2, point="mesh.read.close", peer=2)), outcomes, {}
+
+
+def _left(how: str) -> Callable[[], tuple[Job, list[Any], dict[str, float]]]:
+    """Rank 3 leaves at call 1 (SIGTERM, handled or not, or its program's early end)."""
+
+    def scenario() -> tuple[Job, list[Any], dict[str, float]]:
+        job, outcomes, files = _killed()
+        job = dataclasses.replace(job, fault=Fault("leave", rank=3, turn=1, how=how))
+        left = {
+            "sigterm": _outcome(3, None, "crashed"),
+            "sigterm_handled": _outcome(3, None, "error"),
+            "exit": _outcome(3, {"left": True}),
+        }[how]
+        if how == "sigterm":
+            left.exitcode = -signal.SIGTERM
+        if how == "sigterm_handled":
+            left.exitcode, left.error_type = 1, "SystemExit"
+        # Rank 2 lives on: a leaving rank's machine-mates stay.
+        outcomes[2] = copy.deepcopy(outcomes[0])
+        outcomes[2].rank = 2
+        outcomes[3] = left
+        files.pop("mate_at_2")
+        return job, outcomes, files
+
+    return scenario
+
+
+def _start_killed() -> tuple[Job, list[Any], dict[str, float]]:
+    """Rank 1 dies while the group starts: rank 0 cannot create the group, ranks 2 and 3
+    created it and raise at their first call, all naming rank 1 after the 3 s timeout."""
+    why = "fairring: rank 0 could not connect Gloo's group '1': rank 1 never came to connect it"
+    job = dataclasses.replace(_job(Fault("start_kill", rank=1, after_ms=50)), group_timeout_s=3.0)
+    outcomes = [_outcome(1, None, "crashed")]
+    start_error = {"error": why, "posted_at": T0 - 1.0, "ended_at": T0 + 2.0}
+    outcomes.append(_outcome(0, {"start_error": start_error, "ring_abandoned": 0}))
+    for rank in (2, 3):
+        records = [_record(i, error=f"timed out waiting for rank 1: {i}", at=3.0) for i in range(5)]
+        value = _value(records)
+        value["start_s"] = (T0 - 1.0, T0 + 0.5)
+        outcomes.append(_outcome(rank, value))
+    return job, sorted(outcomes, key=lambda o: o.rank), {"kill_at": T0 - 0.95}
+
+
+def _skipped() -> tuple[Job, list[Any], dict[str, float]]:
+    """Rank 2 skips call 1: its call 3 pairs with the others' call 1 (alike: completes
+    with values nobody can check), the others' last call raises once rank 2 is gone."""
+    why = "fairring: rank 2 (host m1) closed its connection to rank 0 (host m0)"
+    outcomes = []
+    for rank in range(4):
+        indices = [0, 3, 4] if rank == 2 else [0, 1, 3, 4]
+        records = [_record(i, at=0.01) for i in indices if i != 4]
+        records[-1]["check"] = "wrong values"  # calls paired in the ranks' own orders
+        if rank != 2:
+            records.append(_record(4, error=why, at=0.5))
+        else:
+            records.append(_record(4, at=0.02))
+        outcomes.append(_outcome(rank, _value(records)))
+    job = dataclasses.replace(_job(Fault("skip", rank=2, turn=1)), group_timeout_s=3.0)
+    return job, outcomes, {}
 
 
 SCENARIOS: dict[str, Callable[[], tuple[Job, list[Any], dict[str, float]]]] = {
@@ -168,6 +235,11 @@ SCENARIOS: dict[str, Callable[[], tuple[Job, list[Any], dict[str, float]]]] = {
     "kill": _killed,
     "freeze": _frozen,
     "cut": _cut,
+    "leave_sigterm": _left("sigterm"),
+    "leave_sigterm_handled": _left("sigterm_handled"),
+    "leave_exit": _left("exit"),
+    "start_kill": _start_killed,
+    "skip": _skipped,
 }
 
 
@@ -343,7 +415,101 @@ BREAKS: list[tuple[str, str, Callable[[Job, list[Any], dict[str, float]], Any], 
         "cut",
         "a rank told late",
         lambda j, o, f: _all(o, 3, "fairring", T0 + TOLD_S + 1.0),
-        "raised over",
+        "after the cut",
+    ),
+    (
+        "cut",
+        "an end names only itself",
+        lambda j, o, f: _set(o, 2, 4, error="fairring: sending failed on rank 2 (host m1)"),
+        "without naming the fault",
+    ),
+    (
+        "cut",
+        "no time of the cut",
+        lambda j, o, f: o[0].value["fired_at"].clear(),
+        "no time of the cut",
+    ),
+    (
+        "leave_sigterm",
+        "the leaving rank crashed instead",
+        lambda j, o, f: setattr(o[3], "exitcode", -signal.SIGSEGV),
+        "should have left by sigterm",
+    ),
+    (
+        "leave_sigterm_handled",
+        "the handled SIGTERM ended in another error",
+        lambda j, o, f: setattr(o[3], "error_type", "RuntimeError"),
+        "should have left by sigterm_handled",
+    ),
+    (
+        "leave_exit",
+        "the early end did not end the program",
+        lambda j, o, f: setattr(o[3], "value", {"records": []}),
+        "should have left by exit",
+    ),
+    (
+        "leave_exit",
+        "a survivor told late",
+        lambda j, o, f: _all(o, 1, "fairring", T0 + 0.02 + KILL_S + 0.05),
+        "after the kill",
+    ),
+    (
+        "start_kill",
+        "the group's creation raised without naming the rank",
+        lambda j, o, f: o[0].value["start_error"].update(error="wait timeout, keys: /0/1"),
+        "without naming rank 1",
+    ),
+    (
+        "start_kill",
+        "raised long after the timeout",
+        lambda j, o, f: _all(o, 2, "fairring", T0 + 5.0),
+        "after the kill",
+    ),
+    (
+        "start_kill",
+        "nothing raised though the kill fell while the group started",
+        lambda j, o, f: [_set(o, 3, i, error=None, done=True) for i in range(5)],
+        "nothing raised",
+    ),
+    (
+        "skip",
+        "a call before the skipped one failed",
+        lambda j, o, f: _set(o, 1, 0, error="boom", done=False),
+        "raised without naming the fault: boom",
+    ),
+    (
+        "skip",
+        "a raise that does not name the skipping rank",
+        lambda j, o, f: _set(o, 0, 4, error="fairring: something failed"),
+        "without naming rank 2",
+    ),
+    (
+        "skip",
+        "a raise after the timeout",
+        lambda j, o, f: _set(o, 0, 4, ended_at=T0 + 5.0),
+        "after its posting",
+    ),
+    (
+        "kill",
+        "the survivors' new group failed",
+        lambda j, o, f: o[0].value.__setitem__(
+            "regroup", {"error": "timed out", "check": None, "destroy_s": 0.0}
+        ),
+        "new group failed",
+    ),
+    (
+        "kill",
+        "the survivors' new group gave a wrong sum",
+        lambda j, o, f: o[1].value.__setitem__(
+            "regroup", {"error": None, "check": "gave [1.0], not 3.0", "destroy_s": 0.0}
+        ),
+        "not 3.0",
+    ),
+    (
+        "clean",
+        "a group that could not start in a job with no start-up fault",
+        lambda j, o, f: o[1].value.__setitem__("start_error", {"error": "x", "posted_at": T0}),
+        "the group's start raised",
     ),
 ]
 

@@ -30,6 +30,10 @@ std::map<std::string, int>& counts() {
   static auto* used = new std::map<std::string, int>();
   return *used;
 }
+std::map<std::string, double>& lastUses() {
+  static auto* at = new std::map<std::string, double>();
+  return *at;
+}
 
 } // namespace
 
@@ -45,6 +49,8 @@ std::optional<Fault> detail::take(const char* point, int64_t key) {
     }
     const Fault fault = a->fault;
     ++counts()[point];
+    const auto now = std::chrono::system_clock::now().time_since_epoch();
+    lastUses()[point] = std::chrono::duration<double>(now).count();
     if (--a->left == 0) {
       it->second.erase(a);
       gArmed.fetch_sub(1, std::memory_order_relaxed);
@@ -99,6 +105,12 @@ int uses(const std::string& point) {
   std::lock_guard<std::mutex> lock(gMu);
   auto it = counts().find(point);
   return it == counts().end() ? 0 : it->second;
+}
+
+double lastUse(const std::string& point) {
+  std::lock_guard<std::mutex> lock(gMu);
+  auto it = lastUses().find(point);
+  return it == lastUses().end() ? 0.0 : it->second;
 }
 
 } // namespace fairring::faults

@@ -75,5 +75,8 @@ bool hit(const char* point, int64_t key = -1);
 void arm(const std::string& point, Action action, std::chrono::milliseconds delay, int times, int64_t key);
 void disarmAll();
 int uses(const std::string& point);
+// When `point` last fired (seconds since the epoch, the system clock, as Python's
+// time.time()), 0 where it never did: a test's fault is timed from its own moment.
+double lastUse(const std::string& point);
 
 } // namespace fairring::faults

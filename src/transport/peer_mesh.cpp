@@ -182,7 +182,7 @@ void PeerMesh::writeLoop(Writer& writer) {
     }
     auto& [out, msg] = next;
     if (msg.first) {
-      faults::hit(faults::kMeshSendFirst, out->peer);
+      holdFirst(writer, out->peer);
     }
     if (!out->broken) {
       Status s = transmit(*out, msg);
@@ -202,6 +202,15 @@ void PeerMesh::writeLoop(Writer& writer) {
   }
   for (auto& [out, msg] : left) {
     msg.done(Status::error("fairring: the connection to " + layout_.describe(out->peer) + " was closed"));
+  }
+}
+
+void PeerMesh::holdFirst(Writer& writer, int peer) {
+  // A test holds an abort here; close() ends the hold, as it ends every wait of a
+  // writer, so that destroy's time is not the test's sleep.
+  if (auto held = faults::at(faults::kMeshSendFirst, peer); held && held->action == faults::Action::kDelay) {
+    std::unique_lock<std::mutex> lock(writer.mu);
+    writer.cv.wait_for(lock, held->delay, [&] { return writer.stop; });
   }
 }
 

@@ -119,6 +119,7 @@ class PeerMesh {
   std::optional<std::string> stopped();
   void readLoop(Inbound& in);
   void writeLoop(Writer& writer);
+  void holdFirst(Writer& writer, int peer);
   Status transmit(Outbound& out, Outgoing& msg);
   Status skip(const Socket& socket, size_t bytes);
   void awaitDrained(int peer);

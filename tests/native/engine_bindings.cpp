@@ -87,4 +87,6 @@ void bindEngine(py::module_& m) {
       "Every point the core has (arm refuses any other name).");
   faults.def("disarm", &fairring::faults::disarmAll, "Disarms every point.");
   faults.def("uses", &fairring::faults::uses, py::arg("point"), "How many times `point` fired in this process.");
+  faults.def("last_use", &fairring::faults::lastUse, py::arg("point"),
+             "When `point` last fired (as time.time()), 0.0 where it never did.");
 }
