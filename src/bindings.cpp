@@ -12,6 +12,7 @@
 
 #include "backend/fairring_backend.h"
 #include "backend/python_callback.h"
+#include "backend/ring_reaper.h"
 #include "pipeline/collective_engine.h"
 #include "subgroups/subgroup_allreduce.h"
 #include "subgroups/call_plan.h"
@@ -209,7 +210,12 @@ void bindBackend(py::module_& m) {
 // fairring_pg.cpu.future_callbacks puts around Python callbacks.
 void bindProcess(py::module_& m) {
   m.def(
-      "shutdown_all", &fairring::CollectiveEngine::shutdownAll, py::arg("grace"),
+      "shutdown_all",
+      [](std::chrono::milliseconds grace) {
+        fairring::ring_reaper::processExiting();
+        fairring::CollectiveEngine::shutdownAll(grace);
+      },
+      py::arg("grace"),
       py::call_guard<py::gil_scoped_release>(),
       "Stop every fairring engine of this process (run at interpreter exit), letting posted "
       "operations finish within `grace` first.");

@@ -66,12 +66,12 @@ def _named_resources() -> dict[str, Any]:
     return now
 
 
-def settled_resources(before: dict[str, Any]) -> dict[str, Any]:
+def settled_resources(before: dict[str, Any], settle_s: float = _SETTLE_S) -> dict[str, Any]:
     """What this process holds once threads on their way out are gone (or after
-    _SETTLE_S): a completion thread that has just run a callback exits after it.
+    ``settle_s``): a completion thread that has just run a callback exits after it.
     Threads are counted, not named: one that started just before ``before`` may not
     have named itself yet."""
-    deadline = time.monotonic() + _SETTLE_S
+    deadline = time.monotonic() + settle_s
     while True:
         now = resources()
         settled = len(now["threads"]) <= len(before["threads"])
@@ -507,7 +507,13 @@ def chaos_rank(rank: int, world: int, job: Job, job_dir: str) -> dict[str, Any]:
     gc.collect()
     # Python's last reference gone: what the group held (its Gloo delegates) is too.
     out["group_freed"] = freed() is None
-    out["after"] = settled_resources(before)
+    # A call Gloo still runs for nobody (a ring call given up on, a DDP step's that
+    # raised) ends at Gloo's timeout at the latest: its group goes then.
+    gloo_may_run = out["ring_abandoned"] or any(
+        r["error"] for r in out["records"] if r.get("after_ddp_failure") is not None
+    )
+    settle_s = job.group_timeout_s + _SETTLE_S if gloo_may_run else _SETTLE_S
+    out["after"] = settled_resources(before, settle_s)
     out["before"] = before
     if gloo is not None:
         dist.destroy_process_group(gloo)

@@ -31,6 +31,7 @@ The rules, by fault:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import re
 import signal
@@ -222,16 +223,12 @@ def _left_behind(rank: int, v: dict[str, Any]) -> list[str]:
     before, after = v["before"], v["after"]
     if _fairring_threads(after) > _fairring_threads(before):
         return [f"rank {rank}: fairring threads left: {before['threads']} -> {after['threads']}"]
-    ddp_failed = any(r["error"] for r in _fairring(v) if r.get("after_ddp_failure") is not None)
-    if v.get("ring_abandoned") or not v.get("group_freed", True) or ddp_failed:
-        # A ring call the group gave up on leaves its Gloo group (its threads, sockets
-        # and listener) to the process: documented, so that destroy does not wait for
-        # it. And DDP, after a backward that raised, may keep its reducer alive from
-        # C++, and with it the group (its Gloo delegates): torch's, not fairring's.
-        return []
+    if not v.get("group_freed", True):
+        return [f"rank {rank}: the group object outlived its destroy (something holds it)"]
     out = []
     if len(after["threads"]) > len(before["threads"]):
-        out.append(f"rank {rank}: threads left: {before['threads']} -> {after['threads']}")
+        extra = collections.Counter(after["threads"]) - collections.Counter(before["threads"])
+        out.append(f"rank {rank}: threads left: {dict(extra)} (of {after['threads']})")
     if ports := sorted(set(after["listening"]) - set(before["listening"])):
         out.append(f"rank {rank}: ports left listening: {ports}")
     if left := set(after["sockets"]) - set(before["sockets"]):

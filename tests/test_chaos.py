@@ -539,31 +539,29 @@ def test_every_rule_fails_an_outcome_that_breaks_it(
     assert any(says in p for p in verdict.problems), verdict.problems
 
 
-def test_a_ring_call_given_up_leaves_its_gloo_group_as_documented() -> None:
-    job, outcomes, files = _clean()
-    after = outcomes[0].value["after"]
-    after["listening"].append(("127.0.0.1", 4000))
-    after["sockets"].append(13)
-    after["threads"].append("gloo_tcp_loop")
-    assert judge(job, outcomes, files).problems  # not excused
-    outcomes[0].value["ring_abandoned"] = 1
-    assert judge(job, outcomes, files).problems == []
-
-
-def test_a_group_that_ddp_keeps_alive_is_not_blamed_for_its_gloo_delegates() -> None:
+@pytest.mark.parametrize("why", ["a ring call given up on", "a DDP step that raised"])
+def test_what_a_group_leaves_is_counted_whatever_failed(why: str) -> None:
+    """No waiver: a ring call given up on, or a DDP step that raised, ends in Gloo by
+    Gloo's timeout, and the rank waits that long for its group's threads to go
+    (tests/chaos_rank.py); what is still there then is a leak."""
     job, outcomes, files = _clean()
     value = outcomes[1].value
+    if why == "a ring call given up on":
+        value["ring_abandoned"] = 1
+    else:
+        value["records"][0].update(after_ddp_failure=False, error="the DDP step raised")
     value["after"]["threads"].append("gloo_tcp_loop")
     value["after"]["sockets"].append(13)
-    value["group_freed"] = False  # DDP, after a backward that raised, holds it
-    assert judge(job, outcomes, files).problems == []
-    value["group_freed"] = True  # or only its C++ object: a DDP step raised
-    assert judge(job, outcomes, files).problems
-    value["records"][0]["after_ddp_failure"] = False
-    value["records"][0]["error"] = "the DDP step raised"
-    assert [p for p in judge(job, outcomes, files).problems if "left" in p] == []
-    value["after"]["threads"].append("fairring-watch")  # but fairring's own threads count
-    assert any("fairring threads left" in p for p in judge(job, outcomes, files).problems)
+    problems = judge(job, outcomes, files).problems
+    assert any("threads left" in p for p in problems), problems
+    assert any("sockets left" in p for p in problems), problems
+
+
+def test_a_group_object_that_outlives_its_destroy_is_a_problem() -> None:
+    job, outcomes, files = _clean()
+    outcomes[2].value["group_freed"] = False
+    problems = judge(job, outcomes, files).problems
+    assert any("outlived its destroy" in p for p in problems), problems
 
 
 @pytest.mark.parametrize(("fairring_s", "fails"), [(0.9, False), (1.1, True)])

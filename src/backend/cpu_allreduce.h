@@ -94,6 +94,10 @@ class CpuAllreduce {
     uint64_t ringAbandoned{0};
   };
   Stats stats() const;
+  // How many ring calls Gloo runs now (RingCalls::inGloo).
+  std::shared_ptr<const std::atomic<int>> ringsInGloo() const {
+    return rings_.inGloo();
+  }
 
   // The engine's part of barrier(): a barrier operation at its turn, waited
   // for once every earlier operation's future is marked. Throws the group's

@@ -3,6 +3,8 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include "backend/ring_reaper.h"
+#include "faults/plants.h"
 #include "ops/reduce_kind.h"
 #include "ops/tensor_fusion.h"
 
@@ -247,10 +249,14 @@ void CpuPath::stop(bool drain) {
   cpuAllreduce_->shutdown();
   // A ring call the group's failure gave up on may still wait inside Gloo
   // (for a peer that refused it) until Gloo's timeout, and destroying its
-  // group joins that thread: the group is left to the process instead, so
-  // that destroy takes no longer than fairring's own shutdown.
+  // group joins that thread: it is freed once Gloo gives up too, so that
+  // destroy takes no longer than fairring's own shutdown.
   if (ring_ && cpuAllreduce_->stats().ringAbandoned > 0) {
-    (void)ring_.release();
+    if (plants::planted(plants::Plant::kRingLeftToProcess)) {
+      (void)ring_.release();
+      return;
+    }
+    ring_reaper::freeWhenIdle(std::move(ring_), cpuAllreduce_->ringsInGloo());
   }
 }
 

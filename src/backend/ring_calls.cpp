@@ -42,6 +42,7 @@ struct RingCalls::State {
   std::atomic<bool> stopped{false};
   std::atomic<int> using_{0}; // callbacks inside the engine right now
   std::atomic<uint64_t> abandoned{0};
+  std::shared_ptr<std::atomic<int>> inGloo{std::make_shared<std::atomic<int>>(0)};
 
   // The engine, or null once shut down; counted until release().
   CollectiveEngine* use() {
@@ -78,6 +79,10 @@ void RingCalls::shutdown() {
 
 uint64_t RingCalls::abandoned() const {
   return state_->abandoned.load();
+}
+
+std::shared_ptr<const std::atomic<int>> RingCalls::inGloo() const {
+  return state_->inGloo;
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> RingCalls::issue(
@@ -161,15 +166,19 @@ void RingCalls::start(const std::shared_ptr<State>& state, const std::shared_ptr
     call->fail(message);
   });
   c10::intrusive_ptr<c10::ivalue::Future> source;
+  std::shared_ptr<std::atomic<int>> inGloo = state->inGloo;
+  ++*inGloo;
   try {
     source = call->ring();
   } catch (const std::exception& e) {
+    --*inGloo;
     call->fail(engine->turnFailed(call->seq, e.what()));
     state->release();
     return;
   }
   state->release();
-  source->addCallback([weak, call](c10::ivalue::Future& f) {
+  source->addCallback([weak, call, inGloo](c10::ivalue::Future& f) {
+    --*inGloo;
     std::string failed = f.hasError() ? f.tryRetrieveErrorMessage() : "";
     auto state = weak.lock();
     CollectiveEngine* engine = state ? state->use() : nullptr;

@@ -3,6 +3,7 @@
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -36,6 +37,9 @@ class RingCalls {
       c10d::ReduceOp::RedOpType op);
 
   uint64_t abandoned() const;
+  // How many calls Gloo runs now (abandoned ones too, until Gloo gives up on
+  // them); it outlives this object.
+  std::shared_ptr<const std::atomic<int>> inGloo() const;
 
   // After the engine's shutdown: a Gloo call that ends later (an abandoned
   // one, at Gloo's timeout) no longer reaches the engine. Idempotent.

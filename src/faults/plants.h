@@ -35,6 +35,7 @@ enum class Plant : uint8_t {
   kAnnouncementParked, // an announcement that comes before its call is left unread, stopping its gather lane
   kCallbacksStartIgnoresLoss, // the callbacks' engine starts (and waits out the timeout) after its group lost a peer
   kTimeoutNamesNextPeer, // a timeout names the peer it waits for, not the rank at the end of the wait chain
+  kRingLeftToProcess, // the Gloo group of a ring call given up on is never freed
   kCount,
 };
 

@@ -1,0 +1,83 @@
+"""A ring call the group's failure gave up on while Gloo still ran it ("abandoned",
+src/backend/ring_calls.h): destroy does not wait for Gloo, and Gloo's group is freed
+once Gloo's call ends (src/backend/ring_reaper.h), not left to the process.
+
+The failure is forced: rank 0's connection from rank 1 breaks under the body of a
+small allreduce (fault point mesh.read.close) posted just after a 128 MiB one that one
+rank per machine hands to Gloo's ring, so the group fails while Gloo still runs it."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+import fault_points
+import stream_mutants
+import torch
+import torch.distributed as dist
+from killed_peer import DESTROY_FAST_S, _freed_within, _tids, warm_up
+from multiprocess import SHAPES, fairring_env, launch
+
+RING_NUMEL = 32 * 1024 * 1024  # 128 MiB of float32: Gloo's ring runs it for a while
+GROUP_TIMEOUT_S = 10.0
+FREED_S = GROUP_TIMEOUT_S + 3.0
+
+
+def _given_up(rank: int, world: int) -> dict[str, Any]:
+    stream_mutants.arm_from_env()
+    baseline = _tids()
+    group = dist.new_group(backend="fairring", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    warm_up(rank, group)
+    big = torch.ones(RING_NUMEL)
+    small = torch.ones(1000)
+    works = []
+    errors: list[str | None] = []
+    for t in (big, small):
+        if rank == 0 and t is small:
+            time.sleep(0.05)  # Gloo has the big one
+            fault_points.arm("mesh.read.close", "close", key=1)
+        try:
+            works.append(dist.all_reduce(t, group=group, async_op=True))
+        except Exception as exc:  # noqa: BLE001 - refused at once: the group failed
+            errors.append(f"at issue: {exc}")
+    for work in works:
+        try:
+            work.wait()
+            errors.append(None)
+        except Exception as exc:  # noqa: BLE001 - the message is the result
+            errors.append(str(exc))
+    stats = group._get_backend(torch.device("cpu")).cpu_allreduce_stats()
+    t0 = time.monotonic()
+    dist.destroy_process_group(group)
+    destroy_s = time.monotonic() - t0
+    del group, works, big
+    return {
+        "errors": errors,
+        "abandoned": int(stats.get("ring_abandoned", 0)),
+        "destroy_s": destroy_s,
+        "freed_s": _freed_within(baseline, FREED_S),
+    }
+
+
+def test_a_ring_call_given_up_on_frees_its_gloo_group_when_gloo_ends_it() -> None:
+    outcomes = launch(
+        _given_up,
+        3,
+        SHAPES["3x1"],
+        env=fairring_env(FAIRRING_CPU_ALLREDUCE="model"),
+        timeout_s=120,
+        abort_grace_s=None,
+    )
+    bad = [o.describe() for o in outcomes if not o.ok]
+    assert not bad, "\n".join(bad)
+    values = {o.rank: o.value for o in outcomes}
+    print(values)
+    assert any(v["abandoned"] for v in values.values()), f"no ring call given up on: {values}"
+    for rank, v in values.items():
+        assert None not in v["errors"][1:], f"rank {rank}: the allreduce after the cut completed"
+        assert v["destroy_s"] <= DESTROY_FAST_S, f"rank {rank}: destroy took {v['destroy_s']:.2f} s"
+        assert v["freed_s"] is not None, (
+            f"rank {rank}: threads of the group still run {FREED_S} s after destroy "
+            f"({v['abandoned']} ring calls given up on)"
+        )
