@@ -287,7 +287,7 @@ def job_token(store: Any, rank: int, timeout: timedelta) -> str:
     """A secret shared by the ranks of this group; peers present it when they connect."""
     if rank == 0:
         store.set(_TOKEN_KEY, secrets.token_hex(16))
-    wait_for(store, [_TOKEN_KEY], timeout, "waiting for rank 0's job token")
+    wait_for(store, [_TOKEN_KEY], timeout, "waiting for rank 0's job token", [0])
     return store.get(_TOKEN_KEY).decode()
 
 

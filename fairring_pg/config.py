@@ -557,7 +557,7 @@ class Config:
         if timeout is not None:
             from fairring_pg.startup import wait_for
 
-            wait_for(store, keys, timeout, "waiting to compare FAIRRING_* settings")
+            wait_for(store, keys, timeout, "waiting to compare FAIRRING_* settings", others)
         mine = dataclasses.asdict(self)
         job_wide = [f for f in dataclasses.fields(self) if f.metadata["job_wide"]]
         for other, key in zip(others, keys, strict=True):

@@ -215,7 +215,7 @@ def agree_on_known(
         except ValueError as exc:
             published = {"error": str(exc)}
         store.set(_KEY, json.dumps(published))
-    wait_for(store, [_KEY], timeout, "waiting for rank 0's reading of FAIRRING_PLAN_FILE")
+    wait_for(store, [_KEY], timeout, "waiting for rank 0's reading of FAIRRING_PLAN_FILE", [0])
     published = json.loads(store.get(_KEY))
     if "error" in published:
         raise ValueError(published["error"])

@@ -34,11 +34,16 @@ def all_passed(store: Any, rank: int, size: int, timeout: timedelta) -> None:
     report a closed connection instead of the setting at fault."""
     store.set(f"{PASSED_KEY}/{rank}", "1")
     keys = [f"{PASSED_KEY}/{r}" for r in range(size)]
-    wait_for(store, keys, timeout, "waiting for every rank to pass its start-up checks")
+    wait_for(
+        store, keys, timeout, "waiting for every rank to pass its start-up checks", range(size)
+    )
 
 
-def wait_for(store: Any, keys: Sequence[str], timeout: timedelta, what: str) -> None:
-    """Wait until every key exists; raise at once if another rank failed to start."""
+def wait_for(
+    store: Any, keys: Sequence[str], timeout: timedelta, what: str, ranks: Sequence[int]
+) -> None:
+    """Wait until every key exists (``ranks[i]`` writes ``keys[i]``); raise at once if
+    another rank failed to start, and at the timeout naming the ranks that never wrote."""
     deadline = time.monotonic() + timeout.total_seconds()
     while not store.check(list(keys)):
         if store.check([FAILURE_KEY]):
@@ -47,8 +52,10 @@ def wait_for(store: Any, keys: Sequence[str], timeout: timedelta, what: str) -> 
                 f"stops too ({what}): {store.get(FAILURE_KEY).decode()}"
             )
         if time.monotonic() > deadline:
-            missing = [key for key in keys if not store.check([key])]
+            missing = [r for r, key in zip(ranks, keys, strict=True) if not store.check([key])]
+            named = ", ".join(f"rank {r}" for r in missing)
             raise RuntimeError(
-                f"fairring: timed out after {timeout} {what}; still missing: {missing}"
+                f"fairring: timed out after {timeout} {what}: {named} never wrote it "
+                "(did not start, died or stalled)"
             )
         time.sleep(_POLL_S)

@@ -115,16 +115,9 @@ def discover(
     }
     store.set(_STORE_KEY.format(rank=rank), json.dumps(mine))
     keys = [_STORE_KEY.format(rank=r) for r in range(world_size)]
-    try:
-        wait_for(store, keys, timeout, "waiting for every rank's machine id")
-    except RuntimeError as exc:
-        if "another rank failed" in str(exc):
-            raise
-        missing = [r for r, key in enumerate(keys) if not store.check([key])]
-        raise RuntimeError(
-            f"fairring: rank {rank} timed out after {timeout} waiting for ranks {missing} to "
-            "publish their machine id; did they start?"
-        ) from exc
+    wait_for(
+        store, keys, timeout, f"rank {rank} waiting for every rank's machine id", range(world_size)
+    )
     entries = [json.loads(store.get(key)) for key in keys]
     return build_topology(
         rank,

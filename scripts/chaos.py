@@ -122,9 +122,12 @@ def summary(results: list[JobResult], wall_s: float) -> list[str]:
     ]
     measures = {
         "kill": "after the kill",
+        "leave": "after the rank left",
+        "start_kill": "after a kill at start-up (bound: the group's timeout + 1 s)",
         "freeze": "after the freeze",
         "bad_call": "after the call was posted on every rank",
         "cut": "after the cut",
+        "skip": "after the posting, from the skipped call on",
     }
     for kind, measure in measures.items():
         of_kind = [r for r in results if r.job.fault.kind == kind]
@@ -133,7 +136,9 @@ def summary(results: list[JobResult], wall_s: float) -> list[str]:
         if ours is None:
             continue
         timeout = (
-            f" (group timeout {of_kind[0].job.group_timeout_s:.0f} s)" if kind == "freeze" else ""
+            f" (group timeout {of_kind[0].job.group_timeout_s:.0f} s)"
+            if kind in ("freeze", "start_kill", "skip")
+            else ""
         )
         versus = f" / Gloo {gloo:.3f} s" if gloo is not None else ""
         lines.append(f"  {kind}: {ours:.3f} s{versus} {measure}{timeout}")

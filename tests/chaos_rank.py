@@ -138,7 +138,9 @@ class _Model:
         torch can keep the DDP object alive from C++, and with it the group (its
         reducer holds it, and the comm hook's state) and the group's Gloo delegates."""
         self.ddp.reducer = None
+        self.ddp.logger = None  # its C++ Logger holds the reducer too
         self.ddp.process_group = None
+        self.ddp._comm_hooks = []  # (hook, state): the state is the group
 
     def _batch(self, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         gen = torch.Generator().manual_seed(self.seed * 7919 + step * 31 + rank)
@@ -507,10 +509,12 @@ def chaos_rank(rank: int, world: int, job: Job, job_dir: str) -> dict[str, Any]:
     gc.collect()
     # Python's last reference gone: what the group held (its Gloo delegates) is too.
     out["group_freed"] = freed() is None
+    if not out["group_freed"]:
+        out["group_held_by"] = _holders(freed())
     # A call Gloo still runs for nobody (a ring call given up on, a DDP step's that
     # raised) ends at Gloo's timeout at the latest: its group goes then.
     gloo_may_run = out["ring_abandoned"] or any(
-        r["error"] for r in out["records"] if r.get("after_ddp_failure") is not None
+        r["error"] for r in out.get("records", []) if r.get("after_ddp_failure") is not None
     )
     settle_s = job.group_timeout_s + _SETTLE_S if gloo_may_run else _SETTLE_S
     out["after"] = settled_resources(before, settle_s)
@@ -524,6 +528,17 @@ def chaos_rank(rank: int, world: int, job: Job, job_dir: str) -> dict[str, Any]:
 
 
 REGROUP_TIMEOUT_S = 90.0
+
+
+def _holders(obj: Any) -> list[str]:
+    """What holds ``obj`` (Python's referrers, two levels up), for the verdict."""
+    out = []
+    for ref in gc.get_referrers(obj):
+        if isinstance(ref, type(_holders.__code__)) or ref is None:
+            continue
+        up = [type(r).__name__ for r in gc.get_referrers(ref)][:4]
+        out.append(f"{type(ref).__name__} {str(ref)[:80]!r} in {up}")
+    return out[:6]
 
 
 def _regroup(job: Job, rank: int) -> dict[str, Any]:

@@ -3,30 +3,44 @@
 README's bounds. Pure: outcomes in, problems and figures out, so that the rules
 themselves are tested on made-up outcomes (tests/test_chaos.py).
 
-The rules, by fault:
+The rules, by fault (absolute bounds: Gloo's time in the same job is reported beside,
+never a bound):
 
-- none, a delay (fired or not), a cut that never fired: every call exact on every rank.
+- none, a delay (fired or not), a slow rank, a cut that never fired: every call exact
+  on every rank.
 - a bad call on rank b at call k: every call before k exact on every rank; call k and
   every later call of the engine raise on every rank naming rank b, within TOLD_S of
   the last rank's call k; broadcasts (Gloo's) complete.
-- a kill of rank v at call k: on every survivor each call is exact or raises naming v
-  (a call on Gloo's ring may carry Gloo's error, which names an address); calls after
-  k raise (but a broadcast, Gloo's, which a live root may still bring to a rank); every
-  call of fairring's that raises does so within KILL_S of the later of the kill and its
-  own posting (each raise, not only the first; Gloo's own times are reported beside,
-  never a bound).
-- a freeze of rank v at call k: every survivor raises "timed out", naming the peers the
-  first rank to time out waited for (v, or a rank waiting for v: no rank sees the whole
-  chain of waits), not before the group's timeout has run out for the earliest call in
-  flight and within FREEZE_SLACK_S after it has for the calls at k.
-- a cut (the connection from rank p breaks under a body rank c reads): each call
-  exact or raising naming c or p, never a later call exact after an earlier one raised,
-  rank c raises, and every rank that raises does so within TOLD_S of the first.
+- a kill of rank v at call k, or v leaving there (SIGTERM, handled or not; its program
+  ending early): on every survivor each call is exact or raises naming v (a call on
+  Gloo's ring may carry Gloo's error, which names an address); calls after k raise (but
+  a broadcast, Gloo's, which a live root may still bring to a rank); every call of
+  fairring's that raises does so within KILL_S of the later of the fault and its own
+  posting (each raise, not only the first). v ends as its fault ends a process: -SIGKILL,
+  -SIGTERM, SystemExit (exit status 1) or a clean return; a machine-mate by SIGKILL
+  after its stamp, not before.
+- a kill of rank v while its group starts: every survivor's group creation or calls
+  raise naming v, within the group's timeout and FREEZE_SLACK_S of the later of the
+  kill and its start; something raises on each survivor where the kill fell before its
+  group was ready.
+- a freeze of rank v at call k: every survivor raises "timed out" naming v, not before
+  the group's timeout has run out for the earliest call in flight and within
+  FREEZE_SLACK_S after it has for the calls at k.
+- a cut (the connection from rank p breaks under a body rank c reads): each call exact
+  or raising, naming c and p on c and p, either elsewhere, within TOLD_S of the later of
+  the fault point's firing and its posting; no call completes after an earlier one of
+  its rank raised; rank c raises.
+- a call rank s skips at k: calls before k exact; from k on each call completes (its
+  values unchecked: the calls pair in the ranks' own orders) or raises naming s within
+  the group's timeout and FREEZE_SLACK_S of its posting.
 - always: no survivor hangs or crashes; destroying the group takes at most
-  DESTROY_FAST_S (nothing waits), or DESTROY_BOUND_S with a frozen peer; no fairring
-  thread is left behind, nor (once the group object is gone) any thread, socket or
-  listening port of the group's; DDP's set-up steps are exact; a fault point armed to
-  close or to hold an abort fired.
+  DESTROY_FAST_S (nothing waits), or DESTROY_BOUND_S with a frozen peer; no thread,
+  socket or listening port of the group's is left once the group object is gone, and
+  the group object itself goes (where Gloo may still run a call for nobody, the rank
+  waits up to Gloo's timeout for them first); DDP's set-up steps are exact; a fault
+  point armed to close or to hold an abort fired; where ranks died or left, the
+  survivors' new group is exact and destroyed fast; allreduce results are the same
+  bytes on every rank.
 """
 
 from __future__ import annotations
@@ -132,7 +146,7 @@ def judge(job: Job, outcomes: list[Any], files: dict[str, float]) -> Verdict:
         problems += _left_behind(rank, v)
     rules = {
         "kill": _killed,
-        "leave": _killed,
+        "leave": _left,
         "start_kill": _start_killed,
         "freeze": _frozen,
         "cut": _cut,
@@ -224,7 +238,8 @@ def _left_behind(rank: int, v: dict[str, Any]) -> list[str]:
     if _fairring_threads(after) > _fairring_threads(before):
         return [f"rank {rank}: fairring threads left: {before['threads']} -> {after['threads']}"]
     if not v.get("group_freed", True):
-        return [f"rank {rank}: the group object outlived its destroy (something holds it)"]
+        held = v.get("group_held_by", [])
+        return [f"rank {rank}: the group object outlived its destroy, held by {held}"]
     out = []
     if len(after["threads"]) > len(before["threads"]):
         extra = collections.Counter(after["threads"]) - collections.Counter(before["threads"])
@@ -538,3 +553,14 @@ def _skipped(
             took = _raised_within(rank, job, r, r["posted_at"], bound, "its posting", problems)
             worst = max(worst, took)
     return Verdict(problems, "raised or completed after the skipped call", raise_s=worst)
+
+
+def _left(
+    job: Job, survivors: dict[int, Any], files: dict[str, float], problems: list[str]
+) -> Verdict:
+    """A rank that leaves (SIGTERM, handled or not, or its program ending early) is held
+    to a kill's rules: its peers learn of it from its closes, or its aborts."""
+    verdict = _killed(job, survivors, files, problems)
+    if verdict.outcome != "FAILED":
+        verdict.outcome = f"raised naming the rank that left ({job.fault.how})"
+    return verdict

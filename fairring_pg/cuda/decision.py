@@ -164,7 +164,7 @@ def exchange_gpu_facts(
     """Every rank's facts, by rank, through ``store``."""
     store.set(_STORE_KEY.format(rank=rank), json.dumps(dataclasses.asdict(mine)))
     keys = [_STORE_KEY.format(rank=r) for r in range(size)]
-    wait_for(store, keys, timeout, "waiting for every rank's GPU facts")
+    wait_for(store, keys, timeout, "waiting for every rank's GPU facts", range(size))
     facts = []
     for key in keys:
         entry = json.loads(store.get(key))

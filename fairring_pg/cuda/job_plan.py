@@ -116,7 +116,7 @@ def plan_for_job(
         _log.info(
             "%s\n  node facts: %s; sub-group CTAs: %s", plan.describe(), why, ctas or "uncapped"
         )
-    wait_for(store, [_PLAN_KEY], timeout, "waiting for rank 0's CUDA allreduce plan")
+    wait_for(store, [_PLAN_KEY], timeout, "waiting for rank 0's CUDA allreduce plan", [0])
     published = json.loads(store.get(_PLAN_KEY))
     return CudaPlan.from_json(published["plan"]), int(published["ctas"])
 
