@@ -2,10 +2,13 @@
 """Chaos: many short jobs on simulated machines (2x2, 3x1, 2x3), each a seeded random
 program of mixed collectives (allreduces of every dtype and op, reduce-scatters and
 all-gathers in every form, barriers, broadcasts, DDP steps with hooks) posted alike on
-every rank and waited in an order of each rank's own, with at most one seeded fault: a
-rank killed (and, half the time, its machine-mates 0.15 s later, as torchrun's agent
-does), a connection cut under a body, a rank frozen, a delay at a fault point, or one
-rank getting a call wrong. Every job is judged by tests/chaos_verdict.py's rules.
+every rank and waited in an order of each rank's own, with at most one seeded fault
+(tests/chaos_plan.py): a rank killed (and, half the time, its machine-mates 0.15 s
+later, as torchrun's agent does; at start-up; midway through 16 MiB), a rank leaving
+(SIGTERM, handled or not; an early end), a connection cut under a body, a rank frozen,
+a rank slow for most of the timeout, a skipped call, the store's host killed, a delay
+at a fault point, or one rank getting a call wrong. Every job is judged by
+tests/chaos_verdict.py's rules.
 
     python scripts/chaos.py --jobs 500 --seed 0      # by hand
     python scripts/chaos.py --seed 17 --jobs 1       # replay one seed
@@ -86,10 +89,12 @@ def run_job(seed: int) -> JobResult:
             env=fairring_env(**dict(job.env)),
             timeout_s=JOB_TIMEOUT_S,
             abort_grace_s=None,
+            store_in_process=job.fault.kind == "store_death",
             job=job,
             job_dir=tmp,
         )
-        names = ["kill_at", "freeze_at", *(f"mate_at_{r}" for r in range(job.world))]
+        names = ["kill_at", "freeze_at", "store_dead_at"]
+        names += [f"mate_at_{r}" for r in range(job.world)]
         files = {
             name: float((directory / name).read_text())
             for name in names

@@ -47,6 +47,8 @@ FAULTS = {
     "bad_call": 2,
     "skip": 1,
 }
+# Drawn besides, in half the jobs FAULTS gives none: the store's host dies at a call.
+FAULT_KINDS = (*FAULTS, "store_death")
 # How a leaving rank goes, and the exit status its launcher sees.
 LEAVES = ("sigterm", "sigterm_handled", "exit")
 # Points a delay can sit at (src/faults/fault_points.h), each firing in a program
@@ -131,6 +133,8 @@ class Fault:
             return f"{self.how} of {at}"
         if self.kind == "start_kill":
             return f"kill of rank {self.rank} {self.after_ms} ms into the group's creation"
+        if self.kind == "store_death":
+            return f"the store's host killed by rank {self.rank} at call {self.turn}"
         if self.kind == "slow":
             return f"{at} {self.delay_ms} ms late"
         if self.kind == "bad_call":
@@ -293,6 +297,11 @@ def draw_job(seed: int) -> Job:
     hook = rng.choice(DDP_HOOKS)
     calls = [_call(rng, i, shape, world, hook) for i in range(rng.randint(5, 10))]
     fault = _fault(rng, calls, machines)
+    if fault.kind == "none" and random.Random(f"chaos/{seed}/store").random() < 0.5:
+        # The store's host dies at a call: drawn from a stream of its own, in half the
+        # jobs that have no other fault, so that every other job stays as it was drawn.
+        store = random.Random(f"chaos/{seed}/store")
+        fault = Fault("store_death", store.randrange(len(machines)), store.randrange(len(calls)))
     if fault.kind == "kill" and rng.random() < 0.3:
         # A large transfer killed midway (on Gloo's ring where the job hands it over).
         calls[fault.turn] = Call(fault.turn, "allreduce", BIG_NUMEL, "float32", "SUM")

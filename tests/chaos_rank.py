@@ -389,6 +389,14 @@ def _fired(point: str) -> int:
     return fault_points.uses(point)
 
 
+def _kill_the_store(job_dir: Path) -> None:
+    """The process that hosts the job's store dies (tests/multiprocess.py's
+    store_in_process), as the host of torchrun's rendezvous store may."""
+    _write_time(job_dir / "store_dead_at")
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(int(os.environ["FAIRRING_TEST_STORE_PID"]), signal.SIGKILL)
+
+
 def _fired_at(point: str) -> float:
     import fault_points
 
@@ -604,6 +612,8 @@ def _program(
                 _die(job, directory, store, runners, call)
             if fault.kind == "slow":
                 time.sleep(fault.delay_ms / 1000)
+            if fault.kind == "store_death":
+                _kill_the_store(directory)
             if fault.kind == "skip":
                 continue
             if fault.kind == "cut":
@@ -615,7 +625,8 @@ def _program(
         wrong = fault.kind == "bad_call" and at_fault and call.index == fault.turn
         bad = fault.variant if wrong else ""
         sync = call.kind in ("barrier", "ddp")
-        if sync and call.index == fault.turn:
+        posts = call.index == fault.turn and fault.kind != "store_death"
+        if sync and posts:
             store.set(f"chaos/posted/{rank}/{call.index}", "1")
         if sync and len(runners) == 2:
             # Both groups' calls at once: Gloo's time to raise must not wait for fairring's.
@@ -627,7 +638,7 @@ def _program(
             for runner in runners:
                 if (p := runner.issue(call, bad if runner.name == "fairring" else "")) is not None:
                     pending.append(p)
-        if not sync and call.index == fault.turn:
+        if not sync and posts:
             store.set(f"chaos/posted/{rank}/{call.index}", "1")
         while pending and waits.random() < 0.4:
             pending.pop(waits.randrange(len(pending))).finish()

@@ -6,8 +6,8 @@ themselves are tested on made-up outcomes (tests/test_chaos.py).
 The rules, by fault (absolute bounds: Gloo's time in the same job is reported beside,
 never a bound):
 
-- none, a delay (fired or not), a slow rank, a cut that never fired: every call exact
-  on every rank.
+- none, a delay (fired or not), a slow rank, the death of the store's host, a cut that
+  never fired: every call exact on every rank.
 - a bad call on rank b at call k: every call before k exact on every rank; call k and
   every later call of the engine raise on every rank naming rank b, within TOLD_S of
   the last rank's call k; broadcasts (Gloo's) complete.
@@ -166,6 +166,12 @@ def judge(job: Job, outcomes: list[Any], files: dict[str, float]) -> Verdict:
             )
         elif fault.kind == "slow":
             verdict.outcome = "waited for the slow rank: exact"
+        elif fault.kind == "store_death":
+            # Nothing a started group runs needs the store; only its long-wait notes,
+            # which are best effort, would.
+            verdict.outcome = "the store's host died: exact"
+            if "store_dead_at" not in files:
+                verdict = _no_time(fault.rank, "the store's death", verdict.problems)
     verdict.problems += _not_bit_identical(job, survivors)
     verdict.destroy_s = destroy
     if verdict.problems and not verdict.outcome.startswith("FAILED"):

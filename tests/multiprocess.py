@@ -229,6 +229,7 @@ def launch(
     pg_timeout_s: float | None = None,
     init_group: bool = True,
     bare: bool = False,
+    store_in_process: bool = False,
     **kwargs: Any,
 ) -> list[RankOutcome]:
     """Run ``fn(rank, world_size, **kwargs)`` on ``world_size`` fresh processes and
@@ -243,6 +244,8 @@ def launch(
     creates it (``backend`` then only says whether to build fairring first); a group
     left at the end is destroyed. bare=True: ``fn(rank, world_size, store, **kwargs)``
     with no group and nothing done after it (see the module's docstring).
+    store_in_process=True: the job's store is hosted by a process of its own, whose pid
+    the ranks find in FAIRRING_TEST_STORE_PID (so that a test can kill it).
     """
     import torch.distributed as dist  # the parent only hosts the store
 
@@ -251,13 +254,20 @@ def launch(
     pg_timeout_s = timeout_s if pg_timeout_s is None else pg_timeout_s
     if backend == "fairring":
         ensure_fairring_built()
-    store = dist.TCPStore(
-        "127.0.0.1",
-        0,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=pg_timeout_s),
+    store_host = _StoreProcess() if store_in_process else None
+    store = (
+        store_host
+        if store_host is not None
+        else dist.TCPStore(
+            "127.0.0.1",
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=pg_timeout_s),
+        )
     )
+    if store_host is not None:
+        env = {**(env or {}), "FAIRRING_TEST_STORE_PID": str(store_host.pid)}
     with _job_folder() as tmp:
         job_dir = Path(tmp)
         # Plain types only: the rank unpickles this before it has the parent's path.
@@ -287,6 +297,8 @@ def launch(
             for proc in procs:
                 if proc.poll() is None:
                     kill_rank(proc, dump_stacks=False)
+            if store_host is not None:
+                store_host.stop()
             del store
         outcomes = [
             _collect(rank, procs[rank], job_dir, rank in killed) for rank in range(world_size)
@@ -295,6 +307,31 @@ def launch(
             o.returned_at = times.returned.get(o.rank)
             o.exited_at = times.exited.get(o.rank)
         return outcomes
+
+
+class _StoreProcess:
+    """A TCPStore hosted by a process of its own (launch's store_in_process)."""
+
+    _SERVE = (
+        "import sys, time, torch.distributed as d; "
+        "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False); "
+        "print(s.port, flush=True); time.sleep(1e9)"
+    )
+
+    def __init__(self) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", self._SERVE],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+        )
+        assert self._proc.stdout is not None
+        self.port = int(self._proc.stdout.readline())
+        self.pid = self._proc.pid
+
+    def stop(self) -> None:
+        self._proc.kill()
+        self._proc.wait()
 
 
 def _check_job(fn: Callable[..., Any], world_size: int, machine_ids: Sequence[str]) -> None:

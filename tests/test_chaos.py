@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from chaos_plan import (
     BIG_NUMEL,
-    FAULTS,
+    FAULT_KINDS,
     MATE_AFTER_S,
     RING_NUMEL,
     SHAPES,
@@ -508,6 +508,22 @@ BREAKS: list[tuple[str, str, Callable[[Job, list[Any], dict[str, float]], Any], 
     ),
     (
         "clean",
+        "the store's host died and a call raised",
+        lambda j, o, f: (
+            f.__setitem__("store_dead_at", T0),
+            _set(o, 0, 3, error="fairring: the store is gone", done=False),
+            dataclasses.replace(j, fault=Fault("store_death", rank=1, turn=2)),
+        )[-1],
+        "raised: fairring: the store is gone",
+    ),
+    (
+        "clean",
+        "the store's host died with no stamp",
+        lambda j, o, f: dataclasses.replace(j, fault=Fault("store_death", rank=1, turn=2)),
+        "no time of the store's death",
+    ),
+    (
+        "clean",
         "a group that could not start in a job with no start-up fault",
         lambda j, o, f: o[1].value.__setitem__("start_error", {"error": "x", "posted_at": T0}),
         "the group's start raised",
@@ -658,19 +674,20 @@ def test_every_fault_falls_before_calls_that_meet_it() -> None:
 
 # Every fault kind on every shape: a kill with its machine-mates, one midway through a
 # 16 MiB call on Gloo's ring, a launcher's SIGTERM and an early end, a kill at start-up,
-# a delay at start-up and one in flight, a slow rank, a skipped call, a bad call with
+# a delay at start-up and one in flight, a slow rank, a skipped call, the store's host
+# killed (seed 22), no fault (42), a bad call with
 # another rank's aborts held, and seed 74, whose op differed on Gloo's ring and completed
 # silently before the ring's calls were announced on the engine. About a minute on 2
 # cores with one busy process beside; chosen from a 200-job draw by what they cover and
 # how short they are.
-CI_SEEDS = (1, 2, 5, 8, 15, 17, 18, 22, 24, 29, 45, 74, 88, 111)
+CI_SEEDS = (1, 2, 5, 8, 15, 17, 18, 22, 24, 29, 42, 45, 74, 88, 111)
 CI_LOAD = 1  # busy processes beside the CI seeds (scripts/chaos.py --load)
 
 
 def test_the_ci_seeds_cover_every_fault_and_shape() -> None:
     jobs = [draw_job(s) for s in CI_SEEDS]
     shown = [j.describe() for j in jobs]
-    assert {j.fault.kind for j in jobs} == set(FAULTS), shown
+    assert {j.fault.kind for j in jobs} == set(FAULT_KINDS), shown
     assert {j.shape for j in jobs} == set(SHAPES), shown
     faults = [j.fault for j in jobs]
     assert any(f.kind == "kill" and f.mates_die for f in faults), shown
