@@ -353,6 +353,13 @@ def _completed_after(
         problems.append(f"rank {rank}: {_what(job, r)}, {fault}, completed")
 
 
+def _first_unmet(job: Job) -> int:
+    """The first call a killed (or leaving) rank never took part in: its turn's, where
+    that call is synchronous (a barrier, a DDP step: it dies before posting it)."""
+    turn = job.fault.turn
+    return turn if job.calls[turn].kind in ("barrier", "ddp") else turn + 1
+
+
 def _killed(
     job: Job, survivors: dict[int, Any], files: dict[str, float], problems: list[str]
 ) -> Verdict:
@@ -376,7 +383,7 @@ def _killed(
     for rank, v in survivors.items():
         for r in _fairring(v):
             _completed_after(
-                rank, job, r, fault.turn + 1, f"after rank {fault.rank} died", problems
+                rank, job, r, _first_unmet(job), f"after rank {fault.rank} died", problems
             )
             _exact_or(rank, job, r, named, problems)
             if r["error"] is None or _delegated(job, r):
@@ -417,6 +424,10 @@ def _frozen(
         for r in records:
             _completed_after(rank, job, r, fault.turn, f"with rank {fault.rank} frozen", problems)
             _exact_or(rank, job, r, named, problems)
+            if r["error"] is not None and not _delegated(job, r):
+                after = "the freeze or its posting, whichever was later"
+                bound = timeout + FREEZE_SLACK_S
+                _raised_within(rank, job, r, frozen_at, bound, after, problems)
         first = _first_raise(records)
         if first is not None:
             worst = max(worst, first - frozen_at)

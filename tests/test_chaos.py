@@ -372,6 +372,15 @@ BREAKS: list[tuple[str, str, Callable[[Job, list[Any], dict[str, float]], Any], 
     ),
     (
         "kill",
+        "a barrier the dead rank never posted completed",
+        lambda j, o, f: (
+            _set(o, 0, 1, error=None, done=True),
+            dataclasses.replace(j, calls=(CALLS[0], Call(1, "barrier"), *CALLS[2:])),
+        )[-1],
+        "completed",
+    ),
+    (
+        "kill",
         "the mate named instead",
         lambda j, o, f: _set(o, 1, 3, error="lost rank 2 (host m1)"),
         "without naming the fault",
@@ -393,6 +402,12 @@ BREAKS: list[tuple[str, str, Callable[[Job, list[Any], dict[str, float]], Any], 
         "raised long after the timeout",
         lambda j, o, f: _all(o, 2, "fairring", T0 + 6.0),
         "after the freeze",
+    ),
+    (
+        "freeze",
+        "a later call raised late, the first in time",
+        lambda j, o, f: _set(o, 0, 4, ended_at=T0 + 0.02 + 3.0 + 1.5),
+        "after the freeze or its posting",
     ),
     (
         "freeze",
