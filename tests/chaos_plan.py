@@ -31,6 +31,7 @@ SHARDED_FORMS = {
     "all_gather": ("all_gather", "all_gather_list", "all_gather_coalesced"),
 }
 DDP_HOOKS = ("none", "fp16", "chained")
+ALLREDUCE_FORMS = ("", "", "coalesced", "strided")  # "": the tensor as it is
 # Fault kinds and how often each is drawn: a rank killed (SIGKILL), leaving otherwise
 # (a launcher's SIGTERM, handled or not, or its program ending early), killed while its
 # group starts, a connection cut, a rank frozen, a delay at a fault point, a rank slow
@@ -47,8 +48,9 @@ FAULTS = {
     "bad_call": 2,
     "skip": 1,
 }
-# Drawn besides, in half the jobs FAULTS gives none: the store's host dies at a call.
-FAULT_KINDS = (*FAULTS, "store_death")
+# Drawn besides: in half the jobs FAULTS gives none, the store's host dies at a call; in
+# half the delays at mesh.read.close, two ranks are cut off from each other for a while.
+FAULT_KINDS = (*FAULTS, "store_death", "partition")
 # How a leaving rank goes, and the exit status its launcher sees.
 LEAVES = ("sigterm", "sigterm_handled", "exit")
 # Points a delay can sit at (src/faults/fault_points.h), each firing in a program
@@ -74,6 +76,7 @@ GROUP_TIMEOUT_S = 30.0  # a fault that is not a freeze must never need the timeo
 FREEZE_TIMEOUT_S = 3.0  # a freeze, a kill at start-up, a skipped call: the timeout ends it
 SLOW_TIMEOUT_S = 5.0
 SLOW_FRACTION = 0.7  # a slow rank posts its call this far into the group's timeout
+PARTITION_FRACTION = 0.5  # a partition heals this far into the group's timeout
 START_KILL_MS = 400  # a kill at start-up falls this long after the group's creation began
 
 
@@ -86,12 +89,13 @@ class Call:
     numel: int = 0  # per rank for the sharded kinds
     dtype: str = "float32"
     op: str = "SUM"
-    form: str = ""  # sharded kinds: the form; ddp: the hook
+    form: str = ""  # allreduce, sharded kinds: the form; ddp: the hook
     src: int = 0  # broadcast's root
 
     def describe(self) -> str:
         if self.kind == "allreduce":
-            return f"#{self.index} allreduce {self.numel} {self.dtype} {self.op}"
+            form = f" ({self.form})" if self.form else ""
+            return f"#{self.index} allreduce{form} {self.numel} {self.dtype} {self.op}"
         if self.kind in SHARDED_FORMS:
             return f"#{self.index} {self.form} {self.numel}/rank"
         if self.kind == "broadcast":
@@ -133,6 +137,9 @@ class Fault:
             return f"{self.how} of {at}"
         if self.kind == "start_kill":
             return f"kill of rank {self.rank} {self.after_ms} ms into the group's creation"
+        if self.kind == "partition":
+            ends = f"ranks {self.rank} and {self.peer}"
+            return f"partition of {ends} at call {self.turn}, healed after {self.delay_ms} ms"
         if self.kind == "store_death":
             return f"the store's host killed by rank {self.rank} at call {self.turn}"
         if self.kind == "slow":
@@ -219,6 +226,17 @@ def _call(rng: random.Random, index: int, shape: str, world: int, hook: str) -> 
     return Call(index, kind)
 
 
+def _allreduce_form(seed: int, call: Call) -> Call:
+    """An allreduce's form, from a stream of its own (the rest of the draw stays as it
+    was): the tensor, two tensors coalesced, or a strided view (every other element)."""
+    if call.kind != "allreduce" or call.numel >= RING_NUMEL:
+        return call
+    form = random.Random(f"chaos/{seed}/form/{call.index}").choice(ALLREDUCE_FORMS)
+    if form == "coalesced" and call.numel < 2:
+        return call
+    return dataclasses.replace(call, form=form)
+
+
 def _env(rng: random.Random) -> tuple[tuple[str, str], ...]:
     slice_size = rng.choice((16 * 1024, 64 * 1024, 256 * 1024))
     return (
@@ -296,12 +314,19 @@ def draw_job(seed: int) -> Job:
     world = len(machines)
     hook = rng.choice(DDP_HOOKS)
     calls = [_call(rng, i, shape, world, hook) for i in range(rng.randint(5, 10))]
+    calls = [_allreduce_form(seed, c) for c in calls]
     fault = _fault(rng, calls, machines)
     if fault.kind == "none" and random.Random(f"chaos/{seed}/store").random() < 0.5:
         # The store's host dies at a call: drawn from a stream of its own, in half the
         # jobs that have no other fault, so that every other job stays as it was drawn.
         store = random.Random(f"chaos/{seed}/store")
         fault = Fault("store_death", store.randrange(len(machines)), store.randrange(len(calls)))
+    if fault.point == "mesh.read.close" and fault.kind == "delay":
+        # Half of these become a partition between the two ranks that heals at half the
+        # timeout (iptables and nft are absent here: each end's reader stops instead).
+        if random.Random(f"chaos/{seed}/partition").random() < 0.5:
+            heal_ms = int(PARTITION_FRACTION * SLOW_TIMEOUT_S * 1000)
+            fault = dataclasses.replace(fault, kind="partition", delay_ms=heal_ms, times=1)
     if fault.kind == "kill" and rng.random() < 0.3:
         # A large transfer killed midway (on Gloo's ring where the job hands it over).
         calls[fault.turn] = Call(fault.turn, "allreduce", BIG_NUMEL, "float32", "SUM")
@@ -322,4 +347,4 @@ def _timeout(kind: str) -> float:
     """The group's timeout: short where it ends the job, long where nothing may need it."""
     if kind in ("freeze", "start_kill", "skip"):
         return FREEZE_TIMEOUT_S
-    return SLOW_TIMEOUT_S if kind == "slow" else GROUP_TIMEOUT_S
+    return SLOW_TIMEOUT_S if kind in ("slow", "partition") else GROUP_TIMEOUT_S

@@ -107,6 +107,27 @@ def check_allreduce(job: Job, call: Call, got: torch.Tensor) -> str | None:
     return compare(got, want, tolerance, call.describe())
 
 
+def _allreduce(
+    inputs: torch.Tensor, form: str, op: str, group: Any
+) -> tuple[Callable[[], torch.Tensor], Any]:
+    """``inputs`` allreduced in ``form`` (tests/chaos_plan.py, ALLREDUCE_FORMS): how to
+    read the result once done, and the work."""
+    reduce_op = getattr(dist.ReduceOp, op)
+    if form == "coalesced":
+        half = inputs.numel() // 2
+        parts = [inputs[:half].clone(), inputs[half:].clone()]
+        work = dist.all_reduce_coalesced(parts, op=reduce_op, group=group, async_op=True)
+        return lambda: torch.cat(parts), work
+    if form == "strided":
+        room = torch.zeros(2 * inputs.numel(), dtype=inputs.dtype)
+        view = room[::2]
+        view.copy_(inputs)
+        work = dist.all_reduce(view, op=reduce_op, group=group, async_op=True)
+        return lambda: view, work
+    work = dist.all_reduce(inputs, op=reduce_op, group=group, async_op=True)
+    return lambda: inputs, work
+
+
 def _broadcast_values(job: Job, call: Call) -> torch.Tensor:
     gen = torch.Generator().manual_seed(job.seed * 1000 + call.index)
     return torch.randn(call.numel, generator=gen)
@@ -307,18 +328,17 @@ class _Runner:
                 dtype = ("float64" if dtype != "float64" else "float32") if floats else "int32"
             elif bad == "op":
                 op = "MAX" if op != "MAX" else "MIN"
-            tensor = _allreduce_inputs(job, call, rank, dtype, numel)
-            work = dist.all_reduce(
-                tensor, op=getattr(dist.ReduceOp, op), group=group, async_op=True
-            )
+            inputs = _allreduce_inputs(job, call, rank, dtype, numel)
+            tensor, work = _allreduce(inputs, "" if gloo else call.form, op, group)
 
             def check() -> str | None:
                 if gloo or bad:
                     return None
+                got = tensor()
                 # Every rank receives the same bytes (one reduction per shard, copied
                 # to all): the verdict compares these across ranks.
-                record["digest"] = zlib.crc32(tensor.contiguous().view(torch.uint8).numpy())
-                return check_allreduce(job, call, tensor)
+                record["digest"] = zlib.crc32(got.contiguous().view(torch.uint8).numpy())
+                return check_allreduce(job, call, got)
 
             return _Pending(record, work.wait, check, work)
         if call.kind in ("reduce_scatter", "all_gather"):
@@ -389,9 +409,12 @@ def _fired(point: str) -> int:
     return fault_points.uses(point)
 
 
-def _kill_the_store(job_dir: Path) -> None:
+def _kill_the_store(job_dir: Path, store: Any, world: int) -> None:
     """The process that hosts the job's store dies (tests/multiprocess.py's
-    store_in_process), as the host of torchrun's rendezvous store may."""
+    store_in_process), as the host of torchrun's rendezvous store may, once every rank's
+    group has started (a rank may still be starting when another is at its turn: its
+    first calls may be empty, or Gloo's)."""
+    store.wait([f"chaos/ready/{r}" for r in range(world)], timedelta(seconds=60))
     _write_time(job_dir / "store_dead_at")
     with contextlib.suppress(ProcessLookupError):
         os.kill(int(os.environ["FAIRRING_TEST_STORE_PID"]), signal.SIGKILL)
@@ -502,6 +525,8 @@ def chaos_rank(rank: int, world: int, job: Job, job_dir: str) -> dict[str, Any]:
         error = {"error": f"{type(exc).__name__}: {exc}", "posted_at": started_at}
         return {"start_error": error | {"ended_at": time.time()}, **_regroup(job, rank)}
     ready_at = time.time()
+    if fault.kind == "store_death":
+        store.set(f"chaos/ready/{rank}", "1")
     # Everything that holds the group (DDP, works, runners) lives in _program's frame
     # and is gone once it returns: what is left after destroy is fairring's own.
     try:
@@ -613,7 +638,7 @@ def _program(
             if fault.kind == "slow":
                 time.sleep(fault.delay_ms / 1000)
             if fault.kind == "store_death":
-                _kill_the_store(directory)
+                _kill_the_store(directory, store, job.world)
             if fault.kind == "skip":
                 continue
             if fault.kind == "cut":
@@ -622,6 +647,10 @@ def _program(
             if fault.kind == "delay":
                 _arm(fault.point, "delay", fault.delay_ms, fault.times, fault.peer)
                 armed.append(fault.point)
+        ends = {fault.rank: fault.peer, fault.peer: fault.rank}
+        if fault.kind == "partition" and call.index == fault.turn and rank in ends:
+            _arm(fault.point, "delay", fault.delay_ms, 1, ends[rank])  # each end stops reading
+            armed.append(fault.point)
         wrong = fault.kind == "bad_call" and at_fault and call.index == fault.turn
         bad = fault.variant if wrong else ""
         sync = call.kind in ("barrier", "ddp")

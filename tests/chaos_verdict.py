@@ -6,8 +6,8 @@ themselves are tested on made-up outcomes (tests/test_chaos.py).
 The rules, by fault (absolute bounds: Gloo's time in the same job is reported beside,
 never a bound):
 
-- none, a delay (fired or not), a slow rank, the death of the store's host, a cut that
-  never fired: every call exact on every rank.
+- none, a delay (fired or not), a slow rank, a partition that heals before the timeout,
+  the death of the store's host, a cut that never fired: every call exact on every rank.
 - a bad call on rank b at call k: every call before k exact on every rank; call k and
   every later call of the engine raise on every rank naming rank b, within TOLD_S of
   the last rank's call k; broadcasts (Gloo's) complete.
@@ -166,6 +166,8 @@ def judge(job: Job, outcomes: list[Any], files: dict[str, float]) -> Verdict:
             )
         elif fault.kind == "slow":
             verdict.outcome = "waited for the slow rank: exact"
+        elif fault.kind == "partition":
+            verdict.outcome = "partition healed: exact" if fired else "partition never met: exact"
         elif fault.kind == "store_death":
             # Nothing a started group runs needs the store; only its long-wait notes,
             # which are best effort, would.

@@ -91,6 +91,8 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::runOn(
   }
   if (fromCallback) {
     refuseIfFailed();
+  } else {
+    refuseIfCallbacksFailed();
   }
   const bool onRing = ring && !fromCallback;
   auto source = onRing ? rings_.issue(ring, ringCall.numel, ringCall.dtype, ringCall.op)
@@ -152,6 +154,21 @@ void CpuAllreduce::refuseIfFailed() {
     engine->refuse(refusal);
   }
   throw c10::DistBackendError(refusal);
+}
+
+void CpuAllreduce::refuseIfCallbacksFailed() {
+  std::shared_ptr<CollectiveEngine> callbacks;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    callbacks = callbackEngine_;
+  }
+  if (!callbacks || !callbacks->failure().failed() || plants::planted(plants::Plant::kCallbacksFailureStaysThere)) {
+    return;
+  }
+  // One group, one failure: what broke under a callback's collective (a peer's
+  // connection, a reduction) fails the program's calls too, from this turn on,
+  // on every rank (the refusal travels to the peers as any failure does).
+  engine_.refuse(callbacks->failure().refusal());
 }
 
 CpuAllreduce::Stats CpuAllreduce::stats() const {

@@ -117,6 +117,8 @@ class CpuAllreduce {
   // Why the program's engine can take no more calls: its group failed, or a
   // peer left (the next call raises that); nullopt while healthy.
   std::optional<std::string> lostPeerOrFailure() const;
+  // A program's call after the callbacks' engine failed: refused with its failure.
+  void refuseIfCallbacksFailed();
 
   const int rank_;
   CollectiveEngine& engine_;

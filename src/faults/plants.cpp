@@ -33,8 +33,9 @@ const std::vector<std::string>& names() {
       "callbacks_start_ignores_loss",
       "timeout_names_next_peer",
       "ring_left_to_process",
+      "callbacks_failure_stays_there",
   };
-  static_assert(static_cast<int>(Plant::kCount) == 23, "a name for every plant");
+  static_assert(static_cast<int>(Plant::kCount) == 24, "a name for every plant");
   return all;
 }
 

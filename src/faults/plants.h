@@ -36,6 +36,7 @@ enum class Plant : uint8_t {
   kCallbacksStartIgnoresLoss, // the callbacks' engine starts (and waits out the timeout) after its group lost a peer
   kTimeoutNamesNextPeer, // a timeout names the peer it waits for, not the rank at the end of the wait chain
   kRingLeftToProcess, // the Gloo group of a ring call given up on is never freed
+  kCallbacksFailureStaysThere, // a failure of the callbacks' engine does not fail the program's calls
   kCount,
 };
 
