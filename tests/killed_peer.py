@@ -159,15 +159,23 @@ def killed_peer(
         out["gloo_detect_s"] = ended["gloo"] - killed_at
         dist.destroy_process_group(groups["gloo"])
     if group_backend == "fairring":
-        # Gloo makes no promise about calls after an error (it may wait for the timeout).
-        out["after_s"], out["after_message"] = call_after_error(group)
-        stats = group._get_backend(torch.device("cpu")).cpu_allreduce_stats()
-        out["ring_abandoned"] = int(stats.get("ring_abandoned", 0))
-        t0 = time.monotonic()
-        dist.destroy_process_group(group)
-        out["destroy_s"] = time.monotonic() - t0
-        del group, groups, works
-        out["freed_s"] = _freed_within(baseline, group_timeout_s + FREED_SLACK_S)
+        del groups, works
+        out |= _after_the_error(group, baseline, group_timeout_s)
+    return out
+
+
+def _after_the_error(group: Any, baseline: set[int], group_timeout_s: float) -> dict[str, Any]:
+    """A call after the error, destroy, and how soon the group's threads are gone."""
+    out: dict[str, Any] = {}
+    # Gloo makes no promise about calls after an error (it may wait for the timeout).
+    out["after_s"], out["after_message"] = call_after_error(group)
+    stats = group._get_backend(torch.device("cpu")).cpu_allreduce_stats()
+    out["ring_abandoned"] = int(stats.get("ring_abandoned", 0))
+    t0 = time.monotonic()
+    dist.destroy_process_group(group)
+    out["destroy_s"] = time.monotonic() - t0
+    del group
+    out["freed_s"] = _freed_within(baseline, group_timeout_s + FREED_SLACK_S)
     return out
 
 

@@ -244,8 +244,7 @@ def launch(
     creates it (``backend`` then only says whether to build fairring first); a group
     left at the end is destroyed. bare=True: ``fn(rank, world_size, store, **kwargs)``
     with no group and nothing done after it (see the module's docstring).
-    store_in_process=True: the job's store is hosted by a process of its own, whose pid
-    the ranks find in FAIRRING_TEST_STORE_PID (so that a test can kill it).
+    store_in_process=True: the store's host is a process (FAIRRING_TEST_STORE_PID).
     """
     import torch.distributed as dist  # the parent only hosts the store
 
@@ -255,18 +254,14 @@ def launch(
     if backend == "fairring":
         ensure_fairring_built()
     store_host = _StoreProcess() if store_in_process else None
-    store = (
-        store_host
-        if store_host is not None
-        else dist.TCPStore(
-            "127.0.0.1",
-            0,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=pg_timeout_s),
-        )
+    store = store_host or dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=pg_timeout_s),
     )
-    if store_host is not None:
+    if store_host:
         env = {**(env or {}), "FAIRRING_TEST_STORE_PID": str(store_host.pid)}
     with _job_folder() as tmp:
         job_dir = Path(tmp)
@@ -300,13 +295,17 @@ def launch(
             if store_host is not None:
                 store_host.stop()
             del store
-        outcomes = [
-            _collect(rank, procs[rank], job_dir, rank in killed) for rank in range(world_size)
-        ]
-        for o in outcomes:
-            o.returned_at = times.returned.get(o.rank)
-            o.exited_at = times.exited.get(o.rank)
-        return outcomes
+        return _outcomes(procs, job_dir, killed, times)
+
+
+def _outcomes(
+    procs: list[RankProcess], job_dir: Path, killed: set[int], times: _Times
+) -> list[RankOutcome]:
+    outcomes = [_collect(rank, proc, job_dir, rank in killed) for rank, proc in enumerate(procs)]
+    for o in outcomes:
+        o.returned_at = times.returned.get(o.rank)
+        o.exited_at = times.exited.get(o.rank)
+    return outcomes
 
 
 class _StoreProcess:
