@@ -49,6 +49,7 @@ import collections
 import dataclasses
 import re
 import signal
+from collections.abc import Callable
 from typing import Any
 
 from chaos_plan import MATE_AFTER_S, Job
@@ -338,6 +339,15 @@ def _no_time(rank: int, event: str, problems: list[str]) -> Verdict:
     return Verdict(problems, "FAILED")
 
 
+def _naming_the_faults_rank(job: Job) -> Callable[[dict[str, Any]], bool]:
+    """Whether a failed call's error names the fault's rank (or is another's error)."""
+
+    def named(r: dict[str, Any]) -> bool:
+        return _not_fairrings_error(job, r) or _names(r["error"], {job.fault.rank})
+
+    return named
+
+
 def _not_fairrings_error(job: Job, r: dict[str, Any]) -> bool:
     """Whether a failed call's error is another's: Gloo's own (a delegated collective's,
     naming an address; or an allreduce on Gloo's ring), or DDP's refusal after a failure."""
@@ -379,9 +389,7 @@ def _killed(
     gloo_worst = max(gloo_times) if gloo_times else None
     worst = 0.0
 
-    def named(r: dict[str, Any]) -> bool:
-        return _not_fairrings_error(job, r) or _names(r["error"], {fault.rank})
-
+    named = _naming_the_faults_rank(job)
     for rank, v in survivors.items():
         for r in _fairring(v):
             _completed_after(
@@ -514,9 +522,7 @@ def _start_killed(
     bound = job.group_timeout_s + FREEZE_SLACK_S
     worst = 0.0
 
-    def named(r: dict[str, Any]) -> bool:
-        return _not_fairrings_error(job, r) or _names(r["error"], {fault.rank})
-
+    named = _naming_the_faults_rank(job)
     for rank, v in survivors.items():
         records = [v["start_error"]] if "start_error" in v else _fairring(v)
         if "start_error" in v and not _names(v["start_error"]["error"], {fault.rank}):
@@ -554,9 +560,7 @@ def _skipped(
     bound = job.group_timeout_s + FREEZE_SLACK_S
     worst = 0.0
 
-    def named(r: dict[str, Any]) -> bool:
-        return _not_fairrings_error(job, r) or _names(r["error"], {fault.rank})
-
+    named = _naming_the_faults_rank(job)
     for rank, v in survivors.items():
         for r in _fairring(v):
             if r["index"] < fault.turn:

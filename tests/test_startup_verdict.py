@@ -44,6 +44,11 @@ def _start(rank: int, world: int, store: Any, late: bool, planted: bool) -> dict
     if planted:
         # The bug the verdict is for: each rank goes on alone.
         backend.all_passed = lambda *args: None
+    return _timed_init(rank, world, store, INIT_TIMEOUT_S)
+
+
+def _timed_init(rank: int, world: int, store: Any, timeout_s: float) -> dict[str, Any]:
+    """init_process_group("fairring"): its error (None if it started) and its time."""
     t0 = time.monotonic()
     try:
         dist.init_process_group(
@@ -51,7 +56,7 @@ def _start(rank: int, world: int, store: Any, late: bool, planted: bool) -> dict
             store=store,
             rank=rank,
             world_size=world,
-            timeout=timedelta(seconds=INIT_TIMEOUT_S),
+            timeout=timedelta(seconds=timeout_s),
         )
     except Exception as exc:  # noqa: BLE001 - the message is the result
         return {"error": f"{type(exc).__name__}: {exc}", "took": time.monotonic() - t0}
@@ -110,19 +115,7 @@ def _lost_while_connecting(
     if planted:
         # The bug: Gloo's own error, which names a store key and not the rank.
         process_groups._who_is_missing = lambda store, members: "some rank is missing"
-    t0 = time.monotonic()
-    try:
-        dist.init_process_group(
-            "fairring",
-            store=store,
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=GLOO_TIMEOUT_S),
-        )
-    except Exception as exc:  # noqa: BLE001 - the message is the result
-        return {"error": f"{type(exc).__name__}: {exc}", "took": time.monotonic() - t0}
-    dist.destroy_process_group()
-    return {"error": None, "took": time.monotonic() - t0}
+    return _timed_init(rank, world, store, GLOO_TIMEOUT_S)
 
 
 def _lost_verdicts(when: str, planted: bool) -> list[str]:
