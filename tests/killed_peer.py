@@ -5,7 +5,6 @@ allreduces instead.)"""
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import socket
@@ -112,15 +111,10 @@ def killed_peer(
         fault_points.arm("engine.abort", "delay", delay_ms=150, times=1000)
     store = default_store()
     timeout = timedelta(seconds=group_timeout_s)
-    baseline = _tids()
     group = dist.new_group(backend=group_backend, timeout=timeout)
     groups = {"main": group}
     if yardstick:
-        before_yardstick = _tids()
         groups["gloo"] = dist.new_group(backend="gloo", timeout=timeout)
-        # Gloo's group is torch's: it may outlive its destroy (a call of its waits for the
-        # dead rank until Gloo's timeout); only what fairring's group made is counted.
-        baseline |= _tids() - before_yardstick
     for g in groups.values():
         warm_up(rank, g)
     big = {name: torch.ones(big_numel) for name in groups}
@@ -159,42 +153,12 @@ def killed_peer(
         out["gloo_detect_s"] = ended["gloo"] - killed_at
         dist.destroy_process_group(groups["gloo"])
     if group_backend == "fairring":
-        del groups, works
-        out |= _after_the_error(group, baseline, group_timeout_s)
+        # Gloo makes no promise about calls after an error (it may wait for the timeout).
+        out["after_s"], out["after_message"] = call_after_error(group)
+        t0 = time.monotonic()
+        dist.destroy_process_group(group)
+        out["destroy_s"] = time.monotonic() - t0
     return out
-
-
-def _after_the_error(group: Any, baseline: set[int], group_timeout_s: float) -> dict[str, Any]:
-    """A call after the error, destroy, and how soon the group's threads are gone."""
-    out: dict[str, Any] = {}
-    # Gloo makes no promise about calls after an error (it may wait for the timeout).
-    out["after_s"], out["after_message"] = call_after_error(group)
-    stats = group._get_backend(torch.device("cpu")).cpu_allreduce_stats()
-    out["ring_abandoned"] = int(stats.get("ring_abandoned", 0))
-    t0 = time.monotonic()
-    dist.destroy_process_group(group)
-    out["destroy_s"] = time.monotonic() - t0
-    del group
-    out["freed_s"] = _freed_within(baseline, group_timeout_s + FREED_SLACK_S)
-    return out
-
-
-# A ring call given up on runs on in Gloo until Gloo's timeout; its Gloo group (threads,
-# sockets) goes once it ends, this long after at most.
-FREED_SLACK_S = 3.0
-
-
-def _freed_within(baseline: set[int], limit_s: float) -> float | None:
-    """Seconds until this process runs no thread but those of ``baseline`` (None if it
-    still does after ``limit_s``): the threads of fairring's group and of its Gloo
-    groups, whose sockets go with them."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < limit_s:
-        gc.collect()
-        if not _tids() - baseline:
-            return time.monotonic() - t0
-        time.sleep(0.1)
-    return None
 
 
 def surviving(outcomes: tuple[RankOutcome, ...], *dead: int) -> list[RankOutcome]:
@@ -203,7 +167,3 @@ def surviving(outcomes: tuple[RankOutcome, ...], *dead: int) -> list[RankOutcome
     bad = [o for o in outcomes if o.rank not in dead and not o.ok]
     assert not bad, "survivors failed or hung:\n" + "\n".join(o.describe() for o in bad)
     return [o for o in outcomes if o.rank not in dead]
-
-
-def _tids() -> set[int]:
-    return {int(t) for t in os.listdir("/proc/self/task")}

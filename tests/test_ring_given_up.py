@@ -8,6 +8,8 @@ rank per machine hands to Gloo's ring, so the group fails while Gloo still runs 
 
 from __future__ import annotations
 
+import gc
+import os
 import time
 from datetime import timedelta
 from typing import Any
@@ -16,12 +18,29 @@ import fault_points
 import stream_mutants
 import torch
 import torch.distributed as dist
-from killed_peer import DESTROY_FAST_S, _freed_within, _tids, warm_up
+from killed_peer import DESTROY_FAST_S, warm_up
 from multiprocess import SHAPES, fairring_env, launch
 
 RING_NUMEL = 32 * 1024 * 1024  # 128 MiB of float32: Gloo's ring runs it for a while
 GROUP_TIMEOUT_S = 10.0
 FREED_S = GROUP_TIMEOUT_S + 3.0
+
+
+def _tids() -> set[int]:
+    return {int(t) for t in os.listdir("/proc/self/task")}
+
+
+def _freed_within(baseline: set[int], limit_s: float) -> float | None:
+    """Seconds until this process runs no thread but those of ``baseline`` (None if it
+    still does after ``limit_s``): the threads of fairring's group and of its Gloo
+    groups, whose sockets go with them."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        gc.collect()
+        if not _tids() - baseline:
+            return time.monotonic() - t0
+        time.sleep(0.1)
+    return None
 
 
 def _given_up(rank: int, world: int) -> dict[str, Any]:
