@@ -136,9 +136,13 @@ def _ended(work: Any) -> Any:
     where it has none. A coalescing manager's calls are its ``works``: without them the
     stamp would wait for the rank's wait, which other calls' waits may hold up (chaos
     seed 475: a coalesced all-gather stamped 0.35 s after the kill, behind a Gloo
-    yardstick's wait, that had raised at 0.02 s)."""
+    yardstick's wait, that had raised at 0.02 s). An asynchronous ``all_reduce_coalesced``
+    returns its work's future itself (chaos seeds 5009, 5049: stamped at the wait, 30 s
+    behind a Gloo yardstick's)."""
     if work is None:
         return None
+    if isinstance(work, torch._C.Future):
+        return work
     parts = getattr(work, "works", None)
     with contextlib.suppress(Exception):
         if parts is None:

@@ -144,6 +144,23 @@ def test_a_coalesced_call_is_stamped_when_its_works_end_not_when_it_is_waited(
     assert record["ended_at"] < ended + 0.05, "the wait moved the stamp"
 
 
+def test_a_call_that_returns_a_future_is_stamped_when_it_ends() -> None:
+    """Chaos seeds 5009 and 5049: an asynchronous ``all_reduce_coalesced`` returns a
+    future, not a work; it went unstamped until the rank's wait reached it, 30 s behind
+    a Gloo yardstick's call, and the job failed on fairring's time."""
+    import torch
+    from chaos_calls import Pending
+
+    future: Any = torch.futures.Future()
+    record: dict[str, Any] = {}
+    pending = Pending(record, lambda: time.sleep(0.3), lambda: None, future)
+    future.set_exception(RuntimeError("a peer was lost"))
+    ended = time.time()
+    assert abs(record.get("ended_at", 0.0) - ended) < 0.05, record
+    pending.finish()
+    assert record["ended_at"] < ended + 0.05, "the wait moved the stamp"
+
+
 # ------------------------------------------------------------------- the plans
 
 
