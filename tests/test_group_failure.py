@@ -143,35 +143,57 @@ def test_the_grace_is_the_documented_two_seconds() -> None:
 
 
 @pytest.mark.parametrize(
-    ("queued", "left", "at", "may_close"),
+    ("peers", "left", "at", "may_close"),
     [
-        (0, 0, 0, True),  # no abort out: close at once
-        (3, 0, 100, False),  # aborts not out, within the grace
-        (3, 2, 100, False),  # one still out
-        (3, 3, 100, True),  # all out
-        (3, 0, 100 + GRACE, False),  # exactly the grace: not yet
-        (3, 0, 101 + GRACE, True),  # past the grace: a peer that does not read is not waited for
+        ((), (), 0, True),  # no abort out: close at once
+        ((1, 2, 3), (), 100, False),  # aborts not out, within the grace
+        ((1, 2, 3), (1, 2), 100, False),  # rank 3 has none yet
+        ((1, 2, 3), (1, 2, 3), 100, True),  # every peer has one
+        ((1, 2, 3), (1, 1, 2, 2), 100, False),  # both lanes of two peers: not the third
+        ((1, 2, 3), (), 100 + GRACE, False),  # exactly the grace: not yet
+        (
+            (1, 2, 3),
+            (),
+            101 + GRACE,
+            True,
+        ),  # past the grace: a peer that reads none is not waited for
     ],
 )
-def test_the_connections_close_once_the_aborts_are_out_or_the_grace_is_over(
-    queued: int, left: int, at: int, may_close: bool
+def test_the_connections_close_once_every_peer_has_an_abort_or_the_grace_is_over(
+    peers: tuple[int, ...], left: tuple[int, ...], at: int, may_close: bool
 ) -> None:
+    """One abort per peer is enough (chaos seed 74: a rail writer held at one peer's
+    parked reduce lane held both peers' reduce-lane aborts, and the close, for the
+    whole grace, though their gather-lane aborts had left in 2 ms)."""
     f = _failure()
     f.fail("why", 0)
-    if queued:
-        f.aborts_queued(queued, at_ms=100)
-    for _ in range(left):
-        f.abort_left()
+    if peers:
+        round_ = f.aborts_queued(list(peers), at_ms=100)
+        for peer in left:
+            f.abort_left(peer, round_)
     assert f.may_close(at_ms=at) is may_close
+
+
+def test_an_earlier_rounds_abort_does_not_tell_a_peer_the_later_one() -> None:
+    f = _failure()
+    f.fail("why", 5)
+    first = f.aborts_queued([1], at_ms=100)
+    f.fail("why", 2)  # an earlier turn fails too: a second round of aborts
+    second = f.aborts_queued([1], at_ms=110)
+    f.abort_left(1, first)
+    assert not f.may_close(at_ms=120)
+    f.abort_left(1, second)
+    assert f.may_close(at_ms=120)
 
 
 def test_a_shutdown_waits_for_the_aborts_until_the_grace_ends() -> None:
     f = _failure()
     assert f.aborts_deadline(at_ms=50) == 50  # nothing out: no wait
-    f.aborts_queued(2, at_ms=100)
+    round_ = f.aborts_queued([1, 2], at_ms=100)
     assert f.aborts_deadline(at_ms=150) == 100 + GRACE
-    f.abort_left()
-    f.abort_left()
+    f.abort_left(1, round_)
+    assert f.aborts_deadline(at_ms=150) == 100 + GRACE
+    f.abort_left(2, round_)
     assert f.aborts_deadline(at_ms=150) == 150
 
 

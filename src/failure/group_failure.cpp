@@ -65,25 +65,32 @@ std::optional<GroupFailure::Abort> GroupFailure::connected() {
   return Abort{reason_, failSeq_.load(std::memory_order_relaxed)};
 }
 
-void GroupFailure::abortsQueued(int count, Clock::time_point now) {
+uint64_t GroupFailure::abortsQueued(const std::vector<int>& peers, Clock::time_point now) {
   std::lock_guard<std::mutex> lock(mu_);
-  abortsInFlight_ += count;
+  const uint64_t round = ++abortRound_;
+  for (int peer : peers) {
+    untold_[peer] = round;
+  }
   abortsQueuedAt_ = now;
+  return round;
 }
 
-void GroupFailure::abortLeft() {
+void GroupFailure::abortLeft(int peer, uint64_t round) {
   std::lock_guard<std::mutex> lock(mu_);
-  --abortsInFlight_;
+  // An earlier round's abort says less (a later turn to fail from): it does not count.
+  if (auto it = untold_.find(peer); it != untold_.end() && it->second == round) {
+    untold_.erase(it);
+  }
 }
 
 bool GroupFailure::mayClose(Clock::time_point now) const {
   std::lock_guard<std::mutex> lock(mu_);
-  return abortsInFlight_ == 0 || now - abortsQueuedAt_ > kAbortGrace;
+  return untold_.empty() || now - abortsQueuedAt_ > kAbortGrace;
 }
 
 GroupFailure::Clock::time_point GroupFailure::abortsDeadline(Clock::time_point now) const {
   std::lock_guard<std::mutex> lock(mu_);
-  return abortsInFlight_ == 0 ? now : abortsQueuedAt_ + kAbortGrace;
+  return untold_.empty() ? now : abortsQueuedAt_ + kAbortGrace;
 }
 
 std::string GroupFailure::forwarded(const std::string& reason, const std::string& me, const std::string& peer) {

@@ -3,9 +3,11 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace fairring {
 
@@ -24,8 +26,11 @@ namespace fairring {
 //    operation that needs it, from turn 0).
 //  - The reason travels ahead of this rank's close: an abort to every peer on
 //    every connection, ahead of the data still queued there, once every
-//    connection exists; the connections close once the aborts are out, or
-//    kAbortGrace after they were queued if a peer does not take one.
+//    connection exists; the connections close once every peer has taken the
+//    one on its gather lane (always read, so it is read before the close; a
+//    reduce-lane writer held at another peer's parked reduce lane holds no
+//    close: see PeerCloses for the other end), or kAbortGrace after they
+//    were queued.
 //  - A peer read as closed while an operation still needs it is the failure
 //    at once: a peer that fails on purpose sends its reason on that very
 //    connection before it closes, so a close read first has no reason behind
@@ -80,10 +85,12 @@ class GroupFailure {
   std::optional<Abort> abortDue(bool stopping);
   // Every connection exists: the abort held meanwhile, if any.
   std::optional<Abort> connected();
-  void abortsQueued(int count, Clock::time_point now);
-  void abortLeft();
-  // Whether the connections may close now (the group has failed): its aborts
-  // are out, or kAbortGrace has passed since they were queued.
+  // Returns the round the aborts belong to, for abortLeft.
+  uint64_t abortsQueued(const std::vector<int>& peers, Clock::time_point now);
+  void abortLeft(int peer, uint64_t round);
+  // Whether the connections may close now (the group has failed): every peer
+  // has taken the gather-lane abort of the latest round, or kAbortGrace has
+  // passed since they were queued.
   bool mayClose(Clock::time_point now) const;
   // Until when a shutdown waits for the aborts (now, if none are out).
   Clock::time_point abortsDeadline(Clock::time_point now) const;
@@ -98,7 +105,9 @@ class GroupFailure {
   std::string departed_;
   bool connected_{false};
   bool abortHeld_{false};
-  int abortsInFlight_{0};
+  // The peers that have not taken an abort yet, each with the round it waits for.
+  std::map<int, uint64_t> untold_;
+  uint64_t abortRound_{0};
   Clock::time_point abortsQueuedAt_{};
 };
 

@@ -27,6 +27,7 @@ enum class Action : uint8_t {
 // point cannot go silently inert under a test that arms the old name.
 inline constexpr const char* kMeshConnect = "mesh.connect"; // key: the peer; before connecting to it
 inline constexpr const char* kMeshSendFirst = "mesh.send.first"; // key: the peer; an abort, before it is written
+inline constexpr const char* kMeshSendFirstReduce = "mesh.send.first.reduce"; // key: the peer; an abort on the reduce lane, before it is written
 inline constexpr const char* kMeshReadClose = "mesh.read.close"; // key: the peer; before a body is read
 inline constexpr const char* kEngineStart = "engine.start"; // no key; between connecting and the watchdog
 inline constexpr const char* kEngineReduce = "engine.reduce"; // key: the turn; a reduction, before it runs
@@ -35,9 +36,10 @@ inline constexpr const char* kEngineLost = "engine.lost"; // key: the peer; its 
 inline constexpr const char* kSubgroupsIssue = "subgroups.issue"; // key: the turn; a composed call, before it is issued
 inline constexpr const char* kMeasuredDecide = "measured.decide"; // key: the class's first byte; before its agreement (throw: this rank cannot take part)
 inline constexpr const char* kMeasuredTrialDone = "measured.trial_done"; // key: the call; a host trial call's end, before it is kept (throw: its timer fails)
-inline constexpr std::array<std::string_view, 10> kPoints{
+inline constexpr std::array<std::string_view, 11> kPoints{
     kMeshConnect,
     kMeshSendFirst,
+    kMeshSendFirstReduce,
     kMeshReadClose,
     kEngineStart,
     kEngineReduce,

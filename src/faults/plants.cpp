@@ -34,8 +34,10 @@ const std::vector<std::string>& names() {
       "timeout_names_next_peer",
       "ring_left_to_process",
       "callbacks_failure_stays_there",
+      "close_waits_reduce_abort",
+      "reduce_close_not_held",
   };
-  static_assert(static_cast<int>(Plant::kCount) == 24, "a name for every plant");
+  static_assert(static_cast<int>(Plant::kCount) == 26, "a name for every plant");
   return all;
 }
 

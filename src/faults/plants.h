@@ -37,6 +37,8 @@ enum class Plant : uint8_t {
   kTimeoutNamesNextPeer, // a timeout names the peer it waits for, not the rank at the end of the wait chain
   kRingLeftToProcess, // the Gloo group of a ring call given up on is never freed
   kCallbacksFailureStaysThere, // a failure of the callbacks' engine does not fail the program's calls
+  kCloseWaitsReduceAbort, // a failed group's connections close only once the reduce lane's abort left (or the grace)
+  kReduceCloseNotHeld, // a peer's reduce lane read as closed is its loss at once, before its gather lane's abort
   kCount,
 };
 

@@ -21,6 +21,7 @@
 #include "common/state.h"
 #include "common/status.h"
 #include "failure/group_failure.h"
+#include "failure/peer_closes.h"
 #include "pipeline/delegated_calls.h"
 #include "pipeline/engine_life.h"
 #include "pipeline/operation.h"
@@ -200,6 +201,8 @@ class CollectiveEngine : private StepContext {
 
   // Messages (engine_messages.cpp).
   void onMessage(int peer, Lane lane, Status status, std::string header, size_t bytes);
+  // A connection from `peer` read as closed (PeerCloses holds a reduce-lane one).
+  void closeRead(int peer, Lane lane, const std::string& message, Actions& actions);
   void onData(int peer, Lane lane, const DataHeader& h, size_t bytes, Actions& actions);
   void deliver(
       Operation& op,
@@ -236,6 +239,8 @@ class CollectiveEngine : private StepContext {
   // the aborts are out (closing earlier would drop them).
   bool readyToClose() const;
   void checkDeadlines(std::unique_lock<std::mutex>& lock);
+  // A reduce-lane close held past GroupFailure::kSendFailureWait is acted on.
+  void actOnHeldCloses(std::unique_lock<std::mutex>& lock);
   // What the operation waits for, and the ranks it waits for (none where it
   // waits for a slot, or for its own sends).
   std::string describeWait(const Operation& op, std::vector<int>& peers) const;
@@ -265,6 +270,7 @@ class CollectiveEngine : private StepContext {
   TaskQueue tasks_;
   std::array<std::unique_ptr<KindSteps>, 5> steps_; // by OpKind
   GroupFailure failure_;
+  PeerCloses closes_; // guarded by mu_
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "faults/plants.h"
 #include "ops/reduce_kind.h"
 #include "pipeline/collective_engine.h"
 
@@ -54,14 +55,18 @@ void CollectiveEngine::sendAborts(const GroupFailure::Abort& abort, Actions& act
   // (parked), and must still learn the reason before it sees this rank close.
   // Ahead of the data queued there: the reason must not wait behind it.
   const std::vector<int> peers = layout_.peers();
-  failure_.abortsQueued(static_cast<int>(peers.size()) * kNumLanes, Clock::now());
+  const uint64_t round = failure_.abortsQueued(peers, Clock::now());
   for (int peer : peers) {
     for (int l = 0; l < kNumLanes; ++l) {
-      actions.push_back([this, peer, l, abort] {
+      actions.push_back([this, peer, l, abort, round] {
         mesh_->send(
             peer, static_cast<Lane>(l), encode(Abort{abort.reason, abort.fromSeq}), nullptr, 0,
-            [this](Status) {
-              failure_.abortLeft();
+            [this, peer, l, round](Status) {
+              const Lane counted =
+                  plants::planted(plants::Plant::kCloseWaitsReduceAbort) ? Lane::kReduce : Lane::kGather;
+              if (static_cast<Lane>(l) == counted) {
+                failure_.abortLeft(peer, round);
+              }
               std::lock_guard<std::mutex> lock(mu_);
               cv_.notify_all();
             },

@@ -31,13 +31,14 @@ void CollectiveEngine::onMessage(int peer, Lane lane, Status status, std::string
       return;
     }
     if (!status.ok()) {
-      // A peer that finished everything may close before we have read its
-      // last bytes' successors; that is only an error if we wait on it.
-      lostPeerLocked(needsFrom(peer, lane), status.message(), actions);
+      closeRead(peer, lane, status.message(), actions);
     } else if (abort) {
       failLocked(
           GroupFailure::forwarded(abort->reason, layout_.describe(layout_.rank()), layout_.describe(peer)), actions,
           abort->fromSeq);
+      if (lane == Lane::kGather) {
+        closes_.endGather(peer); // its reason is the group's now: a held close adds nothing
+      }
       // Finish reading it: earlier operations' messages queue behind it.
       discard(peer, lane, bytes, actions);
     } else if (auto h = decodeData(header); !h || laneOf(h->route) != lane) {
@@ -47,6 +48,24 @@ void CollectiveEngine::onMessage(int peer, Lane lane, Status status, std::string
     }
   }
   run(actions);
+}
+
+void CollectiveEngine::closeRead(int peer, Lane lane, const std::string& message, Actions& actions) {
+  // A reduce-lane close read first waits for the gather lane, which carries the
+  // peer's abort if it failed on purpose (PeerCloses); the watchdog bounds it.
+  if (lane == Lane::kReduce && !closes_.gatherEnded(peer) &&
+      !plants::planted(plants::Plant::kReduceCloseNotHeld)) {
+    closes_.holdReduceClose(peer, message, Clock::now());
+    return;
+  }
+  // A peer that finished everything may close before we have read its last
+  // bytes' successors; that is only an error if we wait on it.
+  lostPeerLocked(needsFrom(peer, lane), message, actions);
+  if (lane == Lane::kGather) {
+    if (auto held = closes_.endGather(peer)) {
+      lostPeerLocked(needsFrom(peer, Lane::kReduce), *held, actions);
+    }
+  }
 }
 
 void CollectiveEngine::onData(int peer, Lane lane, const DataHeader& h, size_t bytes, Actions& actions) {

@@ -36,7 +36,23 @@ void CollectiveEngine::watchdog() {
       continue;
     }
     noteLongWaits();
+    actOnHeldCloses(lock);
     checkDeadlines(lock);
+  }
+}
+
+void CollectiveEngine::actOnHeldCloses(std::unique_lock<std::mutex>& lock) {
+  if (!life_.is(EngineLife::kOpen)) {
+    return;
+  }
+  Actions actions;
+  for (auto& [peer, message] : closes_.expired(Clock::now(), GroupFailure::kSendFailureWait)) {
+    lostPeerLocked(needsFrom(peer, Lane::kReduce), message, actions);
+  }
+  if (!actions.empty()) {
+    lock.unlock();
+    run(actions);
+    lock.lock();
   }
 }
 

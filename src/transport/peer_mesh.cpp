@@ -181,8 +181,10 @@ void PeerMesh::writeLoop(Writer& writer) {
       writer.queue.pop_front();
     }
     auto& [out, msg] = next;
-    if (msg.first) {
-      holdFirst(writer, out->peer);
+    if (msg.first && !holdFirst(writer, *out)) {
+      // Closed while held: like the rest of the queue, it will not be sent.
+      msg.done(Status::error("fairring: the connection to " + layout_.describe(out->peer) + " was closed"));
+      continue;
     }
     if (!out->broken) {
       Status s = transmit(*out, msg);
@@ -205,13 +207,20 @@ void PeerMesh::writeLoop(Writer& writer) {
   }
 }
 
-void PeerMesh::holdFirst(Writer& writer, int peer) {
-  // A test holds an abort here; close() ends the hold, as it ends every wait of a
-  // writer, so that destroy's time is not the test's sleep.
-  if (auto held = faults::at(faults::kMeshSendFirst, peer); held && held->action == faults::Action::kDelay) {
-    std::unique_lock<std::mutex> lock(writer.mu);
-    writer.cv.wait_for(lock, held->delay, [&] { return writer.stop; });
+bool PeerMesh::holdFirst(Writer& writer, const Outbound& out) {
+  // A test holds an abort here (on every lane, or on the reduce lane only, as a
+  // rail writer blocked at a peer's parked reduce lane holds it); close() ends
+  // the hold, as it ends every wait of a writer, so that destroy's time is not
+  // the test's sleep.
+  auto held = faults::at(faults::kMeshSendFirst, out.peer);
+  if (!held && out.lane == Lane::kReduce) {
+    held = faults::at(faults::kMeshSendFirstReduce, out.peer);
   }
+  if (held && held->action == faults::Action::kDelay) {
+    std::unique_lock<std::mutex> lock(writer.mu);
+    return !writer.cv.wait_for(lock, held->delay, [&] { return writer.stop; });
+  }
+  return true;
 }
 
 Status PeerMesh::transmit(Outbound& out, Outgoing& msg) {

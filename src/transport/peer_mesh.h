@@ -119,7 +119,8 @@ class PeerMesh {
   std::optional<std::string> stopped();
   void readLoop(Inbound& in);
   void writeLoop(Writer& writer);
-  void holdFirst(Writer& writer, int peer);
+  // Holds an abort where a test armed it; false if the mesh closed meanwhile.
+  bool holdFirst(Writer& writer, const Outbound& out);
   Status transmit(Outbound& out, Outgoing& msg);
   Status skip(const Socket& socket, size_t bytes);
   void awaitDrained(int peer);

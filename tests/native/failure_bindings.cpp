@@ -56,9 +56,10 @@ void bindGroupFailure(py::module_& m) {
           py::arg("stopping"), "(reason, from_seq) to send now, or None.")
       .def("connected", [](GroupFailure& f) { return asTuple(f.connected()); }, "The abort held meanwhile, or None.")
       .def(
-          "aborts_queued", [](GroupFailure& f, int count, int64_t ms) { f.abortsQueued(count, atMs(ms)); },
-          py::arg("count"), py::arg("at_ms"))
-      .def("abort_left", &GroupFailure::abortLeft)
+          "aborts_queued",
+          [](GroupFailure& f, const std::vector<int>& peers, int64_t ms) { return f.abortsQueued(peers, atMs(ms)); },
+          py::arg("peers"), py::arg("at_ms"), "The round, for abort_left.")
+      .def("abort_left", &GroupFailure::abortLeft, py::arg("peer"), py::arg("round"))
       .def(
           "may_close", [](const GroupFailure& f, int64_t ms) { return f.mayClose(atMs(ms)); }, py::arg("at_ms"))
       .def(
