@@ -458,7 +458,9 @@ def test_destroy_is_not_held_by_a_callback_engine_still_connecting() -> None:
     assert "shut down" in v["nested"], v["nested"]
 
 
-LOST_PEER_S = 5.0  # far below GROUP_TIMEOUT_S: the callbacks' engine gave up on its own
+LOST_PEER_S = 5.0  # far below its group's timeout: the callbacks' engine gave up on its own
+# The planted run (plant callbacks_start_ignores_loss) waits this out.
+CALLBACKS_GROUP_TIMEOUT_S = 12.0
 
 
 def _peer_lost_while_callback_engine_connects(rank: int, world: int, inline: bool) -> Any:
@@ -467,7 +469,7 @@ def _peer_lost_while_callback_engine_connects(rank: int, world: int, inline: boo
     ``inline``: rank 0 waits before attaching, so the callback runs on its own thread
     (c10's rule); else rank 1 joins only once rank 0 has attached it."""
     stream_mutants.arm_from_env()
-    group = dist.new_group(backend="fairring", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    group = dist.new_group(backend="fairring", timeout=timedelta(seconds=CALLBACKS_GROUP_TIMEOUT_S))
     warm_up(rank, group)
     store = default_store()
     if rank == 1:

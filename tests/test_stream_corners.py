@@ -140,8 +140,9 @@ def pairs_then_barrier(rank: int, world: int, batched: bool) -> dict[str, Any]:
 
 @pytest.mark.parametrize("batched", [False, True], ids=["send_recv", "batch_isend_irecv"])
 def test_point_to_point_then_barrier_does_not_hang(batched: bool) -> None:
-    # A hang (the bug) ends at the job's deadline: shorter than the others'.
-    for rank, got in enumerate(job(pairs_then_barrier, "2x2", timeout_s=60, batched=batched)):
+    # A hang (the bug) ends at the job's deadline: 6 times a healthy run (4 s), shorter
+    # than the others', so that the plant's run ends sooner.
+    for rank, got in enumerate(job(pairs_then_barrier, "2x2", timeout_s=25, batched=batched)):
         assert got["errors"] == [] and got["races"] == [], (rank, got)
 
 
