@@ -37,7 +37,10 @@ void CollectiveEngine::onMessage(int peer, Lane lane, Status status, std::string
           GroupFailure::forwarded(abort->reason, layout_.describe(layout_.rank()), layout_.describe(peer)), actions,
           abort->fromSeq);
       if (lane == Lane::kGather) {
-        closes_.endGather(peer); // its reason is the group's now: a held close adds nothing
+        // Operations before the failed turn may still need its reduce lane, now closed.
+        if (auto held = closes_.endGather(peer)) {
+          lostPeerLocked(needsFrom(peer, Lane::kReduce), *held, actions);
+        }
       }
       // Finish reading it: earlier operations' messages queue behind it.
       discard(peer, lane, bytes, actions);
