@@ -7,7 +7,6 @@ reduce_close_not_held put each half back (tests/stream_mutants.py)."""
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 from typing import Any
 
@@ -18,27 +17,13 @@ import torch.distributed as dist
 from killed_peer import warm_up
 from multiprocess import launch
 from reliability_helpers import default_store
+from test_failure_semantics import _attempt, _destroy
 
 GROUP_TIMEOUT_S = 30.0
 TOLD_S = 5.0
 # Planted, the holder's destroy sits out GroupFailure's 2 s grace.
 DESTROY_S = 1.0
 JOB_TIMEOUT_S = 120
-
-
-def _attempt(fn: Any) -> tuple[str | None, float]:
-    t0 = time.monotonic()
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the message is the result
-        return str(exc), time.monotonic() - t0
-    return None, time.monotonic() - t0
-
-
-def _destroy(group: Any) -> float:
-    t0 = time.monotonic()
-    dist.destroy_process_group(group)
-    return time.monotonic() - t0
 
 
 REDUCE_HELD_MS = 8000
