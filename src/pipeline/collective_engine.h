@@ -203,6 +203,8 @@ class CollectiveEngine : private StepContext {
   void onMessage(int peer, Lane lane, Status status, std::string header, size_t bytes);
   // A connection from `peer` read as closed (PeerCloses holds a reduce-lane one).
   void closeRead(int peer, Lane lane, const std::string& message, Actions& actions);
+  // `peer`'s gather lane ended (its abort or its close): act on its held reduce-lane close.
+  void gatherEnded(int peer, Actions& actions);
   void onData(int peer, Lane lane, const DataHeader& h, size_t bytes, Actions& actions);
   void deliver(
       Operation& op,

@@ -38,9 +38,7 @@ void CollectiveEngine::onMessage(int peer, Lane lane, Status status, std::string
           abort->fromSeq);
       if (lane == Lane::kGather) {
         // Operations before the failed turn may still need its reduce lane, now closed.
-        if (auto held = closes_.endGather(peer)) {
-          lostPeerLocked(needsFrom(peer, Lane::kReduce), *held, actions);
-        }
+        gatherEnded(peer, actions);
       }
       // Finish reading it: earlier operations' messages queue behind it.
       discard(peer, lane, bytes, actions);
@@ -65,9 +63,13 @@ void CollectiveEngine::closeRead(int peer, Lane lane, const std::string& message
   // bytes' successors; that is only an error if we wait on it.
   lostPeerLocked(needsFrom(peer, lane), message, actions);
   if (lane == Lane::kGather) {
-    if (auto held = closes_.endGather(peer)) {
-      lostPeerLocked(needsFrom(peer, Lane::kReduce), *held, actions);
-    }
+    gatherEnded(peer, actions);
+  }
+}
+
+void CollectiveEngine::gatherEnded(int peer, Actions& actions) {
+  if (auto held = closes_.endGather(peer)) {
+    lostPeerLocked(needsFrom(peer, Lane::kReduce), *held, actions);
   }
 }
 
