@@ -87,14 +87,15 @@ def clean_job() -> tuple[Job, list[Any], dict[str, float]]:
 
 
 def _bad_call() -> tuple[Job, list[Any], dict[str, float]]:
-    """Rank 2 gets call 1 wrong: calls 0 and 2 (a broadcast) complete, 1, 3 and 4 raise."""
+    """Rank 2 gets call 1 wrong: call 0 completes; 1, 2 (a broadcast, which takes its
+    turn too), 3 and 4 raise."""
     why = "fairring: allreduce #1 differs between ranks: rank 2 (host m1) has 11 elements"
     outcomes = []
     for rank in range(4):
         records = [
             _record(0, at=0.01),
             _record(1, error=why, at=0.05),
-            _record(2, at=0.06),
+            _record(2, error=why, at=0.06),
             _record(3, error=why, at=0.06),
             _record(4, error=why, at=0.06),
         ]
@@ -291,6 +292,12 @@ BREAKS: list[tuple[str, str, Callable[[Job, list[Any], dict[str, float]], Any], 
         "bad_call",
         "a later call completed",
         lambda j, o, f: _set(o, 1, 4, error=None, done=True),
+        "did not raise naming rank 2",
+    ),
+    (
+        "bad_call",
+        "a broadcast after it completed (handed to Gloo past a failed turn)",
+        lambda j, o, f: _set(o, 2, 2, error=None, done=True),
         "did not raise naming rank 2",
     ),
     (

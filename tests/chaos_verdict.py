@@ -291,8 +291,8 @@ def _bad_call(
     worst = 0.0
     for rank, v in survivors.items():
         for r in _fairring(v):
-            kind = job.calls[r["index"]].kind
-            if r["index"] < k or kind in DELEGATED:
+            # A delegated collective takes its turn too (src/backend/gloo_calls.h).
+            if r["index"] < k:
                 _exact_or(rank, job, r, lambda _: False, problems)
                 continue
             if r.get("after_ddp_failure") and r["error"] is not None:

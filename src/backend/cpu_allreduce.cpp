@@ -61,7 +61,7 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::run(
     const std::vector<at::Tensor>& inputs,
     const Ring& ring,
     const Observe& observe) {
-  const RingCall call{work.numel(), work.scalar_type(), op};
+  const Announced call{AnnouncedCall::kRingAllreduce, work.numel(), work.scalar_type(), op};
   return runOn(
       [&](CollectiveEngine& engine) {
         return engine.enqueue(std::move(work), op, std::move(outputs), std::move(finish));
@@ -79,7 +79,7 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::runOn(
     const char* profilingTitle,
     const std::vector<at::Tensor>& inputs,
     const Ring& ring,
-    const RingCall& ringCall,
+    const Announced& ringCall,
     const Observe& observe) {
   bool fromCallback = OrderedCompletion::onWorkerThread();
   if (!fromCallback && insidePythonFutureCallback()) {
@@ -95,7 +95,7 @@ c10::intrusive_ptr<c10d::Work> CpuAllreduce::runOn(
     refuseIfCallbacksFailed();
   }
   const bool onRing = ring && !fromCallback;
-  auto source = onRing ? rings_.issue(ring, ringCall.numel, ringCall.dtype, ringCall.op)
+  auto source = onRing ? rings_.issue(ring, ringCall)
                         : post(fromCallback ? callbackEngine() : engine_);
   if (observe) {
     observe(source);

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/ring_calls.h"
+#include "backend/gloo_calls.h"
 #include "pipeline/collective_engine.h"
 #include "pipeline/ordered_completion.h"
 
@@ -34,12 +34,6 @@ class CpuAllreduce {
   // before the wait for earlier calls that the caller's future adds): the
   // measured choice times a trial call by it.
   using Observe = std::function<void(const c10::intrusive_ptr<c10::ivalue::Future>&)>;
-  // What a call handed to the ring announces at its turn (CollectiveEngine::announce).
-  struct RingCall {
-    int64_t numel;
-    at::ScalarType dtype;
-    c10d::ReduceOp::RedOpType op;
-  };
 
   // `engine` must outlive this object; `callbackOptions` and `store` start the
   // second engine.
@@ -78,7 +72,7 @@ class CpuAllreduce {
       const char* profilingTitle,
       const std::vector<at::Tensor>& inputs,
       const Ring& ring = nullptr,
-      const RingCall& ringCall = {},
+      const Announced& ringCall = {},
       const Observe& observe = nullptr);
 
   // Whether the calling thread issues from a callback of a fairring future
@@ -94,7 +88,7 @@ class CpuAllreduce {
     uint64_t ringAbandoned{0};
   };
   Stats stats() const;
-  // How many ring calls Gloo runs now (RingCalls::inGloo).
+  // How many ring calls Gloo runs now (GlooCalls::inGloo).
   std::shared_ptr<const std::atomic<int>> ringsInGloo() const {
     return rings_.inGloo();
   }
@@ -135,7 +129,7 @@ class CpuAllreduce {
   bool stopped_{false};
   std::atomic<uint64_t> engineOps_{0};
   std::atomic<uint64_t> ringOps_{0};
-  RingCalls rings_;
+  GlooCalls rings_;
 };
 
 } // namespace fairring

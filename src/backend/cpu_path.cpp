@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include "backend/future_work.h"
 #include "backend/ring_reaper.h"
 #include "faults/plants.h"
 #include "ops/reduce_kind.h"
@@ -22,6 +23,37 @@ void checkCpuTensor(const at::Tensor& t, const std::string& name) {
       t.device().is_cpu(), "fairring: ", name, " is on device ", t.device(), "; expected a CPU or CUDA tensor");
 }
 
+// As torch's profiler and Work name the call.
+c10d::OpType opTypeOf(AnnouncedCall call) {
+  switch (call) {
+    case AnnouncedCall::kBroadcast: return c10d::OpType::BROADCAST;
+    case AnnouncedCall::kReduce: return c10d::OpType::REDUCE;
+    case AnnouncedCall::kGather: return c10d::OpType::GATHER;
+    case AnnouncedCall::kScatter: return c10d::OpType::SCATTER;
+    case AnnouncedCall::kAllToAll: return c10d::OpType::ALLTOALL;
+    case AnnouncedCall::kAllGatherCoalesced: return c10d::OpType::ALLGATHER_COALESCED;
+    case AnnouncedCall::kAllreduceSparse:
+    case AnnouncedCall::kRingAllreduce: return c10d::OpType::ALLREDUCE;
+    case AnnouncedCall::kBlockCall: return c10d::OpType::COALESCED;
+  }
+  return c10d::OpType::UNKNOWN;
+}
+
+const char* profilingTitleOf(AnnouncedCall call) {
+  switch (call) {
+    case AnnouncedCall::kBroadcast: return "fairring:broadcast";
+    case AnnouncedCall::kReduce: return "fairring:reduce";
+    case AnnouncedCall::kGather: return "fairring:gather";
+    case AnnouncedCall::kScatter: return "fairring:scatter";
+    case AnnouncedCall::kAllToAll: return "fairring:all_to_all";
+    case AnnouncedCall::kAllGatherCoalesced: return "fairring:all_gather_coalesced";
+    case AnnouncedCall::kAllreduceSparse:
+    case AnnouncedCall::kRingAllreduce: return "fairring:all_reduce";
+    case AnnouncedCall::kBlockCall: return "fairring:coalesced";
+  }
+  return "fairring:collective";
+}
+
 } // namespace
 
 CpuPath::CpuPath(
@@ -34,7 +66,11 @@ CpuPath::CpuPath(
     c10::intrusive_ptr<c10d::Backend> ring,
     std::vector<CpuPlanRow> plan,
     std::unique_ptr<MeasuredChoice> measured)
-    : gloo_(std::move(gloo)), ring_(std::move(ring)), plan_(std::move(plan)), measured_(std::move(measured)) {
+    : gloo_(std::move(gloo)),
+      ring_(std::move(ring)),
+      plan_(std::move(plan)),
+      measured_(std::move(measured)),
+      rank_(rank) {
   for (size_t row = 0; row < plan_.size(); ++row) {
     TORCH_CHECK(
         plan_[row].way == CpuWay::kEngine || ring_, "fairring: allreduces on the ring need a ring delegate");
@@ -47,9 +83,11 @@ CpuPath::CpuPath(
   cpuAllreduce_ = std::make_unique<CpuAllreduce>(
       rank, *engine_, options, c10::make_intrusive<c10d::PrefixStore>("callbacks/", store));
   cpuSharded_ = std::make_unique<CpuSharded>(*cpuAllreduce_, size);
+  glooCalls_ = std::make_unique<GlooCalls>(*engine_);
 }
 
 CpuPath::~CpuPath() {
+  glooCalls_.reset();
   cpuSharded_.reset();
   cpuAllreduce_.reset();
   engine_.reset();
@@ -58,19 +96,30 @@ CpuPath::~CpuPath() {
 c10::intrusive_ptr<c10d::Work> CpuPath::delegated(
     const std::vector<at::Tensor>& tensors,
     const Issue& issue,
-    Callers callers) {
-  c10::intrusive_ptr<c10d::Work> work = issue(*gloo_);
-  if (callers == Callers::kEveryRank && work) {
-    // Counted until it ends, for a timeout's wait chain (engine_blame.cpp).
-    const auto& calls = engine_->delegatedCalls();
-    const uint64_t id = calls->begin();
-    try {
-      work->getFuture()->addCallback([calls, id](c10::ivalue::Future&) { calls->end(id); });
-    } catch (const std::exception&) {
-      calls->end(id); // a Work without a future: not counted
-    }
+    Callers callers,
+    const std::optional<Announced>& what) {
+  if (callers != Callers::kEveryRank || plants::planted(plants::Plant::kDelegatedUnannounced)) {
+    return issue(*gloo_); // point-to-point: Gloo pairs it by its tag, not by its order
   }
-  return work;
+  if (!what) {
+    glooCalls_->awaitHandedOver(); // behind the announced calls before it, as issued
+    return issue(*gloo_);
+  }
+  // Counted while on Gloo, for a timeout's wait chain (engine_blame.cpp).
+  // Not a reference to Gloo's group: the call may end on Gloo's thread, where
+  // dropping the group's last reference would join that thread. GlooCalls runs
+  // it only before its shutdown, which comes before the group's release.
+  GlooCalls::Start start = [gloo = gloo_.get(), issue, calls = engine_->delegatedCalls()]() {
+    c10::intrusive_ptr<c10d::Work> work = issue(*gloo);
+    TORCH_CHECK(work, "fairring: Gloo returned no Work for a collective");
+    c10::intrusive_ptr<c10::ivalue::Future> future = work->getFuture();
+    const uint64_t id = calls->begin();
+    future->addCallback([calls, id](c10::ivalue::Future&) { calls->end(id); });
+    return future;
+  };
+  auto future = CpuAllreduce::issuedFromCallback() ? glooCalls_->issueUnannounced(std::move(start))
+                                                   : glooCalls_->issue(std::move(start), *what);
+  return c10::make_intrusive<FutureWork>(rank_, opTypeOf(what->call), profilingTitleOf(what->call), tensors, future);
 }
 
 c10::intrusive_ptr<c10d::Work> CpuPath::allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
@@ -239,6 +288,11 @@ c10::intrusive_ptr<c10d::Work> CpuPath::allGatherCoalesced(
 
 void CpuPath::awaitIssued(const c10d::BarrierOptions& opts) {
   cpuAllreduce_->barrier();
+  // Their announcements have ended: the barrier Gloo runs next is behind
+  // every collective handed to it before, on every rank.
+  if (!plants::planted(plants::Plant::kBarrierBeforeHandOver)) {
+    glooCalls_->awaitHandedOver();
+  }
 }
 
 void CpuPath::stop(bool drain) {
@@ -247,6 +301,7 @@ void CpuPath::stop(bool drain) {
   }
   engine_->shutdown();
   cpuAllreduce_->shutdown();
+  glooCalls_->shutdown(); // after the engine's: what it failed has been told
   // A ring call the group's failure gave up on may still wait inside Gloo
   // (for a peer that refused it) until Gloo's timeout, and destroying its
   // group joins that thread: it is freed once Gloo gives up too, so that

@@ -8,6 +8,7 @@
 #include "backend/cpu_allreduce.h"
 #include "backend/cpu_plan.h"
 #include "backend/cpu_sharded.h"
+#include "backend/gloo_calls.h"
 #include "backend/device_path.h"
 #include "measured/measured_choice.h"
 #include "pipeline/collective_engine.h"
@@ -32,8 +33,11 @@ class CpuPath : public DevicePath {
       std::unique_ptr<MeasuredChoice> measured);
   ~CpuPath() override;
 
-  c10::intrusive_ptr<c10d::Work> delegated(const std::vector<at::Tensor>& tensors, const Issue& issue, Callers callers)
-      override;
+  c10::intrusive_ptr<c10d::Work> delegated(
+      const std::vector<at::Tensor>& tensors,
+      const Issue& issue,
+      Callers callers,
+      const std::optional<Announced>& what) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts)
       override;
   c10::intrusive_ptr<c10d::Work> allreduceCoalesced(
@@ -109,6 +113,8 @@ class CpuPath : public DevicePath {
   std::unique_ptr<CollectiveEngine> engine_;
   std::unique_ptr<CpuAllreduce> cpuAllreduce_; // uses engine_: declared after it
   std::unique_ptr<CpuSharded> cpuSharded_; // uses cpuAllreduce_
+  std::unique_ptr<GlooCalls> glooCalls_; // the collectives on gloo_; uses engine_
+  int rank_;
 };
 
 } // namespace fairring

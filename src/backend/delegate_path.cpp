@@ -9,7 +9,8 @@ namespace fairring {
 c10::intrusive_ptr<c10d::Work> DelegatePath::delegated(
     const std::vector<at::Tensor>& tensors,
     const Issue& issue,
-    Callers callers) {
+    Callers callers,
+    const std::optional<Announced>& /*what*/) {
   TORCH_CHECK(delegate_, "fairring: rank ", rank_, ": ", unavailable_);
   barrier_.used(callers);
   return issue(*delegate_);

@@ -17,8 +17,11 @@ class DelegatePath : public DevicePath {
   DelegatePath(c10::intrusive_ptr<c10d::Backend> delegate, int rank, std::string unavailable)
       : delegate_(std::move(delegate)), rank_(rank), unavailable_(std::move(unavailable)) {}
 
-  c10::intrusive_ptr<c10d::Work> delegated(const std::vector<at::Tensor>& tensors, const Issue& issue, Callers callers)
-      override;
+  c10::intrusive_ptr<c10d::Work> delegated(
+      const std::vector<at::Tensor>& tensors,
+      const Issue& issue,
+      Callers callers,
+      const std::optional<Announced>& what) override;
   void awaitIssued(const c10d::BarrierOptions& opts) override;
 
  private:

@@ -7,7 +7,10 @@
 
 #include <atomic>
 #include <functional>
+#include <optional>
 #include <vector>
+
+#include "pipeline/announced.h"
 
 namespace fairring {
 
@@ -33,12 +36,16 @@ class DevicePath {
   virtual ~DevicePath() = default;
 
   // A collective on `tensors` (all it reads and writes) that the delegate
-  // runs: `issue` calls it on the delegate and returns its Work, which is
-  // returned as it is (null where the delegate returns none).
+  // runs: `issue` calls it on the delegate and returns its Work (null where
+  // the delegate returns none). `issue` owns what it passes: a path may call
+  // it later, on another thread (the CPU path, once `what` is announced
+  // alike by every rank: gloo_calls.h). Without `what`, nothing is checked
+  // across ranks.
   virtual c10::intrusive_ptr<c10d::Work> delegated(
       const std::vector<at::Tensor>& tensors,
       const Issue& issue,
-      Callers callers) = 0;
+      Callers callers,
+      const std::optional<Announced>& what) = 0;
 
   virtual c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts);
   virtual c10::intrusive_ptr<c10d::Work> allreduceCoalesced(

@@ -25,6 +25,23 @@ SubgroupOptions placed(SubgroupOptions options, const RankLayout& layout) {
   return options;
 }
 
+// What a delegated collective says of itself at its turn, the same on every
+// rank of a valid program: its elements over `tensors` (where `sized`), their
+// dtype, its root and op where it has them.
+Announced announcedOf(
+    AnnouncedCall call,
+    const std::vector<at::Tensor>& tensors,
+    int64_t root = -1,
+    c10d::ReduceOp::RedOpType op = c10d::ReduceOp::SUM,
+    bool sized = true) {
+  int64_t numel = 0;
+  for (const at::Tensor& t : tensors) {
+    numel += t.defined() ? t.numel() : 0;
+  }
+  const at::ScalarType dtype = tensors.empty() || !tensors.front().defined() ? at::kFloat : tensors.front().scalar_type();
+  return Announced{call, sized ? numel : -1, dtype, op, static_cast<int32_t>(root)};
+}
+
 } // namespace
 
 FairringBackend::FairringBackend(
@@ -168,7 +185,7 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce(
     const c10d::AllreduceOptions& opts) {
   TORCH_CHECK(
       tensors.size() == 1, "fairring: allreduce takes exactly one tensor per process, got ", tensors.size());
-  if (auto work = inBlock([&](c10d::Backend& b) { return b.allreduce(tensors, opts); }, tensors)) {
+  if (auto work = inBlock([=](c10d::Backend& b) mutable { return b.allreduce(tensors, opts); }, tensors)) {
     return *work;
   }
   return pathFor(tensors).allreduce(tensors, opts);
@@ -178,7 +195,7 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceCoalescedOptions& opts) {
   TORCH_CHECK(!tensors.empty(), "fairring: allreduce_coalesced needs at least one tensor");
-  if (auto work = inBlock([&](c10d::Backend& b) { return b.allreduce_coalesced(tensors, opts); }, tensors)) {
+  if (auto work = inBlock([=](c10d::Backend& b) mutable { return b.allreduce_coalesced(tensors, opts); }, tensors)) {
     return *work;
   }
   return pathFor(tensors.front()).allreduceCoalesced(tensors, opts);
@@ -188,7 +205,7 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allgather(
     std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  if (auto work = inBlock([&](c10d::Backend& b) { return b.allgather(outputs, inputs, opts); }, inputs, outputs)) {
+  if (auto work = inBlock([=](c10d::Backend& b) mutable { return b.allgather(outputs, inputs, opts); }, inputs, outputs)) {
     return *work;
   }
   return pathFor(inputs, outputs).allGatherList(outputs, inputs, opts);
@@ -198,7 +215,7 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::_allgather_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::AllgatherOptions& opts) {
-  if (auto work = inBlock([&](c10d::Backend& b) { return b._allgather_base(output, input, opts); }, input, output)) {
+  if (auto work = inBlock([=](c10d::Backend& b) mutable { return b._allgather_base(output, input, opts); }, input, output)) {
     return *work;
   }
   return pathFor(input, output).allGatherBase(output, input, opts);
@@ -208,7 +225,7 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  if (auto work = inBlock([&](c10d::Backend& b) { return b.allgather_into_tensor_coalesced(outputs, inputs, opts); }, inputs, outputs)) {
+  if (auto work = inBlock([=](c10d::Backend& b) mutable { return b.allgather_into_tensor_coalesced(outputs, inputs, opts); }, inputs, outputs)) {
     return *work;
   }
   return pathFor(inputs, outputs).allGatherCoalesced(outputs, inputs, opts);
@@ -218,7 +235,7 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs,
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  if (auto work = inBlock([&](c10d::Backend& b) { return b.reduce_scatter(outputs, inputs, opts); }, outputs, inputs)) {
+  if (auto work = inBlock([=](c10d::Backend& b) mutable { return b.reduce_scatter(outputs, inputs, opts); }, outputs, inputs)) {
     return *work;
   }
   return pathFor(outputs, inputs).reduceScatterList(outputs, inputs, opts);
@@ -228,7 +245,7 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::_reduce_scatter_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::ReduceScatterOptions& opts) {
-  if (auto work = inBlock([&](c10d::Backend& b) { return b._reduce_scatter_base(output, input, opts); }, input, output)) {
+  if (auto work = inBlock([=](c10d::Backend& b) mutable { return b._reduce_scatter_base(output, input, opts); }, input, output)) {
     return *work;
   }
   return pathFor(input, output).reduceScatterBase(output, input, opts);
@@ -238,7 +255,7 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  if (auto work = inBlock([&](c10d::Backend& b) { return b.reduce_scatter_tensor_coalesced(outputs, inputs, opts); }, inputs, outputs)) {
+  if (auto work = inBlock([=](c10d::Backend& b) mutable { return b.reduce_scatter_tensor_coalesced(outputs, inputs, opts); }, inputs, outputs)) {
     return *work;
   }
   return pathFor(inputs, outputs).reduceScatterCoalesced(outputs, inputs, opts);
@@ -247,33 +264,43 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::reduce_scatter_tensor_coalesced(
 c10::intrusive_ptr<c10d::Work> FairringBackend::broadcast(
     std::vector<at::Tensor>& tensors,
     const c10d::BroadcastOptions& opts) {
-  return delegate([&](c10d::Backend& b) { return b.broadcast(tensors, opts); }, tensors);
+  return delegate(
+      announcedOf(AnnouncedCall::kBroadcast, tensors, opts.rootRank),
+      [=](c10d::Backend& b) mutable { return b.broadcast(tensors, opts); }, tensors);
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::allreduce_sparse(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceOptions& opts) {
-  return delegate([&](c10d::Backend& b) { return b.allreduce_sparse(tensors, opts); }, tensors);
+  return delegate(
+      announcedOf(AnnouncedCall::kAllreduceSparse, tensors, -1, opts.reduceOp.op_, /*sized=*/false),
+      [=](c10d::Backend& b) mutable { return b.allreduce_sparse(tensors, opts); }, tensors);
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::reduce(
     std::vector<at::Tensor>& tensors,
     const c10d::ReduceOptions& opts) {
-  return delegate([&](c10d::Backend& b) { return b.reduce(tensors, opts); }, tensors);
+  return delegate(
+      announcedOf(AnnouncedCall::kReduce, tensors, opts.rootRank, opts.reduceOp.op_),
+      [=](c10d::Backend& b) mutable { return b.reduce(tensors, opts); }, tensors);
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return delegate([&](c10d::Backend& b) { return b.allgather_coalesced(outputs, inputs, opts); }, inputs, outputs);
+  return delegate(
+      announcedOf(AnnouncedCall::kAllGatherCoalesced, inputs),
+      [=](c10d::Backend& b) mutable { return b.allgather_coalesced(outputs, inputs, opts); }, inputs, outputs);
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::gather(
     std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
-  return delegate([&](c10d::Backend& b) { return b.gather(outputs, inputs, opts); }, inputs, outputs);
+  return delegate(
+      announcedOf(AnnouncedCall::kGather, inputs, opts.rootRank),
+      [=](c10d::Backend& b) mutable { return b.gather(outputs, inputs, opts); }, inputs, outputs);
 }
 
 #if FAIRRING_C10D_HAS_GATHER_SINGLE
@@ -281,7 +308,9 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::gather_single(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::GatherOptions& opts) {
-  return delegate([&](c10d::Backend& b) { return b.gather_single(output, input, opts); }, input, output);
+  return delegate(
+      announcedOf(AnnouncedCall::kGather, {input}, opts.rootRank),
+      [=](c10d::Backend& b) mutable { return b.gather_single(output, input, opts); }, input, output);
 }
 #endif
 
@@ -289,7 +318,9 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::scatter(
     std::vector<at::Tensor>& outputs,
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
-  return delegate([&](c10d::Backend& b) { return b.scatter(outputs, inputs, opts); }, outputs, inputs);
+  return delegate(
+      announcedOf(AnnouncedCall::kScatter, outputs, opts.rootRank),
+      [=](c10d::Backend& b) mutable { return b.scatter(outputs, inputs, opts); }, outputs, inputs);
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::alltoall_base(
@@ -298,8 +329,11 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::alltoall_base(
     std::vector<int64_t>& outputSplitSizes,
     std::vector<int64_t>& inputSplitSizes,
     const c10d::AllToAllOptions& opts) {
+  // Split sizes may differ between ranks; without them every rank's input is alike.
+  const bool even = outputSplitSizes.empty() && inputSplitSizes.empty();
   return delegate(
-      [&](c10d::Backend& b) { return b.alltoall_base(output, input, outputSplitSizes, inputSplitSizes, opts); },
+      announcedOf(AnnouncedCall::kAllToAll, {input}, -1, c10d::ReduceOp::SUM, even),
+      [=](c10d::Backend& b) mutable { return b.alltoall_base(output, input, outputSplitSizes, inputSplitSizes, opts); },
       input, output);
 }
 
@@ -307,19 +341,21 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::alltoall(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllToAllOptions& opts) {
-  return delegate([&](c10d::Backend& b) { return b.alltoall(outputs, inputs, opts); }, inputs, outputs);
+  return delegate(
+      announcedOf(AnnouncedCall::kAllToAll, inputs, -1, c10d::ReduceOp::SUM, /*sized=*/false),
+      [=](c10d::Backend& b) mutable { return b.alltoall(outputs, inputs, opts); }, inputs, outputs);
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
-  return delegatePair([&](c10d::Backend& b) { return b.send(tensors, dstRank, tag); }, tensors);
+  return delegatePair([=](c10d::Backend& b) mutable { return b.send(tensors, dstRank, tag); }, tensors);
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
-  return delegatePair([&](c10d::Backend& b) { return b.recv(tensors, srcRank, tag); }, tensors);
+  return delegatePair([=](c10d::Backend& b) mutable { return b.recv(tensors, srcRank, tag); }, tensors);
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
-  return delegatePair([&](c10d::Backend& b) { return b.recvAnysource(tensors, tag); }, tensors);
+  return delegatePair([=](c10d::Backend& b) mutable { return b.recvAnysource(tensors, tag); }, tensors);
 }
 
 c10::intrusive_ptr<c10d::Work> FairringBackend::barrier(const c10d::BarrierOptions& opts) {
@@ -343,10 +379,11 @@ void FairringBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wa
 c10::intrusive_ptr<c10d::Work> FairringBackend::delegateAs(
     DevicePath::Callers callers,
     const DevicePath::Issue& issue,
-    const std::vector<at::Tensor>& tensors) {
+    const std::vector<at::Tensor>& tensors,
+    const std::optional<Announced>& what) {
   DevicePath& path = pathFor(tensors);
   coalescing_.enter(&path == acceleratorPath_.get() ? accelerator_ : c10::kCPU);
-  c10::intrusive_ptr<c10d::Work> work = path.delegated(tensors, issue, callers);
+  c10::intrusive_ptr<c10d::Work> work = path.delegated(tensors, issue, callers, what);
   coalescing_.keep(work, tensors);
   return work;
 }
@@ -361,7 +398,7 @@ c10::intrusive_ptr<c10d::Work> FairringBackend::endCoalescing() {
   // delegate's calls; who made its calls, each said so when it entered.
   return coalescing_.end([this](const std::vector<at::Tensor>& tensors, const std::function<c10::intrusive_ptr<c10d::Work>()>& end) {
     return acceleratorPath_->delegated(
-        tensors, [&](c10d::Backend&) { return end(); }, DevicePath::Callers::kSomeRanks);
+        tensors, [&](c10d::Backend&) { return end(); }, DevicePath::Callers::kSomeRanks, std::nullopt);
   });
 }
 

@@ -221,20 +221,22 @@ class FairringBackend : public c10d::Backend {
     }
     return *cpuPath_;
   }
-  // A collective that always goes to the delegate of its tensors' device.
+  // A collective that always goes to the delegate of its tensors' device,
+  // announced as `what` where the path checks it across ranks.
   template <typename... Sets>
-  c10::intrusive_ptr<c10d::Work> delegate(const DevicePath::Issue& issue, const Sets&... sets) {
-    return delegateAs(DevicePath::Callers::kEveryRank, issue, tensorsOf(sets...));
+  c10::intrusive_ptr<c10d::Work> delegate(const Announced& what, const DevicePath::Issue& issue, const Sets&... sets) {
+    return delegateAs(DevicePath::Callers::kEveryRank, issue, tensorsOf(sets...), what);
   }
   // A point-to-point call (two ranks of the group make it).
   c10::intrusive_ptr<c10d::Work> delegatePair(const DevicePath::Issue& issue, const std::vector<at::Tensor>& tensors) {
-    return delegateAs(DevicePath::Callers::kSomeRanks, issue, tensors);
+    return delegateAs(DevicePath::Callers::kSomeRanks, issue, tensors, std::nullopt);
   }
   // Through the path of the tensors' device, inside a coalescing block if one is open.
   c10::intrusive_ptr<c10d::Work> delegateAs(
       DevicePath::Callers callers,
       const DevicePath::Issue& issue,
-      const std::vector<at::Tensor>& tensors);
+      const std::vector<at::Tensor>& tensors,
+      const std::optional<Announced>& what);
   // A collective fairring may run itself, given to the delegate because a
   // coalescing block is open: the Work, or none where no block is open.
   template <typename... Sets>
@@ -242,7 +244,10 @@ class FairringBackend : public c10d::Backend {
     if (!coalescing_.open()) {
       return std::nullopt;
     }
-    return delegateAs(DevicePath::Callers::kEveryRank, issue, tensorsOf(sets...));
+    std::vector<at::Tensor> tensors = tensorsOf(sets...);
+    const Announced what{
+        AnnouncedCall::kBlockCall, -1, tensors.empty() ? at::kFloat : tensors.front().scalar_type()};
+    return delegateAs(DevicePath::Callers::kEveryRank, issue, tensors, what);
   }
 
   // Stops fairring's own paths (not the delegates): `drain` lets what the

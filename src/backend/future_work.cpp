@@ -48,7 +48,14 @@ std::exception_ptr FutureWork::exception() const {
 }
 
 std::vector<at::Tensor> FutureWork::result() {
-  return future_->value().toTensorVector();
+  // A Gloo call's list of output lists (gather, all_gather_coalesced): its
+  // first, as Gloo's own Work gives it.
+  const c10::IValue& value = future_->value();
+  if (value.isList() && !value.isTensorList()) {
+    const auto lists = value.toListRef();
+    return lists.empty() ? std::vector<at::Tensor>{} : lists[0].toTensorVector();
+  }
+  return value.toTensorVector();
 }
 
 bool FutureWork::wait(std::chrono::milliseconds timeout) {

@@ -36,7 +36,8 @@ inline constexpr const char* kEngineLost = "engine.lost"; // key: the peer; its 
 inline constexpr const char* kSubgroupsIssue = "subgroups.issue"; // key: the turn; a composed call, before it is issued
 inline constexpr const char* kMeasuredDecide = "measured.decide"; // key: the class's first byte; before its agreement (throw: this rank cannot take part)
 inline constexpr const char* kMeasuredTrialDone = "measured.trial_done"; // key: the call; a host trial call's end, before it is kept (throw: its timer fails)
-inline constexpr std::array<std::string_view, 11> kPoints{
+inline constexpr const char* kGlooHandOver = "gloo.hand_over"; // no key; a call, before it is handed to Gloo (gloo_calls.h)
+inline constexpr std::array<std::string_view, 12> kPoints{
     kMeshConnect,
     kMeshSendFirst,
     kMeshSendFirstReduce,
@@ -47,7 +48,8 @@ inline constexpr std::array<std::string_view, 11> kPoints{
     kEngineLost,
     kSubgroupsIssue,
     kMeasuredDecide,
-    kMeasuredTrialDone};
+    kMeasuredTrialDone,
+    kGlooHandOver};
 
 struct Fault {
   Action action{Action::kDelay};

@@ -36,8 +36,10 @@ const std::vector<std::string>& names() {
       "callbacks_failure_stays_there",
       "close_waits_reduce_abort",
       "reduce_close_not_held",
+      "delegated_unannounced",
+      "barrier_before_hand_over",
   };
-  static_assert(static_cast<int>(Plant::kCount) == 26, "a name for every plant");
+  static_assert(static_cast<int>(Plant::kCount) == 28, "a name for every plant");
   return all;
 }
 

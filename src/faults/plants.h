@@ -39,6 +39,8 @@ enum class Plant : uint8_t {
   kCallbacksFailureStaysThere, // a failure of the callbacks' engine does not fail the program's calls
   kCloseWaitsReduceAbort, // a failed group's connections close only once the reduce lane's abort left (or the grace)
   kReduceCloseNotHeld, // a peer's reduce lane read as closed is its loss at once, before its gather lane's abort
+  kDelegatedUnannounced, // a CPU collective fairring does not run goes to Gloo at once, unannounced
+  kBarrierBeforeHandOver, // barrier() does not wait for the announced calls before it to be on Gloo
   kCount,
 };
 

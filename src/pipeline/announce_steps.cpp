@@ -1,5 +1,5 @@
-// The steps of an announcement (a call handed to Gloo's ring), on rank (m, l):
-// an empty message, whose header says the call (size, dtype, op), to each
+// The steps of an announcement (a call handed to Gloo: announced.h), on rank
+// (m, l): an empty message, whose header says the call (announced.h), to each
 // local rank and each rank of rail l, on the gather lane; nothing staged,
 // nothing reduced, one hop.
 //
@@ -79,7 +79,7 @@ class AnnounceSteps final : public KindSteps {
     return false;
   }
   std::string label(Route route) const override {
-    return "ring allreduce's announcement";
+    return "announcement of a call handed to Gloo";
   }
 
   void record(const Operation& op, const Slice& slice, const Segment& seg, int64_t tDone, const Span& span)

@@ -104,23 +104,23 @@ class CollectiveEngine : private StepContext {
   // Earlier operations finish. Always throws.
   [[noreturn]] void refuse(const std::string& message);
 
-  // A call handed to Gloo's ring (one rank per machine) takes its turn here
-  // as an announcement (OpKind::kAnnounce: its size, dtype and op in one
-  // empty message to each local and rail peer, no slot, one hop, started at
-  // once, not behind earlier slices): ranks that disagree, or a
-  // rank that runs the same call on the engine (its size or dtype decided the
-  // path differently), fail at that turn naming both sides, which Gloo's ring
-  // would not (it reduces whatever it is given). The future completes once
-  // this rank's machine and rail peers announced the same call (so no two
-  // ranks hand Gloo different calls: announce_steps.cpp), and fails wherever the group fails
-  // at or before its turn. Throws the group's failure if that turn has failed
-  // already; `seq` is the turn.
   // The group's collectives on its delegate, which the wait chain counts.
   const std::shared_ptr<DelegatedCalls>& delegatedCalls() const {
     return delegated_;
   }
 
-  c10::intrusive_ptr<Future> announce(int64_t numel, at::ScalarType dtype, c10d::ReduceOp::RedOpType op, uint64_t& seq);
+  // A call handed to Gloo (an allreduce on the ring, or a collective fairring
+  // does not run: announced.h) takes its turn here as an announcement
+  // (OpKind::kAnnounce: what it is in one empty message to each local and
+  // rail peer, no slot, one hop, started at once, not behind earlier slices):
+  // ranks that disagree, or a rank that runs an engine collective at that
+  // turn, fail there naming both sides, where Gloo would reduce whatever it
+  // is given or end the process on a size that differs. The future completes
+  // once this rank's machine and rail peers announced the same call (so no
+  // two ranks hand Gloo different calls: announce_steps.cpp), and fails
+  // wherever the group fails at or before its turn. Throws the group's
+  // failure if that turn has failed already; `seq` is the turn.
+  c10::intrusive_ptr<Future> announce(const Announced& what, uint64_t& seq);
   // The call at turn `seq` runs outside the engine now (on Gloo's ring):
   // `fail` runs (on an engine thread, or here if that turn has failed already)
   // if the group fails at or before it before turnDone() or turnFailed().

@@ -163,14 +163,10 @@ void CollectiveEngine::refuse(const std::string& message) {
   throw c10::DistBackendError(message);
 }
 
-c10::intrusive_ptr<CollectiveEngine::Future> CollectiveEngine::announce(
-    int64_t numel,
-    at::ScalarType dtype,
-    RedOp op,
-    uint64_t& seq) {
+c10::intrusive_ptr<CollectiveEngine::Future> CollectiveEngine::announce(const Announced& what, uint64_t& seq) {
   auto future = c10::make_intrusive<Future>(c10::ListType::create(c10::TensorType::get()));
-  auto o = newOp(OpKind::kAnnounce, at::empty({0}, at::TensorOptions().dtype(dtype)), op, {}, nullptr, future);
-  o->announcedNumel = numel;
+  auto o = newOp(OpKind::kAnnounce, at::empty({0}, at::TensorOptions().dtype(what.dtype)), what.op, {}, nullptr, future);
+  o->announced = what;
   seq = admit(std::move(o));
   return future;
 }

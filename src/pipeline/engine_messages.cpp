@@ -15,6 +15,14 @@
 
 namespace fairring {
 
+namespace {
+// The collective a header is part of, as torch names it.
+std::string callName(const DataHeader& h) {
+  const auto kind = static_cast<OpKind>(h.kind);
+  return kind == OpKind::kAnnounce ? announcedName(static_cast<AnnouncedCall>(h.call)) : opKindName(kind);
+}
+} // namespace
+
 using RedOp = c10d::ReduceOp::RedOpType;
 
 void CollectiveEngine::onMessage(int peer, Lane lane, Status status, std::string header, size_t bytes) {
@@ -90,7 +98,7 @@ void CollectiveEngine::onData(int peer, Lane lane, const DataHeader& h, size_t b
     }
   } else if (h.opSeq < nextSeq_) {
     failLocked(
-        "fairring: " + std::string(opKindName(static_cast<OpKind>(h.kind))) + " #" + std::to_string(h.opSeq) +
+        "fairring: " + callName(h) + " #" + std::to_string(h.opSeq) +
             " differs between ranks: " + layout_.describe(peer) + " sent " + describeOp(h) +
             " but it has already finished on " + layout_.describe(layout_.rank()) + " (with fewer elements)",
         actions, h.opSeq);
@@ -264,26 +272,32 @@ bool CollectiveEngine::segmentNeeds(
 
 std::string CollectiveEngine::describeOp(const DataHeader& h) const {
   const auto kind = static_cast<OpKind>(h.kind);
+  const bool announced = kind == OpKind::kAnnounce;
+  const auto call = static_cast<AnnouncedCall>(h.call);
   const bool allreduce = kind == OpKind::kAllreduce;
-  const std::string what = allreduce ? "" : std::string(opKindName(kind)) + " of ";
-  const bool whole = allreduce || kind == OpKind::kBarrier || kind == OpKind::kAnnounce;
+  const std::string what = allreduce ? "" : callName(h) + " of ";
+  const bool whole = allreduce || kind == OpKind::kBarrier || announced;
   const std::string perRank = whole ? "" : " per rank";
-  const std::string reduction = kind == OpKind::kAllGather ? "" : " with ReduceOp." + opName(static_cast<RedOp>(h.op));
-  return what + std::to_string(h.numel) + " elements" + perRank + " of " +
-      dtypeName(static_cast<at::ScalarType>(h.dtype)) + reduction;
+  const bool reduces = announced ? announcedReduces(call) : kind != OpKind::kAllGather;
+  const std::string reduction = reduces ? " with ReduceOp." + opName(static_cast<RedOp>(h.op)) : "";
+  const std::string size = h.numel >= 0 ? std::to_string(h.numel) + " elements" + perRank + " of " : "";
+  const std::string root = announced && h.root >= 0 ? " rooted at rank " + std::to_string(h.root) : "";
+  return what + size + dtypeName(static_cast<at::ScalarType>(h.dtype)) + reduction + root;
 }
 
 bool CollectiveEngine::sameOp(const Operation& op, const DataHeader& h) const {
   const DataHeader mine = op.header(0, 0, h.route);
-  return h.numel == mine.numel && h.dtype == mine.dtype && h.op == mine.op && h.kind == mine.kind && h.slice >= 0 &&
+  return h.numel == mine.numel && h.dtype == mine.dtype && h.op == mine.op && h.kind == mine.kind &&
+      h.call == mine.call && h.root == mine.root && h.slice >= 0 &&
       h.slice < static_cast<int64_t>(op.slices.size()) && h.segment >= 0 &&
       h.segment < static_cast<int32_t>(op.slices[h.slice].segments.size());
 }
 
 std::string CollectiveEngine::describeMismatch(const Operation& op, int peer, const DataHeader& h) const {
-  return "fairring: " + std::string(opKindName(op.kind)) + " #" + std::to_string(op.seq) + " differs between ranks: " +
-      layout_.describe(layout_.rank()) + " has " + describeOp(op.header(0, 0, h.route)) + ", " +
-      layout_.describe(peer) + " has " + describeOp(h);
+  const DataHeader mine = op.header(0, 0, h.route);
+  return "fairring: " + callName(mine) + " #" + std::to_string(op.seq) + " differs between ranks: " +
+      layout_.describe(layout_.rank()) + " has " + describeOp(mine) + ", " + layout_.describe(peer) + " has " +
+      describeOp(h);
 }
 
 } // namespace fairring

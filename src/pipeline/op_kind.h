@@ -27,7 +27,7 @@ inline const char* opKindName(OpKind kind) {
     case OpKind::kReduceScatter: return "reduce_scatter";
     case OpKind::kAllGather: return "all_gather";
     case OpKind::kBarrier: return "barrier";
-    case OpKind::kAnnounce: return "ring allreduce";
+    case OpKind::kAnnounce: return "call handed to Gloo";
   }
   return "unknown collective";
 }

@@ -10,9 +10,11 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <vector>
 
 #include "common/state.h"
+#include "pipeline/announced.h"
 #include "pipeline/op_kind.h"
 #include "pipeline/sharded_plan.h"
 #include "pipeline/slice_plan.h"
@@ -107,9 +109,9 @@ struct Operation {
   uint64_t seq{0}; // its turn: the same on every rank
   StateValue<OpState> state{OpState::kPosted};
   OpKind kind{OpKind::kAllreduce};
-  // A call on Gloo's ring, announced at its turn (CollectiveEngine::announce):
-  // its size travels in the headers while the operation itself moves nothing.
-  int64_t announcedNumel{-1};
+  // A call handed to Gloo, announced at its turn (CollectiveEngine::announce):
+  // what it is travels in the headers while the operation itself moves nothing.
+  std::optional<Announced> announced;
   // The allreduce's tensor, or the reduce-scatter's and all-gather's output.
   at::Tensor work;
   at::Tensor input; // reduce-scatter, all-gather; flat and contiguous
@@ -139,11 +141,15 @@ struct Operation {
     h.slice = s;
     h.segment = g;
     h.route = route;
-    h.numel = announcedNumel >= 0 ? announcedNumel : numel();
+    h.numel = announced ? announced->numel : numel();
     h.dtype = static_cast<int8_t>(work.scalar_type());
     h.op = static_cast<uint8_t>(op);
     h.kind = static_cast<uint8_t>(kind);
     h.piece = piece;
+    if (announced) {
+      h.call = static_cast<uint8_t>(announced->call);
+      h.root = announced->root;
+    }
     return h;
   }
 

@@ -101,7 +101,7 @@ c10::intrusive_ptr<c10d::Work> ComposedPath::allreduce(
       return composition_->allreduceOnOurStreams(tensors.front(), op);
     }
     composition_->countDelegated(route.row);
-    return delegated(tensors, [&](c10d::Backend& b) { return b.allreduce(tensors, opts); }, Callers::kEveryRank);
+    return delegated(tensors, [&](c10d::Backend& b) { return b.allreduce(tensors, opts); }, Callers::kEveryRank, std::nullopt);
   });
 }
 
@@ -115,14 +115,15 @@ c10::intrusive_ptr<c10d::Work> ComposedPath::allreduceCoalesced(
       return composition_->allreduceCoalesced(tensors, op);
     }
     composition_->countDelegated(route.row);
-    return delegated(tensors, [&](c10d::Backend& b) { return b.allreduce_coalesced(tensors, opts); }, Callers::kEveryRank);
+    return delegated(tensors, [&](c10d::Backend& b) { return b.allreduce_coalesced(tensors, opts); }, Callers::kEveryRank, std::nullopt);
   });
 }
 
 c10::intrusive_ptr<c10d::Work> ComposedPath::delegated(
     const std::vector<at::Tensor>& tensors,
     const Issue& issue,
-    Callers callers) {
+    Callers callers,
+    const std::optional<Announced>& /*what*/) {
   composition_->orderBefore(tensors);
   barrier_.used(callers);
   c10::intrusive_ptr<c10d::Work> work = issue(*delegate_);

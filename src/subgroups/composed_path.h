@@ -27,8 +27,11 @@ class ComposedPath : public DevicePath {
       c10::intrusive_ptr<c10d::Backend> delegate,
       std::unique_ptr<MeasuredChoice> measured);
 
-  c10::intrusive_ptr<c10d::Work> delegated(const std::vector<at::Tensor>& tensors, const Issue& issue, Callers callers)
-      override;
+  c10::intrusive_ptr<c10d::Work> delegated(
+      const std::vector<at::Tensor>& tensors,
+      const Issue& issue,
+      Callers callers,
+      const std::optional<Announced>& what) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts)
       override;
   c10::intrusive_ptr<c10d::Work> allreduceCoalesced(

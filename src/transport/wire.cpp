@@ -37,6 +37,8 @@ std::string encode(const DataHeader& h) {
   put(out, h.op);
   put(out, h.kind);
   put(out, h.piece);
+  put(out, h.call);
+  put(out, h.root);
   return out;
 }
 
@@ -48,7 +50,7 @@ std::optional<DataHeader> decodeData(const std::string& in) {
   if (!take(in, pos, magic) || magic != kDataMagic || !take(in, pos, h.opSeq) ||
       !take(in, pos, h.slice) || !take(in, pos, h.segment) || !take(in, pos, route) || !take(in, pos, h.numel) ||
       !take(in, pos, h.dtype) || !take(in, pos, h.op) || !take(in, pos, h.kind) ||
-      !take(in, pos, h.piece) || pos != in.size() || route > 3) {
+      !take(in, pos, h.piece) || !take(in, pos, h.call) || !take(in, pos, h.root) || pos != in.size() || route > 3) {
     return std::nullopt;
   }
   h.route = static_cast<Route>(route);

@@ -48,6 +48,10 @@ struct DataHeader {
   // Which of the pieces one (peer, route) sends per segment: a reduce-scatter
   // sends a local peer the parts of M ranks, an all-gather forwards M parts.
   int32_t piece{0};
+  // An announcement's (OpKind::kAnnounce): which call Gloo is handed, and its
+  // root where it has one (announced.h).
+  uint8_t call{0};
+  int32_t root{-1};
 };
 
 std::string encode(const DataHeader& h);

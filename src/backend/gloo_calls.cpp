@@ -1,11 +1,14 @@
-#include "backend/ring_calls.h"
+#include "backend/gloo_calls.h"
 
 #include <c10/util/Exception.h>
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <string>
 #include <thread>
+
+#include "faults/fault_points.h"
 
 namespace fairring {
 
@@ -15,9 +18,10 @@ c10::intrusive_ptr<c10::ivalue::Future> newFuture() {
 }
 } // namespace
 
-struct RingCalls::Call {
+struct GlooCalls::Call {
   uint64_t seq{0};
-  Ring ring;
+  bool announced{true}; // took turn `seq` on the engine
+  Start start;
   c10::intrusive_ptr<c10::ivalue::Future> done{newFuture()};
   std::atomic<bool> settled{false};
   enum class Stage { kAnnouncing, kReady, kDropped } stage{Stage::kAnnouncing}; // under State::mu
@@ -33,10 +37,13 @@ struct RingCalls::Call {
 // ends on Gloo's thread whenever Gloo gives up on it). The lock guards only the
 // queue: nothing that calls into the engine or Gloo runs under it, since either
 // may run callbacks that take it.
-struct RingCalls::State {
+struct GlooCalls::State {
   CollectiveEngine* engine{nullptr};
   std::mutex mu;
-  std::deque<std::shared_ptr<Call>> waiting; // in turn order, not on Gloo yet
+  std::deque<std::shared_ptr<Call>> waiting; // in issue order, not on Gloo yet
+  uint64_t issued{0}; // calls queued so far
+  uint64_t handed{0}; // of them, on Gloo or dropped
+  std::condition_variable handedOver;
   bool draining{false}; // one thread hands calls to Gloo at a time, in order
   bool again{false};
   std::atomic<bool> stopped{false};
@@ -58,15 +65,15 @@ struct RingCalls::State {
   }
 };
 
-RingCalls::RingCalls(CollectiveEngine& engine) : state_(std::make_shared<State>()) {
+GlooCalls::GlooCalls(CollectiveEngine& engine) : state_(std::make_shared<State>()) {
   state_->engine = &engine;
 }
 
-RingCalls::~RingCalls() {
+GlooCalls::~GlooCalls() {
   shutdown();
 }
 
-void RingCalls::shutdown() {
+void GlooCalls::shutdown() {
   state_->stopped = true;
   // A callback inside the engine finishes first (at most a failed call's wait
   // for the close of a lost peer, GroupFailure::kSendFailureWait).
@@ -75,39 +82,33 @@ void RingCalls::shutdown() {
   }
   std::lock_guard<std::mutex> lock(state_->mu);
   state_->waiting.clear();
+  state_->handedOver.notify_all();
 }
 
-uint64_t RingCalls::abandoned() const {
+uint64_t GlooCalls::abandoned() const {
   return state_->abandoned.load();
 }
 
-std::shared_ptr<const std::atomic<int>> RingCalls::inGloo() const {
+std::shared_ptr<const std::atomic<int>> GlooCalls::inGloo() const {
   return state_->inGloo;
 }
 
-c10::intrusive_ptr<c10::ivalue::Future> RingCalls::issue(
-    Ring ring,
-    int64_t numel,
-    at::ScalarType dtype,
-    c10d::ReduceOp::RedOpType op) {
+c10::intrusive_ptr<c10::ivalue::Future> GlooCalls::issue(Start start, const Announced& what) {
   CollectiveEngine* engine = state_->use();
   if (engine == nullptr) {
     throw c10::DistBackendError("fairring: the process group was shut down");
   }
   auto call = std::make_shared<Call>();
-  call->ring = std::move(ring);
+  call->start = std::move(start);
   c10::intrusive_ptr<c10::ivalue::Future> announced;
   try {
-    announced = engine->announce(numel, dtype, op, call->seq); // the program's calls come one at a time
+    announced = engine->announce(what, call->seq); // the program's calls come one at a time
   } catch (...) {
     state_->release();
     throw;
   }
   state_->release();
-  {
-    std::lock_guard<std::mutex> lock(state_->mu);
-    state_->waiting.push_back(call);
-  }
+  auto done = queue(call);
   std::weak_ptr<State> weak = state_;
   announced->addCallback([weak, call](c10::ivalue::Future& f) {
     auto state = weak.lock();
@@ -123,10 +124,36 @@ c10::intrusive_ptr<c10::ivalue::Future> RingCalls::issue(
     }
     startReady(state);
   });
+  return done;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> GlooCalls::issueUnannounced(Start start) {
+  if (state_->stopped.load()) {
+    throw c10::DistBackendError("fairring: the process group was shut down");
+  }
+  auto call = std::make_shared<Call>();
+  call->start = std::move(start);
+  call->announced = false;
+  call->stage = Call::Stage::kReady;
+  auto done = queue(call);
+  startReady(state_);
+  return done;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> GlooCalls::queue(const std::shared_ptr<Call>& call) {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  state_->waiting.push_back(call);
+  ++state_->issued;
   return call->done;
 }
 
-void RingCalls::startReady(const std::shared_ptr<State>& state) {
+void GlooCalls::awaitHandedOver() {
+  std::unique_lock<std::mutex> lock(state_->mu);
+  const uint64_t target = state_->issued;
+  state_->handedOver.wait(lock, [&] { return state_->handed >= target || state_->stopped.load(); });
+}
+
+void GlooCalls::startReady(const std::shared_ptr<State>& state) {
   std::unique_lock<std::mutex> lock(state->mu);
   if (state->draining) {
     state->again = true; // the thread draining now starts it, in turn
@@ -143,12 +170,14 @@ void RingCalls::startReady(const std::shared_ptr<State>& state) {
         start(state, call);
         lock.lock();
       }
+      ++state->handed;
+      state->handedOver.notify_all();
     }
   } while (state->again);
   state->draining = false;
 }
 
-void RingCalls::start(const std::shared_ptr<State>& state, const std::shared_ptr<Call>& call) {
+void GlooCalls::start(const std::shared_ptr<State>& state, const std::shared_ptr<Call>& call) {
   CollectiveEngine* engine = state->use();
   if (engine == nullptr) {
     call->fail("fairring: the process group was shut down");
@@ -157,22 +186,26 @@ void RingCalls::start(const std::shared_ptr<State>& state, const std::shared_ptr
   std::weak_ptr<State> weak = state;
   // The group may fail while Gloo runs it: then it fails as the engine's calls
   // in flight do, and Gloo runs it on, for nobody.
-  engine->watchTurn(call->seq, [weak, call](const std::string& message) {
-    if (!call->settled.load()) {
-      if (auto state = weak.lock()) {
-        ++state->abandoned;
+  if (call->announced) {
+    engine->watchTurn(call->seq, [weak, call](const std::string& message) {
+      if (!call->settled.load()) {
+        if (auto state = weak.lock()) {
+          ++state->abandoned;
+        }
       }
-    }
-    call->fail(message);
-  });
+      call->fail(message);
+    });
+  }
   c10::intrusive_ptr<c10::ivalue::Future> source;
   std::shared_ptr<std::atomic<int>> inGloo = state->inGloo;
   ++*inGloo;
   try {
-    source = call->ring();
+    faults::hit(faults::kGlooHandOver);
+    Start handOver = std::move(call->start); // what it holds is freed here, not on Gloo's thread
+    source = handOver();
   } catch (const std::exception& e) {
     --*inGloo;
-    call->fail(engine->turnFailed(call->seq, e.what()));
+    call->fail(call->announced ? engine->turnFailed(call->seq, e.what()) : e.what());
     state->release();
     return;
   }
@@ -181,7 +214,7 @@ void RingCalls::start(const std::shared_ptr<State>& state, const std::shared_ptr
     --*inGloo;
     std::string failed = f.hasError() ? f.tryRetrieveErrorMessage() : "";
     auto state = weak.lock();
-    CollectiveEngine* engine = state ? state->use() : nullptr;
+    CollectiveEngine* engine = state && call->announced ? state->use() : nullptr;
     if (engine != nullptr) {
       if (f.hasError()) {
         // Its turn failed on this rank: it fails the group from there on,
