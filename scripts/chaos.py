@@ -197,11 +197,16 @@ def run(seeds: list[int], quiet: bool = False) -> list[JobResult]:
     return results
 
 
+# A busy loop that dies with the run, however the run ends (a kill skips `finally`):
+# prctl(PR_SET_PDEATHSIG, SIGKILL).
+_BUSY = "import ctypes, signal; ctypes.CDLL(None).prctl(1, signal.SIGKILL)\nwhile True: pass"
+
+
 @contextlib.contextmanager
 def load_beside(processes: int) -> Iterator[None]:
     """``processes`` busy loops beside the jobs for the run's length (each wants a whole
     core): the jobs then wait for cores as on a machine that also compiles or trains."""
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+    busy = [subprocess.Popen([sys.executable, "-c", _BUSY]) for _ in range(processes)]
     try:
         yield
     finally:
