@@ -64,6 +64,30 @@ def test_a_skipped_broadcast_fails_on_every_rank_naming_both_sizes() -> None:
         assert r["destroy_s"] < 2.0, (rank, r)
 
 
+def _refused_by_gloo(rank: int, world: int) -> dict[str, Any]:
+    group = dist.new_group(backend="fairring", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    # Split sizes that do not add up to the input: Gloo checks them when the call is made.
+    out, inp = torch.empty(8), torch.ones(8)
+    refused, _ = _attempt(
+        lambda: dist.all_to_all_single(out, inp, [1] * world, [1] * world, group=group)
+    )
+    t = torch.full((9,), float(rank))
+    after, _ = _attempt(lambda: dist.broadcast(t, src=2, group=group))
+    return {"refused": refused, "after": after, "t": t.tolist(), "destroy_s": _destroy(group)}
+
+
+def test_a_call_gloo_refuses_raises_its_error_and_the_group_goes_on() -> None:
+    """Gloo checks some arguments when the call is made, and a handed-over call is made
+    later: its refusal still raises Gloo's own error on every rank, and fails nothing
+    else (as with Gloo alone)."""
+    got = run_ranks(_refused_by_gloo, 4, MACHINES_2X2, timeout_s=90)
+    for rank, r in enumerate(got):
+        assert r["refused"] is not None and "split sizes" in r["refused"].lower(), (rank, r)
+        assert "differs between ranks" not in r["refused"], (rank, r)
+        assert r["after"] is None and r["t"] == [2.0] * 9, (rank, r)
+        assert r["destroy_s"] < 2.0, (rank, r)
+
+
 HELD = 1  # the rank whose callback's hand-over to Gloo is held
 HELD_MS = 800
 

@@ -4,7 +4,8 @@ once Gloo's call ends (src/backend/ring_reaper.h), not left to the process.
 
 The failure is forced: rank 0's connection from rank 1 breaks under the body of a
 small allreduce (fault point mesh.read.close) posted just after a 128 MiB one that one
-rank per machine hands to Gloo's ring, so the group fails while Gloo still runs it."""
+rank per machine hands to Gloo's ring, whose hand-over rank 2 holds 0.5 s (fault point
+gloo.hand_over), so the group fails while Gloo still runs it on ranks 0 and 1."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from multiprocess import SHAPES, fairring_env, launch
 
 RING_NUMEL = 32 * 1024 * 1024  # 128 MiB of float32: Gloo's ring runs it for a while
 GROUP_TIMEOUT_S = 10.0
+LATE, LATE_MS = 2, 500
 FREED_S = GROUP_TIMEOUT_S + 3.0
 
 
@@ -52,6 +54,10 @@ def _given_up(rank: int, world: int) -> dict[str, Any]:
     small = torch.ones(1000)
     works = []
     errors: list[str | None] = []
+    if rank == LATE:
+        # Its part of the ring reaches Gloo late: the others' wait in Gloo for it
+        # while the group fails, whatever the load.
+        fault_points.arm("gloo.hand_over", "delay", delay_ms=LATE_MS)
     for t in (big, small):
         if rank == 0 and t is small:
             time.sleep(0.05)  # Gloo has the big one

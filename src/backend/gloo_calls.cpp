@@ -27,8 +27,11 @@ struct GlooCalls::Call {
   enum class Stage { kAnnouncing, kReady, kDropped } stage{Stage::kAnnouncing}; // under State::mu
 
   void fail(const std::string& message) {
+    failWith(std::make_exception_ptr(c10::DistBackendError(message)));
+  }
+  void failWith(std::exception_ptr error) {
     if (!settled.exchange(true)) {
-      done->setError(std::make_exception_ptr(c10::DistBackendError(message)));
+      done->setError(std::move(error));
     }
   }
 };
@@ -203,9 +206,15 @@ void GlooCalls::start(const std::shared_ptr<State>& state, const std::shared_ptr
     faults::hit(faults::kGlooHandOver);
     Start handOver = std::move(call->start); // what it holds is freed here, not on Gloo's thread
     source = handOver();
-  } catch (const std::exception& e) {
+  } catch (const std::exception&) {
+    // Gloo refused it at issue (an argument it checks, a collective it lacks),
+    // as it would the program's own call on every rank alike: the call raises
+    // Gloo's own error and the group goes on.
     --*inGloo;
-    call->fail(call->announced ? engine->turnFailed(call->seq, e.what()) : e.what());
+    if (call->announced) {
+      engine->turnDone(call->seq);
+    }
+    call->failWith(std::current_exception());
     state->release();
     return;
   }

@@ -22,7 +22,10 @@ namespace fairring {
 // a size that differs (gloo::EnforceNotMet on its own thread). Calls reach
 // Gloo in issue order, the same on every rank, whatever order their
 // announcements complete in. A call already on Gloo fails if the group fails
-// at or before its turn; Gloo runs it on, for nobody ("abandoned").
+// at or before its turn; Gloo runs it on, for nobody ("abandoned"). A call
+// Gloo refuses at issue (an argument it checks, a collective it lacks) raises
+// Gloo's own error, as the program's call would on every rank, and the group
+// goes on.
 class GlooCalls {
  public:
   // Hands the call to Gloo and returns its future.
