@@ -171,10 +171,11 @@ void bindBackend(py::module_& m) {
             }
             return py::dict(
                 py::arg("engine") = stats->engine, py::arg("ring") = stats->ring,
-                py::arg("ring_abandoned") = stats->ringAbandoned);
+                py::arg("ring_abandoned") = stats->ringAbandoned, py::arg("ring_in_gloo") = stats->ringInGloo);
           },
           "Operations of CPU tensors run so far on fairring's engines and on Gloo's ring "
-          "(FAIRRING_CPU_ALLREDUCE), or None where CPU tensors take the sub-group path.")
+          "(FAIRRING_CPU_ALLREDUCE), ring calls given up on and ring calls Gloo runs now, "
+          "or None where CPU tensors take the sub-group path.")
       .def(
           "measured_choices",
           [](const FairringBackend& backend, const std::string& device) {

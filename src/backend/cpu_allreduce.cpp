@@ -172,7 +172,7 @@ void CpuAllreduce::refuseIfCallbacksFailed() {
 }
 
 CpuAllreduce::Stats CpuAllreduce::stats() const {
-  return Stats{engineOps_.load(), ringOps_.load(), rings_.abandoned()};
+  return Stats{engineOps_.load(), ringOps_.load(), rings_.abandoned(), rings_.inGloo()->load()};
 }
 
 void CpuAllreduce::barrier() {

@@ -81,11 +81,12 @@ class CpuAllreduce {
   static bool issuedFromCallback();
 
   // Operations run so far: on the engines, on the ring, and ring calls a
-  // failure gave up on while Gloo still ran them.
+  // failure gave up on while Gloo still ran them; ring calls Gloo runs now.
   struct Stats {
     uint64_t engine{0};
     uint64_t ring{0};
     uint64_t ringAbandoned{0};
+    int ringInGloo{0};
   };
   Stats stats() const;
   // How many ring calls Gloo runs now (GlooCalls::inGloo).

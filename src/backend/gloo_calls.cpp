@@ -181,6 +181,7 @@ void GlooCalls::startReady(const std::shared_ptr<State>& state) {
 }
 
 void GlooCalls::start(const std::shared_ptr<State>& state, const std::shared_ptr<Call>& call) {
+  faults::hit(faults::kGlooHandOver); // before use(): a late hand-over holds no destroy
   CollectiveEngine* engine = state->use();
   if (engine == nullptr) {
     call->fail("fairring: the process group was shut down");
@@ -203,7 +204,6 @@ void GlooCalls::start(const std::shared_ptr<State>& state, const std::shared_ptr
   std::shared_ptr<std::atomic<int>> inGloo = state->inGloo;
   ++*inGloo;
   try {
-    faults::hit(faults::kGlooHandOver);
     Start handOver = std::move(call->start); // what it holds is freed here, not on Gloo's thread
     source = handOver();
   } catch (const std::exception&) {
