@@ -28,7 +28,16 @@ from fairring_pg.model.cpu_plan import CpuPlan, plan_cpu_allreduce
 from fairring_pg.model.cuda_plan import CudaPlan
 from fairring_pg.network import listen_address
 from fairring_pg.process_groups import StandInAccelerator
-from fairring_pg.startup import all_passed, publish_failure, wait_for
+from fairring_pg.startup import (
+    AnotherRankFailed,
+    PeersNamed,
+    all_passed,
+    all_started,
+    core_store,
+    failures_of_others,
+    publish_failure,
+    wait_for,
+)
 from fairring_pg.topology import Topology, discover
 
 _TOKEN_KEY = "fairring/job_token"
@@ -69,8 +78,33 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
     size = int(dist_backend_opts.group_size)
     timeout: timedelta = dist_backend_opts.timeout
 
+    agreed = _agree(store, rank, size, timeout, str(dist_backend_opts.group_id))
+    try:
+        backend = _connect(agreed, store, rank, size, timeout, dist_backend_opts)
+        all_started(store, rank, size, timeout)
+        return backend
+    except Exception as exc:
+        # The others stop connecting at once, naming this rank's reason (startup.py).
+        publish_failure(store, rank, exc)
+        if isinstance(exc, AnotherRankFailed):
+            raise
+        if others := failures_of_others(store, rank, size, not isinstance(exc, PeersNamed)):
+            raise RuntimeError(
+                f"{exc} (and other ranks failed to start: {'; '.join(others)})"
+            ) from exc
+        raise
+
+
+def _connect(
+    agreed: _Agreed,
+    store: Any,
+    rank: int,
+    size: int,
+    timeout: timedelta,
+    dist_backend_opts: Any,
+) -> Any:
+    """The groups the agreed settings call for, connected, and the core started."""
     group_id = str(dist_backend_opts.group_id)
-    agreed = _agree(store, rank, size, timeout, group_id)
     config, topology, opts = agreed.config, agreed.topology, agreed.opts
     address = listen_address(config, single_host=len(set(topology.hostnames)) == 1)
     core_options(opts, config, topology, address, agreed.token, timeout, agreed.cuda_plan, group_id)
@@ -103,9 +137,8 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
             str(dist_backend_opts.group_id),
             agreed.cuda_plan.composes,
         )
-    core_store = dist.PrefixStore("fairring/core/", store)
     try:
-        return agreed.factory(core_store, rank, size, opts, cpu_delegate, cuda_delegate)
+        return agreed.factory(core_store(store), rank, size, opts, cpu_delegate, cuda_delegate)
     except Exception as exc:
         raise RuntimeError(
             f"fairring: rank {rank} of {size} could not start the allreduce core "

@@ -18,6 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from fairring_pg.config import Config
+from fairring_pg.startup import AnotherRankFailed, PeersNamed, connect_watched
 
 # make(prefix, rank in the group, group size, global ranks, name) -> a c10d Backend
 GroupMaker = Callable[[str, int, int, list[int], str], Any]
@@ -49,20 +50,36 @@ def gloo_group(
     config: Config,
     global_ranks: list[int],
     name: str,
+    group_store: Any,
     members: list[int] | None = None,
 ) -> Any:
     """A ProcessGroupGloo on ``store`` (already prefixed) of the fairring group's ranks
-    ``members`` (default: all). Gloo's own error for a rank that never came names a
-    store key; this one names the rank."""
+    ``members`` (default: all), connected while watching ``group_store`` (the fairring
+    group's) for another rank's failure to start. Gloo's own error for a rank that never
+    came names a store key; this one names the rank."""
     members = list(range(size)) if members is None else members
     store.set(f"{_CAME}/{rank}", "1")
     try:
-        group = _gloo_group(store, rank, size, timeout, config, global_ranks, name)
+        group = connect_watched(
+            lambda: _gloo_group(store, rank, size, timeout, config, global_ranks, name),
+            group_store,
+            timeout,
+            f"connecting Gloo's group {name!r}",
+        )
+    except AnotherRankFailed as exc:
+        # Said now, unsettled: a rank that failed waiting for this one (its address,
+        # its connection) names, through this, the rank it waited on in turn.
+        store.set(f"{_ENDED}/{rank}", "failed")
+        raise PeersNamed(
+            f"fairring: rank {members[rank]} stopped connecting Gloo's group {name!r}, "
+            f"where {_who_is_missing(store, members, 0.0)}: {exc}"
+        ) from exc
     except Exception as exc:
         store.set(f"{_ENDED}/{rank}", "failed")
-        raise RuntimeError(
+        raise PeersNamed(
             f"fairring: rank {members[rank]} could not connect Gloo's group {name!r} within "
-            f"{timeout}: {_who_is_missing(store, members)}: {type(exc).__name__}: {exc}"
+            f"{timeout}: {_who_is_missing(store, members, _SETTLE_S)}: {type(exc).__name__}: "
+            f"{exc}"
         ) from exc
     store.set(f"{_ENDED}/{rank}", "connected")
     return group
@@ -73,16 +90,17 @@ _ENDED = "ended_connecting"
 _SETTLE_S = 0.5  # for the ranks that failed alike to say so
 
 
-def _who_is_missing(store: Any, members: list[int]) -> str:
+def _who_is_missing(store: Any, members: list[int], settle_s: float) -> str:
     """The ranks that never came to connect; else those that came and, once the others
-    had time to say how they ended, never did (they died or stalled while connecting)."""
+    had ``settle_s`` to say how they ended, never did (they died or stalled while
+    connecting)."""
 
     def without(key: str) -> list[int]:
         return [m for r, m in enumerate(members) if not store.check([f"{key}/{r}"])]
 
     if absent := without(_CAME):
         return f"{_ranks(absent)} never came to connect it (died or stalled before)"
-    deadline = time.monotonic() + _SETTLE_S
+    deadline = time.monotonic() + settle_s
     while (silent := without(_ENDED)) and time.monotonic() < deadline:
         time.sleep(0.05)
     if silent:
@@ -134,6 +152,7 @@ def make_gloo_delegate(
         config,
         list(dist_backend_opts.global_ranks_in_group),
         name if role == "gloo" else f"{name}-{role}",
+        store,
     )
 
 
@@ -187,6 +206,7 @@ def gloo_maker(
             config,
             [global_ranks[r] for r in members],
             name,
+            store,
             members,
         )
 

@@ -293,8 +293,9 @@ def _redirect_store_class() -> Any:
     import torch.distributed as dist  # lazily, like every helper here
 
     class RedirectStore(dist.Store):
-        """A store for a second FairringBackend: reads come from ``lookup``, writes stay
-        here (they must not overwrite the real ranks' addresses)."""
+        """A store for a second FairringBackend: the ranks' addresses (``addr/...``)
+        come from ``lookup``, no other key exists (a published failure to start would
+        stop it), and writes stay here (they must not overwrite the real ranks')."""
 
         def __init__(self, lookup: Any) -> None:
             super().__init__()
@@ -308,13 +309,14 @@ def _redirect_store_class() -> Any:
             return self._lookup(key)
 
         def check(self, keys: list[str]) -> bool:
-            return True  # ``lookup`` answers every key
+            return all(key.startswith("addr/") for key in keys)
 
     return RedirectStore
 
 
 def redirect_store(lookup: Any) -> Any:
-    """A ``dist.Store`` whose reads come from ``lookup`` and whose writes stay in it."""
+    """A ``dist.Store`` whose address reads come from ``lookup`` and whose writes stay
+    in it."""
     return _redirect_store_class()(lookup)
 
 

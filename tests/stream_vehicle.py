@@ -86,7 +86,7 @@ def stand_in() -> Any:
     def make_world(
         store: Any, rank: int, size: int, timeout: timedelta, global_ranks: list[int], name: str
     ) -> Any:
-        gloo = gloo_group(store, rank, size, timeout, config, global_ranks, name)
+        gloo = gloo_group(store, rank, size, timeout, config, global_ranks, name, store)
         return vehicle.StreamedBackend(gloo, name)
 
     def maker(store: Any, timeout: timedelta, global_ranks: list[int]) -> Any:

@@ -153,7 +153,9 @@ def _gloo_world(store: Any, rank: int, size: int, timeout: Any, opts: Any) -> An
     from fairring_pg.process_groups import gloo_group
 
     prefixed = dist.PrefixStore("stand-in-for-nccl/", store)
-    return gloo_group(prefixed, rank, size, timeout, Cfg.from_env(), list(range(size)), "world")
+    return gloo_group(
+        prefixed, rank, size, timeout, Cfg.from_env(), list(range(size)), "world", store
+    )
 
 
 def _gloo_stand_in(store: Any, timeout: Any, global_ranks: list[int], max_ctas: int = 0) -> Any:

@@ -8,6 +8,7 @@
 #include "faults/plants.h"
 #include "ops/reduce_kind.h"
 #include "ops/tensor_fusion.h"
+#include "transport/startup_failure.h"
 
 namespace fairring {
 
@@ -79,7 +80,7 @@ CpuPath::CpuPath(
         "fairring: the CPU plan's measured rows and the measured choice's differ at row ", row);
   }
   engine_ = std::make_unique<CollectiveEngine>(std::move(layout), options);
-  engine_->start(store);
+  engine_->start(store, publishedStartupFailure(store));
   cpuAllreduce_ = std::make_unique<CpuAllreduce>(
       rank, *engine_, options, c10::make_intrusive<c10d::PrefixStore>("callbacks/", store));
   cpuSharded_ = std::make_unique<CpuSharded>(*cpuAllreduce_, size);

@@ -105,6 +105,16 @@ Status PeerMesh::openGate(const std::string& me, std::string urls[2]) {
 
 Status PeerMesh::awaitPeers(const std::string& me, const std::vector<int>& peers, Clock::time_point deadline) {
   const size_t expected = peers.size() * kNumLanes;
+  auto missing = [&] {
+    std::string named;
+    std::lock_guard<std::mutex> lock(mu_);
+    for (int peer : peers) {
+      if (!inbound_.count({peer, Lane::kReduce}) || !inbound_.count({peer, Lane::kGather})) {
+        named += (named.empty() ? "" : ", ") + layout_.describe(peer);
+      }
+    }
+    return named;
+  };
   for (;;) {
     {
       std::unique_lock<std::mutex> lock(mu_);
@@ -115,19 +125,14 @@ Status PeerMesh::awaitPeers(const std::string& me, const std::vector<int>& peers
       }
     }
     if (auto why = stopped()) { // a shutdown, or the give-up (asked without our lock)
-      return Status::error(*why);
+      // What it waited for: a peer the give-up's reason does not name is how it
+      // reaches this rank (the peer waits in turn, for the rank at fault).
+      return Status::error(*why + " (while waiting for " + missing() + " to connect)");
     }
     if (Clock::now() >= deadline) {
-      std::string missing;
-      std::lock_guard<std::mutex> lock(mu_);
-      for (int peer : peers) {
-        if (!inbound_.count({peer, Lane::kReduce}) || !inbound_.count({peer, Lane::kGather})) {
-          missing += (missing.empty() ? "" : ", ") + layout_.describe(peer);
-        }
-      }
       return Status::error(
           "fairring: " + me + " timed out after " + std::to_string(options_.timeout.count()) + " ms waiting for " +
-          missing + " to connect");
+          missing() + " to connect");
     }
   }
 }
@@ -136,7 +141,7 @@ Status PeerMesh::addressOf(c10d::Store& store, int peer, Clock::time_point deadl
   const std::string key = addressKey(reachOf(peer), peer);
   while (!store.check({key})) {
     if (auto why = stopped()) {
-      return Status::error(*why);
+      return Status::error(*why + " (while waiting for the address of " + layout_.describe(peer) + ")");
     }
     if (Clock::now() >= deadline) {
       return failure(
