@@ -200,6 +200,14 @@ CATCHERS: dict[str, Catch] = {
         (),
         crashes=True,
     ),
+    # Rank 0's latest note is for a later turn, which leads round in a circle.
+    "wait_note_by_rank": Catch(
+        (
+            "test_wait_chain.py::"
+            "test_a_rank_waiting_at_a_later_turn_too_is_followed_at_the_turn_waited_on",
+        ),
+        (),
+    ),
 }
 
 _FAILED = re.compile(r"^FAILED (\S+)", re.MULTILINE)

@@ -38,8 +38,9 @@ const std::vector<std::string>& names() {
       "reduce_close_not_held",
       "delegated_unannounced",
       "barrier_before_hand_over",
+      "wait_note_by_rank",
   };
-  static_assert(static_cast<int>(Plant::kCount) == 28, "a name for every plant");
+  static_assert(static_cast<int>(Plant::kCount) == 29, "a name for every plant");
   return all;
 }
 

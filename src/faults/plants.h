@@ -41,6 +41,7 @@ enum class Plant : uint8_t {
   kReduceCloseNotHeld, // a peer's reduce lane read as closed is its loss at once, before its gather lane's abort
   kDelegatedUnannounced, // a CPU collective fairring does not run goes to Gloo at once, unannounced
   kBarrierBeforeHandOver, // barrier() does not wait for the announced calls before it to be on Gloo
+  kWaitNoteByRank, // the wait chain follows a peer's latest note, not its note for the turn waited at
   kCount,
 };
 

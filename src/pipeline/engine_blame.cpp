@@ -5,7 +5,7 @@
 // first, waiting for rank 3's reduction, which waits for rank 2. Naming rank 3
 // would send the user to the wrong machine. So every rank whose oldest
 // operation has waited half the timeout writes whom it waits for to the
-// group's store ("waits/<rank>" = "<turn>:<ranks>", once per operation, so a
+// group's store (once per operation, under its turn: wait_chain.h; a
 // healthy job writes nothing; a rank blocked that long in a collective of the
 // delegate's, a broadcast from a frozen root, waits for every other rank, as
 // far as it can tell), and a rank that times out follows those notes
@@ -17,16 +17,13 @@
 // read, by a thread of its own that holds no part of the engine, and the
 // watchdog waits for the chain at most kChainWait.
 
-#include <condition_variable>
-#include <deque>
 #include <memory>
-#include <set>
-#include <sstream>
 #include <thread>
 #include <utility>
 
 #include "faults/plants.h"
 #include "pipeline/collective_engine.h"
+#include "pipeline/wait_chain.h"
 
 namespace fairring {
 
@@ -35,110 +32,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr auto kChainWait = std::chrono::milliseconds(400);
-constexpr auto kChainPoll = std::chrono::milliseconds(5);
-
-std::string waitsKey(int rank) {
-  return "waits/" + std::to_string(rank);
-}
-
-std::string noteText(uint64_t seq, const std::vector<int>& ranks) {
-  std::string text = std::to_string(seq) + ":";
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    text += (i ? "," : "") + std::to_string(ranks[i]);
-  }
-  return text;
-}
-
-struct Waits {
-  uint64_t seq{0};
-  std::vector<int> ranks;
-};
-
-std::optional<Waits> parse(const std::string& text, int worldSize) {
-  const size_t colon = text.find(':');
-  if (colon == std::string::npos) {
-    return std::nullopt;
-  }
-  try {
-    Waits w;
-    w.seq = std::stoull(text.substr(0, colon));
-    std::istringstream in(text.substr(colon + 1));
-    for (std::string item; std::getline(in, item, ',');) {
-      const int r = std::stoi(item);
-      if (r < 0 || r >= worldSize) {
-        return std::nullopt;
-      }
-      w.ranks.push_back(r);
-    }
-    return w;
-  } catch (const std::exception&) {
-    return std::nullopt;
-  }
-}
-
-// What the reading thread found, shared with the watchdog, which may stop
-// waiting for it (then the thread finishes alone, touching only this).
-struct Chain {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<std::pair<int, Waits>> links; // each rank read, in order
-  int silent{-1}; // the first rank with no note by the deadline
-  bool done{false};
-};
-
-void readChain(
-    c10::intrusive_ptr<c10d::Store> store,
-    int me,
-    std::string mine,
-    std::vector<int> waited,
-    int worldSize,
-    Clock::time_point deadline,
-    std::shared_ptr<Chain> chain) {
-  auto finish = [&](int silent) {
-    std::lock_guard<std::mutex> lock(chain->mu);
-    chain->silent = silent;
-    chain->done = true;
-    chain->cv.notify_all();
-  };
-  try {
-    store->set(waitsKey(me), std::vector<uint8_t>(mine.begin(), mine.end()));
-    std::set<int> seen{me};
-    std::deque<int> next(waited.begin(), waited.end());
-    while (!next.empty()) {
-      const int peer = next.front();
-      next.pop_front();
-      if (!seen.insert(peer).second) {
-        continue;
-      }
-      std::optional<Waits> theirs;
-      while (!theirs) {
-        if (store->check({waitsKey(peer)})) {
-          const std::vector<uint8_t> raw = store->get(waitsKey(peer));
-          theirs = parse(std::string(raw.begin(), raw.end()), worldSize);
-          if (!theirs) {
-            break; // not a note of ours
-          }
-        } else if (Clock::now() >= deadline) {
-          break;
-        } else {
-          std::this_thread::sleep_for(kChainPoll);
-        }
-      }
-      if (!theirs) {
-        finish(peer);
-        return;
-      }
-      for (int r : theirs->ranks) {
-        next.push_back(r);
-      }
-      std::lock_guard<std::mutex> lock(chain->mu);
-      chain->links.emplace_back(peer, std::move(*theirs));
-    }
-  } catch (const std::exception&) {
-    // The store failed: what was read stands.
-  }
-  finish(-1);
-}
 
 } // namespace
 
@@ -178,9 +71,9 @@ void CollectiveEngine::note(uint64_t seq, std::vector<int> waited) {
     return;
   }
   // Its own thread: the store's host may be the rank that froze.
-  std::thread([store = store_, key = waitsKey(layout_.rank()), text = noteText(seq, waited)] {
+  std::thread([store = store_, rank = layout_.rank(), seq, waited = std::move(waited)] {
     try {
-      store->set(key, std::vector<uint8_t>(text.begin(), text.end()));
+      writeWaitNote(*store, rank, seq, waited);
     } catch (const std::exception&) {
     }
   }).detach();
@@ -190,19 +83,18 @@ std::string CollectiveEngine::blame(uint64_t seq, const std::vector<int>& waited
   if (!store_ || waited.empty() || plants::planted(plants::Plant::kTimeoutNamesNextPeer)) {
     return "";
   }
-  auto chain = std::make_shared<Chain>();
+  auto chain = std::make_shared<WaitChain>();
   const auto deadline = Clock::now() + kChainWait;
-  std::thread(readChain, store_, layout_.rank(), noteText(seq, waited), waited, layout_.worldSize(), deadline, chain)
-      .detach();
+  std::thread(followWaitChain, store_, layout_.rank(), seq, waited, layout_.worldSize(), deadline, chain).detach();
   std::unique_lock<std::mutex> lock(chain->mu);
   chain->cv.wait_until(lock, deadline + kChainWait / 4, [&] { return chain->done; });
   std::string text;
-  for (const auto& [rank, theirs] : chain->links) {
+  for (const WaitLink& link : chain->links) {
     std::string whom;
-    for (int r : theirs.ranks) {
+    for (int r : link.ranks) {
       whom += (whom.empty() ? "" : ", ") + layout_.describe(r);
     }
-    text += "; " + layout_.describe(rank) + " waits for " + whom + " (at #" + std::to_string(theirs.seq) + ")";
+    text += "; " + layout_.describe(link.rank) + " waits for " + whom + " (at #" + std::to_string(link.seq) + ")";
   }
   if (chain->silent >= 0) {
     text += "; " + layout_.describe(chain->silent) + " has not been waiting for anyone for half the timeout (" +

@@ -4,12 +4,14 @@
 #include <torch/extension.h>
 
 #include <chrono>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "faults/fault_points.h"
 #include "pipeline/slice_plan.h"
+#include "pipeline/wait_chain.h"
 #include "test_module.h"
 
 namespace py = pybind11;
@@ -66,6 +68,27 @@ void bindEngine(py::module_& m) {
       py::arg("num_machines"),
       "SlicePlan laid out: slices of (begin, end, segments); segments of (begin, end, chunk "
       "offset, shard offset, chunks); chunks of (begin, end, shards); shards of (begin, end).");
+
+  m.def(
+      "follow_wait_chain",
+      [](const c10::intrusive_ptr<c10d::Store>& store, int me, uint64_t seq, std::vector<int> waited, int worldSize,
+         int waitMs) {
+        auto chain = std::make_shared<fairring::WaitChain>();
+        {
+          py::gil_scoped_release release;
+          fairring::followWaitChain(
+              store, me, seq, std::move(waited), worldSize,
+              std::chrono::steady_clock::now() + std::chrono::milliseconds(waitMs), chain);
+        }
+        py::list links;
+        for (const auto& link : chain->links) {
+          links.append(py::make_tuple(link.rank, link.seq, link.ranks));
+        }
+        return py::make_tuple(links, chain->silent);
+      },
+      py::arg("store"), py::arg("me"), py::arg("seq"), py::arg("waited"), py::arg("world_size"), py::arg("wait_ms"),
+      "The wait chain read from `store` (src/pipeline/wait_chain.h), as the engine's blame "
+      "reads it: ([(rank, turn, whom it waits for)], the first rank with no note or -1).");
 
   auto faults = m.def_submodule("faults", "The core's fault points (src/faults/fault_points.h).");
   faults.def(
