@@ -7,7 +7,8 @@ the core. Forced here, each on one rank of a 2 x 2 job:
 - its Gloo connect holds past the timeout (Gloo's own connect waited ~15 s for a
   peer that died mid-connect, whatever timeout it had: chaos seeds 17, 67, 139);
 - its core fails at once (the others wait for its address);
-- its core fails after it started (its peers had all connected: they return a group);
+- its core fails once every rank's core has started (without the ranks' last wait they
+  would return a group);
 - its core holds past the timeout: the others time out together, each waiting for the
   next in a chain to it (chaos seeds 67, 195 named a rank that left because of it).
 
@@ -34,6 +35,7 @@ HOLD_S = 8.0  # far past every bound below: a rank that waits for it fails it
 SHORT_TIMEOUT_S = 3.0  # where the others' own timeout is what fires
 LONG_TIMEOUT_S = 10.0  # where the published failure must stop them long before
 LATER_S = 0.3  # below the settle (fairring_pg.startup.SETTLE_S)
+STARTED = "test/core_started"
 BOUND_S = {
     "gloo_held": SHORT_TIMEOUT_S + 1.0,
     "core_fails": 3.0,
@@ -49,7 +51,7 @@ def _replace_core(make: Callable[[Any], Callable[..., Any]]) -> None:
     ext.FairringBackend = make(ext.FairringBackend)
 
 
-def _fault(case: str) -> float:
+def _fault(case: str, store: Any, world: int) -> float:
     """Puts this case's fault on this rank; returns the group's timeout."""
     import fairring_pg.process_groups as process_groups
 
@@ -67,6 +69,9 @@ def _fault(case: str) -> float:
         def start(*args: Any, **kwargs: Any) -> Any:
             if case == "core_fails_late":
                 real(*args, **kwargs)  # started, connected to all its peers: dropped
+                # ...and fails only once every other rank's core has started too.
+                keys = [f"{STARTED}/{r}" for r in range(1, world)]
+                store.wait(keys, timedelta(seconds=LONG_TIMEOUT_S))
             elif case == "core_held":
                 time.sleep(HOLD_S)
             raise RuntimeError(WHY)
@@ -75,6 +80,20 @@ def _fault(case: str) -> float:
 
     _replace_core(failing)
     return SHORT_TIMEOUT_S if case == "core_held" else LONG_TIMEOUT_S
+
+
+def _say_started(store: Any, rank: int) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Marks in the store when this rank's core has started (core_fails_late)."""
+
+    def wrap(real: Callable[..., Any]) -> Callable[..., Any]:
+        def start(*args: Any, **kwargs: Any) -> Any:
+            core = real(*args, **kwargs)
+            store.set(f"{STARTED}/{rank}", "1")
+            return core
+
+        return start
+
+    return wrap
 
 
 def _later(real: Callable[..., Any]) -> Callable[..., Any]:
@@ -120,9 +139,11 @@ def _time_from_the_verdict() -> dict[str, float]:
 
 
 def _start(rank: int, world: int, store: Any, case: str, planted: bool) -> dict[str, Any]:
-    timeout_s = _fault(case) if rank == AT_FAULT[case] else None
+    timeout_s = _fault(case, store, world) if rank == AT_FAULT[case] else None
     if case == "core_held" and rank in (1, 2):
         _replace_core(_later)
+    if case == "core_fails_late" and rank != AT_FAULT[case]:
+        _replace_core(_say_started(store, rank))
     if planted:
         _plant(case)
     if timeout_s is None:

@@ -127,7 +127,16 @@ Status PeerMesh::awaitPeers(const std::string& me, const std::vector<int>& peers
     if (auto why = stopped()) { // a shutdown, or the give-up (asked without our lock)
       // What it waited for: a peer the give-up's reason does not name is how it
       // reaches this rank (the peer waits in turn, for the rank at fault).
-      return Status::error(*why + " (while waiting for " + missing() + " to connect)");
+      const std::string waited = missing();
+      bool shutDown = false;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        shutDown = closed_ || interrupted_;
+      }
+      if (waited.empty() && !shutDown) {
+        return Status(); // all in meanwhile: the ranks' last wait sees the failure
+      }
+      return Status::error(*why + " (while waiting for " + waited + " to connect)");
     }
     if (Clock::now() >= deadline) {
       return Status::error(
