@@ -18,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from fairring_pg.config import Config
-from fairring_pg.startup import AnotherRankFailed, PeersNamed, connect_watched
+from fairring_pg.startup import AnotherRankFailed, ConnectGivenUp, PeersNamed, connect_watched
 
 # make(prefix, rank in the group, group size, global ranks, name) -> a c10d Backend
 GroupMaker = Callable[[str, int, int, list[int], str], Any]
@@ -72,13 +72,16 @@ def gloo_group(
         store.set(f"{_ENDED}/{rank}", "failed")
         raise PeersNamed(
             f"fairring: rank {members[rank]} stopped connecting Gloo's group {name!r}, "
-            f"where {_who_is_missing(store, members, 0.0)}: {exc}"
+            f"where {_who_is_missing(store, members, rank, 0.0)}: {exc}"
         ) from exc
     except Exception as exc:
-        store.set(f"{_ENDED}/{rank}", "failed")
+        if not isinstance(exc, ConnectGivenUp):
+            # Its connect ended; one given up on still runs: this rank stalled in it,
+            # and says nothing, as a rank that stalled or died there would.
+            store.set(f"{_ENDED}/{rank}", "failed")
         raise PeersNamed(
             f"fairring: rank {members[rank]} could not connect Gloo's group {name!r} within "
-            f"{timeout}: {_who_is_missing(store, members, _SETTLE_S)}: {type(exc).__name__}: "
+            f"{timeout}: {_who_is_missing(store, members, rank, _SETTLE_S)}: {type(exc).__name__}: "
             f"{exc}"
         ) from exc
     store.set(f"{_ENDED}/{rank}", "connected")
@@ -90,13 +93,13 @@ _ENDED = "ended_connecting"
 _SETTLE_S = 0.5  # for the ranks that failed alike to say so
 
 
-def _who_is_missing(store: Any, members: list[int], settle_s: float) -> str:
-    """The ranks that never came to connect; else those that came and, once the others
-    had ``settle_s`` to say how they ended, never did (they died or stalled while
-    connecting)."""
+def _who_is_missing(store: Any, members: list[int], me: int, settle_s: float) -> str:
+    """The other ranks that never came to connect; else those that came and, once the
+    others had ``settle_s`` to say how they ended, never did (they died or stalled while
+    connecting). ``me`` (this rank's index) knows how its own connect ended."""
 
     def without(key: str) -> list[int]:
-        return [m for r, m in enumerate(members) if not store.check([f"{key}/{r}"])]
+        return [m for r, m in enumerate(members) if r != me and not store.check([f"{key}/{r}"])]
 
     if absent := without(_CAME):
         return f"{_ranks(absent)} never came to connect it (died or stalled before)"
@@ -105,7 +108,7 @@ def _who_is_missing(store: Any, members: list[int], settle_s: float) -> str:
         time.sleep(0.05)
     if silent:
         return f"{_ranks(silent)} came to connect it and left or stalled while connecting"
-    return "every rank came to connect it and ended"
+    return "every other rank came to connect it and ended"
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -92,6 +92,10 @@ class AnotherRankFailed(RuntimeError):
     """This rank's start stops because another rank's failed (its reason inside)."""
 
 
+class ConnectGivenUp(TimeoutError):
+    """A connect that did not end in time (connect_watched): it still runs, unfinished."""
+
+
 class PeersNamed(RuntimeError):
     """A failure to start whose message names the ranks at fault, having given them
     time to say how they ended (no second wait for them)."""
@@ -107,7 +111,7 @@ def _another_failed(what: str, why: str) -> AnotherRankFailed:
 def connect_watched(make: Callable[[], T], store: Any, timeout: timedelta, what: str) -> T:
     """``make()`` (a blocking connect, e.g. a ProcessGroupGloo) on a thread of its own,
     waited for until it ends, another rank publishes a failure (raised at once, naming
-    it) or ``timeout`` + CONNECT_GRACE_S passes (a TimeoutError). A connect given up on
+    it) or ``timeout`` + CONNECT_GRACE_S passes (ConnectGivenUp). A connect given up on
     ends on its own thread later and is dropped."""
     ended = threading.Event()
     result: dict[str, Any] = {}
@@ -126,7 +130,7 @@ def connect_watched(make: Callable[[], T], store: Any, timeout: timedelta, what:
         if (why := published_failure(store)) is not None:
             raise _another_failed(what, why)
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} did not end within {timeout} (+{CONNECT_GRACE_S} s)")
+            raise ConnectGivenUp(f"{what} did not end within {timeout} (+{CONNECT_GRACE_S} s)")
     if "error" in result:
         raise result["error"]
     return result["value"]
@@ -137,11 +141,7 @@ def all_passed(store: Any, rank: int, size: int, timeout: timedelta) -> None:
     the first failure one of them published. No rank builds a group (Gloo's, the core's)
     before this: one that did would see a peer that failed later leave mid-connect, and
     report a closed connection instead of the setting at fault."""
-    store.set(f"{PASSED_KEY}/{rank}", "1")
-    keys = [f"{PASSED_KEY}/{r}" for r in range(size)]
-    wait_for(
-        store, keys, timeout, "waiting for every rank to pass its start-up checks", range(size)
-    )
+    _all_say(store, rank, size, PASSED_KEY, timeout, "to pass its start-up checks", _POLL_S)
 
 
 def all_started(store: Any, rank: int, size: int, timeout: timedelta) -> None:
@@ -149,18 +149,33 @@ def all_started(store: Any, rank: int, size: int, timeout: timedelta) -> None:
     are, or raise the failure one of them published. The group is then made on every
     rank or on none: a rank whose peers all connected to it would otherwise return a
     group that fails at its first call, naming a peer that left because of a third."""
-    store.set(f"{STARTED_KEY}/{rank}", "1")
-    keys = [f"{STARTED_KEY}/{r}" for r in range(size)]
-    wait_for(store, keys, timeout, "waiting for every rank to start", range(size), _STARTED_POLL_S)
+    _all_say(store, rank, size, STARTED_KEY, timeout, "to start", _STARTED_POLL_S)
+
+
+def _all_say(
+    store: Any, rank: int, size: int, key: str, timeout: timedelta, what: str, poll_s: float
+) -> None:
+    """Every rank says ``key``: a count each look reads in one request, whatever the
+    group's size, and a key per rank that names the silent ones at the timeout."""
+    store.set(f"{key}/{rank}", "1")
+    store.add(f"{key}/count", 1)
+    waiting = f"waiting for every rank {what}"
+    deadline = time.monotonic() + timeout.total_seconds()
+    while store.add(f"{key}/count", 0) < size:
+        if (why := published_failure(store)) is not None:
+            raise _another_failed(waiting, why)
+        if time.monotonic() > deadline:
+            silent = [r for r in range(size) if not store.check([f"{key}/{r}"])]
+            named = ", ".join(f"rank {r}" for r in silent)
+            raise RuntimeError(
+                f"fairring: timed out after {timeout} {waiting}: {named} never said so "
+                "(did not start, died or stalled)"
+            )
+        time.sleep(poll_s)
 
 
 def wait_for(
-    store: Any,
-    keys: Sequence[str],
-    timeout: timedelta,
-    what: str,
-    ranks: Sequence[int],
-    poll_s: float = _POLL_S,
+    store: Any, keys: Sequence[str], timeout: timedelta, what: str, ranks: Sequence[int]
 ) -> None:
     """Wait until every key exists (``ranks[i]`` writes ``keys[i]``); raise at once if
     another rank failed to start, and at the timeout naming the ranks that never wrote."""
@@ -175,4 +190,4 @@ def wait_for(
                 f"fairring: timed out after {timeout} {what}: {named} never wrote it "
                 "(did not start, died or stalled)"
             )
-        time.sleep(poll_s)
+        time.sleep(_POLL_S)

@@ -18,6 +18,7 @@ count from the ranks' verdict, when the groups begin to connect.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -36,6 +37,8 @@ SHORT_TIMEOUT_S = 3.0  # where the others' own timeout is what fires
 LONG_TIMEOUT_S = 10.0  # where the published failure must stop them long before
 LATER_S = 0.3  # below the settle (fairring_pg.startup.SETTLE_S)
 STARTED = "test/core_started"
+# How a rank's error names the one whose Gloo connect held (process_groups.py).
+STALLED = r"rank 1\b[^:]*came to connect it and left or stalled"
 BOUND_S = {
     "gloo_held": SHORT_TIMEOUT_S + 1.0,
     "core_fails": 3.0,
@@ -181,6 +184,8 @@ def _problems(case: str, planted: bool) -> list[str]:
         if o.rank != at_fault:
             if f"rank {at_fault} " not in error and f"rank {at_fault}:" not in error:
                 problems.append(f"rank {o.rank}: rank {at_fault} not named: {error}")
+            elif case == "gloo_held" and not re.search(STALLED, error):
+                problems.append(f"rank {o.rank}: rank {at_fault} not named as stalled: {error}")
             elif case in ("core_fails", "core_fails_late") and WHY not in error:
                 problems.append(f"rank {o.rank}: rank {at_fault}'s reason not said: {error}")
         if took > BOUND_S[case] and (o.rank != at_fault or case != "core_held"):
