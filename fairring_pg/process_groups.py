@@ -18,7 +18,13 @@ from typing import Any
 import torch.distributed as dist
 
 from fairring_pg.config import Config
-from fairring_pg.startup import AnotherRankFailed, ConnectGivenUp, PeersNamed, connect_watched
+from fairring_pg.startup import (
+    SETTLE_S,
+    AnotherRankFailed,
+    ConnectGivenUp,
+    PeersNamed,
+    connect_watched,
+)
 
 # make(prefix, rank in the group, group size, global ranks, name) -> a c10d Backend
 GroupMaker = Callable[[str, int, int, list[int], str], Any]
@@ -81,7 +87,7 @@ def gloo_group(
             store.set(f"{_ENDED}/{rank}", "failed")
         raise PeersNamed(
             f"fairring: rank {members[rank]} could not connect Gloo's group {name!r} within "
-            f"{timeout}: {_who_is_missing(store, members, rank, _SETTLE_S)}: {type(exc).__name__}: "
+            f"{timeout}: {_who_is_missing(store, members, rank, SETTLE_S)}: {type(exc).__name__}: "
             f"{exc}"
         ) from exc
     store.set(f"{_ENDED}/{rank}", "connected")
@@ -90,7 +96,6 @@ def gloo_group(
 
 _CAME = "came_to_connect"
 _ENDED = "ended_connecting"
-_SETTLE_S = 0.5  # for the ranks that failed alike to say so
 
 
 def _who_is_missing(store: Any, members: list[int], me: int, settle_s: float) -> str:

@@ -29,7 +29,8 @@ _STARTED_POLL_S = 0.01  # every group creation waits on it once
 # it: Gloo's own connect can wait ~15 s for a peer that died mid-connect, whatever the
 # timeout it was given (pair.h, "Connect timeout").
 CONNECT_GRACE_S = 0.3
-# How long a rank whose start failed waits for the others to say why theirs did.
+# How long a rank whose start failed waits for the others to say how theirs ended
+# (why, or, in a Gloo connect, that it ended).
 SETTLE_S = 0.5
 
 T = TypeVar("T")
