@@ -21,6 +21,7 @@ import torch.distributed as dist
 from fairring_pg import group_info, measured, process_groups, sizing
 from fairring_pg.config import Config, file_for_group
 from fairring_pg.cpu import future_callbacks
+from fairring_pg.cuda import own_stream
 from fairring_pg.cuda.decision import CudaDecision, decide_for_job
 from fairring_pg.cuda.job_plan import plan_for_job
 from fairring_pg.cuda.subgroups import build_subgroups, cuda_subgroup_kinds
@@ -287,6 +288,7 @@ def _set_measured(agreed: _Agreed, opts: Any, rank: int, dist_backend_opts: Any)
     if not (cpu_measures or (agreed.cuda_plan.measures and composed)):
         return
     opts.accelerator_delegate_name = agreed.cuda_decision.delegate
+    opts.set_own_stream(own_stream.own_stream)
     measured.set_known(opts, agreed.known)
     if rank == 0:
         path = config.plan_file

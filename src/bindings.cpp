@@ -31,6 +31,21 @@ bool pythonFinalizing() {
   return _Py_IsFinalizing() != 0;
 #endif
 }
+
+// A Python callable the core keeps. Not pybind's own std::function wrapper,
+// which takes the GIL to let go of the callable: a backend torch destroys only
+// after the interpreter ended must leave it to the process instead.
+std::shared_ptr<py::object> held(py::function f) {
+  return std::shared_ptr<py::object>(new py::object(std::move(f)), [](py::object* o) {
+    if (Py_IsInitialized() != 0 && !pythonFinalizing()) {
+      py::gil_scoped_acquire gil;
+      delete o;
+    } else {
+      (void)o->release();
+      delete o;
+    }
+  });
+}
 } // namespace
 } // namespace fairring
 using fairring::FairringBackend;
@@ -99,22 +114,11 @@ void bindOptions(py::module_& m) {
       .def(
           "set_on_measured",
           [](BackendOptions& o, py::function hook) {
-            // Not pybind's own std::function wrapper, which takes the GIL to let go of the
-            // callable: a backend torch destroys only after the interpreter ended must
-            // leave it to the process instead.
-            auto held = std::shared_ptr<py::object>(new py::object(std::move(hook)), [](py::object* f) {
-              if (Py_IsInitialized() != 0 && !fairring::pythonFinalizing()) {
-                py::gil_scoped_acquire gil;
-                delete f;
-              } else {
-                (void)f->release();
-                delete f;
-              }
-            });
-            o.onMeasured = [held](const std::string& device, const std::string& decision) {
+            auto f = fairring::held(std::move(hook));
+            o.onMeasured = [f](const std::string& device, const std::string& decision) {
               py::gil_scoped_acquire gil;
               try {
-                (*held)(device, decision);
+                (*f)(device, decision);
               } catch (py::error_already_set& e) {
                 throw std::runtime_error(e.what()); // made and dropped under the GIL
               }
@@ -122,6 +126,27 @@ void bindOptions(py::module_& m) {
           },
           py::arg("hook"),
           "Who is told of each decision of the measured choice: hook(device, decision as JSON).")
+      .def(
+          "set_own_stream",
+          [](BackendOptions& o, py::function maker) {
+            auto f = fairring::held(std::move(maker));
+            o.ownStream = [f](c10::Device device) {
+              py::gil_scoped_acquire gil;
+              try {
+                const auto id = (*f)(c10::DeviceTypeName(device.type(), /*lower_case=*/true), device.index())
+                                    .cast<int64_t>();
+                return c10::Stream(c10::Stream::UNSAFE, device, id);
+              } catch (py::error_already_set& e) {
+                // Its message alone: what the ranks say of a class kept.
+                throw std::runtime_error(py::str(e.value()).cast<std::string>());
+              } catch (const py::cast_error& e) {
+                throw std::runtime_error(std::string("its maker did not return a stream id: ") + e.what());
+              }
+            };
+          },
+          py::arg("maker"),
+          "Who makes the accelerator's trial timers a stream no one else is handed: "
+          "maker(device type, index) -> the stream's id.")
       .def(
           "add_measured_known",
           [](BackendOptions& o, const std::string& device, size_t fromBytes, int winner,

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from native_module import NATIVE
 
+from fairring_pg.cuda import own_stream
+
 DEVICE = "vehicle"
 _vehicle: Any = None
 
@@ -53,6 +55,8 @@ def install() -> Any:
     device_module._is_in_bad_fork = lambda: False  # type: ignore[attr-defined]
     device_module.manual_seed_all = lambda seed: None  # type: ignore[attr-defined]
     torch._register_device_module(DEVICE, device_module)
+    # What cudaStreamCreate is to CUDA: the trial timers' stream of their own.
+    own_stream.register(DEVICE, lambda index: module.new_stream("fairring trial timing"))
     _vehicle = module
     return module
 

@@ -1,9 +1,10 @@
 """The house rules, checked on the checkout: no source file over 600 lines, no function
-over 80 (Python and C++), no import circle inside fairring_pg.
+over 80 (Python and C++), no import circle inside fairring_pg, no circle among the C++
+core's folders (each folder one concept, lower ones knowing nothing of higher ones).
 
 Each rule is a pure function over file contents (``long_files``, ``long_python_functions``,
-``long_cpp_functions``, ``import_cycles``), so that the tests below can also show each
-one catching a planted violation.
+``long_cpp_functions``, ``import_cycles``, ``cpp_folder_cycles``), so that the tests below
+can also show each one catching a planted violation.
 """
 
 from __future__ import annotations
@@ -193,6 +194,30 @@ def import_cycles(modules: Mapping[str, tuple[str, bool]]) -> list[set[str]]:
     return _strongly_connected(graph)
 
 
+_CPP_INCLUDE = re.compile(r'^\s*#\s*include\s+"([A-Za-z0-9_]+)/', re.MULTILINE)
+
+
+def cpp_folder_graph(texts: Mapping[str, str]) -> dict[str, set[str]]:
+    """Which folders of src/ each folder's files include from (``#include "folder/..."``),
+    by file path (``src/<folder>/<file>``) -> text."""
+    graph: dict[str, set[str]] = {}
+    for path, text in texts.items():
+        parts = Path(path).parts
+        if len(parts) < 3 or parts[0] != "src":
+            continue
+        folder = parts[1]
+        graph.setdefault(folder, set()).update(
+            other for other in _CPP_INCLUDE.findall(text) if other != folder
+        )
+    return graph
+
+
+def cpp_folder_cycles(texts: Mapping[str, str]) -> list[set[str]]:
+    """The circles among the C++ folders: each set of folders that include from one
+    another, directly or through others."""
+    return _strongly_connected(cpp_folder_graph(texts))
+
+
 def package_modules(package: Path) -> dict[str, tuple[str, bool]]:
     return {
         _module_name(path, package): (path.read_text(), path.name == "__init__.py")
@@ -224,6 +249,11 @@ def test_no_cpp_function_is_over_80_lines() -> None:
 
 def test_fairring_pg_has_no_import_circle() -> None:
     assert import_cycles(package_modules(ROOT / "fairring_pg")) == []
+
+
+def test_the_cpp_folders_have_no_circle() -> None:
+    cpp = [p for p in source_files() if p.parts[len(ROOT.parts)] == "src"]
+    assert cpp_folder_cycles(_texts(cpp)) == []
 
 
 # ------------------------------------------------------- each rule catches its case
@@ -273,3 +303,23 @@ def test_a_planted_import_circle_is_caught() -> None:
     assert import_cycles(modules) == [{"pkg.a", "pkg.b", "pkg.c"}]
     del modules["pkg.c"]
     assert import_cycles(modules) == []
+
+
+def test_a_planted_cpp_folder_circle_is_caught() -> None:
+    cpp = _texts(p for p in source_files() if p.parts[len(ROOT.parts)] == "src")
+    # As it was: the device path's interface among the c10d face's files, which
+    # include the sub-groups' path, which implements that interface.
+    assert "subgroups" in cpp_folder_graph(cpp)["backend"]
+    planted = {**cpp, "src/subgroups/planted.h": '#include "backend/device_path.h"\n'}
+    [circle] = cpp_folder_cycles(planted)
+    assert {"backend", "subgroups"} <= circle
+    # Through a third folder, and an include inside a comment-free line with spaces.
+    texts = {
+        "src/a/x.h": '#include "b/y.h"\n',
+        "src/b/y.h": '#  include "c/z.h"\n#include <vector>\n',
+        "src/c/z.h": '#include "c/w.h"\n',
+        "tests/native/t.cpp": '#include "a/x.h"\n',
+    }
+    assert cpp_folder_cycles(texts) == []
+    texts["src/c/z.h"] += '#include "a/x.h"\n'
+    assert cpp_folder_cycles(texts) == [{"a", "b", "c"}]

@@ -9,7 +9,7 @@
 #include "backend/cpu_plan.h"
 #include "backend/cpu_sharded.h"
 #include "backend/gloo_calls.h"
-#include "backend/device_path.h"
+#include "device/device_path.h"
 #include "measured/measured_choice.h"
 #include "pipeline/collective_engine.h"
 

@@ -3,7 +3,7 @@
 #include <atomic>
 #include <string>
 
-#include "backend/device_path.h"
+#include "device/device_path.h"
 
 namespace fairring {
 

@@ -1,11 +1,11 @@
 #include "backend/fairring_backend.h"
-#include "backend/without_gil.h"
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "backend/cpu_path.h"
 #include "backend/delegate_path.h"
+#include "common/without_gil.h"
 #include "faults/plants.h"
 #include "subgroups/composed_path.h"
 
@@ -132,7 +132,8 @@ std::unique_ptr<DevicePath> FairringBackend::composedOrDelegate(
         {cpu ? "gloo" : backendOptions.acceleratorDelegateName, "composed"}, /*kept=*/0, std::move(rows),
         backendOptions);
     return std::make_unique<ComposedPath>(
-        std::make_unique<SubgroupAllreduce>(*subgroups, options, device), delegate, std::move(measured));
+        std::make_unique<SubgroupAllreduce>(*subgroups, options, device), delegate, std::move(measured),
+        backendOptions.ownStream);
   }
   return std::make_unique<DelegatePath>(delegate, getRank(), unavailable);
 }

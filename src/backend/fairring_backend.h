@@ -14,7 +14,7 @@
 #include "backend/coalescing_block.h"
 #include "backend/cpu_allreduce.h"
 #include "backend/cpu_plan.h"
-#include "backend/device_path.h"
+#include "device/device_path.h"
 #include "measured/measured_choice.h"
 #include "subgroups/subgroup_allreduce.h"
 
@@ -56,6 +56,9 @@ struct BackendOptions {
   std::vector<std::pair<std::string, MeasuredDecision>> measuredKnown;
   std::string acceleratorDelegateName{"nccl"};
   std::function<void(const std::string&, const std::string&)> onMeasured;
+  // Makes the accelerator's trial timers a stream of their own
+  // (fairring_pg.cuda.own_stream); unset, they cannot time.
+  StreamMaker ownStream;
   // NCCL groups for CUDA tensors (the world group alone where the plan
   // composes nothing); unset without CUDA and NCCL, or where ranks share a
   // GPU (then CUDA allreduces go to the CUDA delegate).

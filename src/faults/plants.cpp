@@ -39,8 +39,9 @@ const std::vector<std::string>& names() {
       "delegated_unannounced",
       "barrier_before_hand_over",
       "wait_note_by_rank",
+      "timer_on_pool_stream",
   };
-  static_assert(static_cast<int>(Plant::kCount) == 29, "a name for every plant");
+  static_assert(static_cast<int>(Plant::kCount) == 30, "a name for every plant");
   return all;
 }
 

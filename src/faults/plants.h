@@ -42,6 +42,7 @@ enum class Plant : uint8_t {
   kDelegatedUnannounced, // a CPU collective fairring does not run goes to Gloo at once, unannounced
   kBarrierBeforeHandOver, // barrier() does not wait for the announced calls before it to be on Gloo
   kWaitNoteByRank, // the wait chain follows a peer's latest note, not its note for the turn waited at
+  kTimerOnPoolStream, // a device's trial timers record on the device's "new stream" (CUDA: torch's shared pool)
   kCount,
 };
 

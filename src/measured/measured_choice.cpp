@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <sstream>
 
-#include "backend/without_gil.h"
+#include "common/without_gil.h"
 #include "faults/fault_points.h"
 #include "faults/plants.h"
 #include "faults/trial_clock.h"

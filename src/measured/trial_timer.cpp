@@ -9,7 +9,7 @@
 
 #include "faults/fault_points.h"
 #include "faults/plants.h"
-#include "subgroups/done_point.h"
+#include "device/done_point.h"
 
 namespace fairring {
 
@@ -159,22 +159,65 @@ class DeviceTimer : public TrialTimer {
   std::string error_;
 };
 
+// A device's timer where no stream of its own could be made: it cannot time
+// (the class keeps the program's own way, saying why).
+class UntimedTimer : public TrialTimer {
+ public:
+  explicit UntimedTimer(std::string why) : why_(std::move(why)) {}
+
+  void watch(const c10::intrusive_ptr<c10d::Work>&) override {}
+  void watch(const c10::intrusive_ptr<c10::ivalue::Future>&) override {}
+  void raised(const std::string&) override {}
+  TrialTime read(Clock::time_point, const Stop&) override {
+    return TrialTime{true, std::nullopt, why_};
+  }
+
+ private:
+  const std::string why_;
+};
+
 } // namespace
+
+TrialTimers::TrialTimers(StreamMaker ownStream) : ownStream_(std::move(ownStream)) {}
+
+TrialTimers::Timing TrialTimers::make(c10::Device device) const {
+  if (plants::planted(plants::Plant::kTimerOnPoolStream)) {
+    // Tests: what the device calls a new stream (on CUDA, one of torch's pool).
+    return Timing{c10::impl::VirtualGuardImpl(device.type()).getNewStream(device), ""};
+  }
+  const std::string what = "no stream of its own on " + device.str() + " to time its calls on: ";
+  if (!ownStream_) {
+    return Timing{std::nullopt, what + "fairring_pg.cuda.own_stream knows no way to make one"};
+  }
+  try {
+    return Timing{ownStream_(device), ""};
+  } catch (const std::exception& e) {
+    return Timing{std::nullopt, what + e.what()};
+  }
+}
 
 std::shared_ptr<TrialTimer> TrialTimers::start(int64_t call, c10::Device device) {
   if (device.is_cpu()) {
     return std::make_shared<HostTimer>(call);
   }
-  c10::impl::VirtualGuardImpl impl(device.type());
   if (!device.has_index()) {
-    device = impl.getDevice();
+    device = c10::impl::VirtualGuardImpl(device.type()).getDevice();
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   auto it = timing_.find(device.index());
   if (it == timing_.end()) {
-    it = timing_.emplace(device.index(), impl.getNewStream(device)).first;
+    // Made without the lock: the maker may take the GIL, and a thread that
+    // holds it may be starting a timer too. A second one made at once is
+    // left unused.
+    lock.unlock();
+    Timing made = make(device);
+    lock.lock();
+    it = timing_.emplace(device.index(), std::move(made)).first;
   }
-  return std::make_shared<DeviceTimer>(device, it->second);
+  if (!it->second.stream) {
+    return std::make_shared<UntimedTimer>(it->second.why);
+  }
+  return std::make_shared<DeviceTimer>(device, *it->second.stream);
 }
 
 } // namespace fairring

@@ -54,12 +54,23 @@ class TrialTimer {
   virtual TrialTime read(Clock::time_point deadline, const Stop& stop) = 0;
 };
 
+// Makes a stream on `device` that no one else is handed, or throws why it
+// cannot. CUDA's own "new stream" is one of a pool of 32 that torch hands
+// round robin to every caller (CUDAGuardImpl::getNewStream calls
+// getStreamFromPool), the program's torch.cuda.Stream() too: a timer's wait
+// there would hold back whatever the program runs on it later.
+// fairring_pg.cuda.own_stream makes them (a non-blocking stream of the driver's).
+using StreamMaker = std::function<c10::Stream(c10::Device)>;
+
 // Makes the timers of one device's calls: the clock on CPU, events on an
-// accelerator (and the one stream that records their ends, made at the first:
-// a new stream of its own, not one of torch's shared pool, which the program's
-// own streams may be, so that its waits hold back no stream of the program).
+// accelerator, whose ends are recorded on one stream per device, made at its
+// first timer by `ownStream`. Where there is none (no maker, or it failed),
+// that device's timers cannot time: its classes keep the program's own way,
+// saying why.
 class TrialTimers {
  public:
+  explicit TrialTimers(StreamMaker ownStream = {});
+
   // A timer for trial call `call` of its class, on `device` (the call's
   // tensors'); `call` is the key of the test-only fault point
   // "measured.trial_done", which makes that call end late.
@@ -67,8 +78,16 @@ class TrialTimers {
   std::shared_ptr<TrialTimer> start(int64_t call, c10::Device device);
 
  private:
+  // The stream of a device's timers, or why it has none.
+  struct Timing {
+    std::optional<c10::Stream> stream;
+    std::string why;
+  };
+  Timing make(c10::Device device) const;
+
+  const StreamMaker ownStream_;
   std::mutex mu_;
-  std::map<c10::DeviceIndex, c10::Stream> timing_; // per device index, under mu_
+  std::map<c10::DeviceIndex, Timing> timing_; // per device index, under mu_
 };
 
 } // namespace fairring

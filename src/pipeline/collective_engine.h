@@ -40,7 +40,7 @@ namespace fairring {
 // default; the engine is handed the numbers).
 struct EngineOptions {
   size_t sliceBytes{0};
-  size_t slotBytes{0}; // one staging slot (fairring_pg.config.staging_slot_bytes)
+  size_t slotBytes{0}; // one staging slot (fairring_pg.sizing.staging_slot_bytes)
   size_t totalMemory{0};
   std::chrono::milliseconds timeout{0};
   std::string listenAddress;

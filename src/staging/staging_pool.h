@@ -8,7 +8,7 @@
 namespace fairring {
 
 // A fixed pool of staging memory cut into equal slots (of the size
-// fairring_pg.config.staging_slot_bytes gives: the engine checks that a slice
+// fairring_pg.sizing.staging_slot_bytes gives: the engine checks that a slice
 // of every dtype fits, SlicePlan::stagedBytes). It is allocated once
 // and never grows: when every slot is taken, work waits for one (the caller
 // keeps the queue; this class is not thread-safe and lives under its lock).

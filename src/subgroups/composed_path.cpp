@@ -11,8 +11,12 @@ namespace fairring {
 ComposedPath::ComposedPath(
     std::unique_ptr<SubgroupAllreduce> composition,
     c10::intrusive_ptr<c10d::Backend> delegate,
-    std::unique_ptr<MeasuredChoice> measured)
-    : composition_(std::move(composition)), delegate_(std::move(delegate)), measured_(std::move(measured)) {
+    std::unique_ptr<MeasuredChoice> measured,
+    StreamMaker ownStream)
+    : composition_(std::move(composition)),
+      delegate_(std::move(delegate)),
+      measured_(std::move(measured)),
+      timers_(std::move(ownStream)) {
   TORCH_CHECK(composition_ && delegate_, "fairring: a composed path needs its composition and a delegate");
 }
 

@@ -2,7 +2,7 @@
 
 #include <memory>
 
-#include "backend/device_path.h"
+#include "device/device_path.h"
 #include "measured/measured_choice.h"
 #include "subgroups/subgroup_allreduce.h"
 
@@ -21,11 +21,13 @@ namespace fairring {
 // delegate's, until the measured choice (src/measured/) says which is faster.
 class ComposedPath : public DevicePath {
  public:
-  // `measured`: where some row of the plan is measured, else null.
+  // `measured`: where some row of the plan is measured, else null;
+  // `ownStream`: makes the stream its trial timers record on (trial_timer.h).
   ComposedPath(
       std::unique_ptr<SubgroupAllreduce> composition,
       c10::intrusive_ptr<c10d::Backend> delegate,
-      std::unique_ptr<MeasuredChoice> measured);
+      std::unique_ptr<MeasuredChoice> measured,
+      StreamMaker ownStream = {});
 
   c10::intrusive_ptr<c10d::Work> delegated(
       const std::vector<at::Tensor>& tensors,

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "common/status.h"
-#include "subgroups/done_point.h"
+#include "device/done_point.h"
 
 namespace fairring {
 

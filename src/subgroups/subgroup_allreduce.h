@@ -18,7 +18,7 @@
 
 #include "failure/group_failure.h"
 #include "subgroups/call_plan.h"
-#include "subgroups/done_point.h"
+#include "device/done_point.h"
 #include "subgroups/drain.h"
 #include "subgroups/in_flight_ops.h"
 #include "subgroups/lane_streams.h"

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "failure/group_failure.h"
-#include "subgroups/done_point.h"
+#include "device/done_point.h"
 
 namespace fairring {
 

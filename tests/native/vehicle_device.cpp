@@ -78,8 +78,11 @@ struct Guard final : public c10::impl::DeviceGuardImplInterface {
     Ledger::get().nameStream(id, std::string(isHighPriority ? "high-priority " : "") + "pool stream");
     return streamOf(id);
   }
-  c10::Stream getNewStream(c10::Device, int) const override {
-    return streamOf(nextNew.fetch_add(1));
+  // As CUDA's (CUDAGuardImpl::getNewStream is getStreamFromPool): a pool
+  // stream, which the program may be handed too. A stream of one's own is
+  // newStream's (as cudaStreamCreate's).
+  c10::Stream getNewStream(c10::Device d, int priority) const override {
+    return getStreamFromGlobalPool(d, priority < 0);
   }
   c10::Stream exchangeStream(c10::Stream s) const override {
     const int64_t previous = tCurrent;

@@ -1,4 +1,4 @@
-#include "subgroups/done_point.h"
+#include "device/done_point.h"
 
 #include <c10/core/StreamGuard.h>
 

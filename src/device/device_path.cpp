@@ -1,4 +1,4 @@
-#include "backend/device_path.h"
+#include "device/device_path.h"
 
 namespace fairring {
 
