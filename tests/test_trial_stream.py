@@ -28,7 +28,15 @@ import pytest
 import stream_vehicle
 import torch
 import torch.distributed as dist
-from test_stream_corners import MEASURED_N, MEASURED_PLAN, decisions, job, outcome, started
+from test_stream_corners import (
+    MEASURED_N,
+    MEASURED_PLAN,
+    decisions,
+    job,
+    outcome,
+    started,
+    sync_calls_of_a_measured_class,
+)
 from test_stream_order import exact, produced, total
 
 from fairring_pg import measured
@@ -117,17 +125,9 @@ def test_the_timers_hold_back_none_of_the_programs_streams() -> None:
 
 
 def no_stream_of_its_own(rank: int, world: int) -> dict[str, Any]:
-    v = started()
+    stream_vehicle.install()
     own_stream._makers.pop(DEVICE)
-    try:
-        errors = []
-        for call in range(CALLS):
-            t = produced(rank, MEASURED_N) * (call + 1)
-            dist.all_reduce(t)
-            errors.append(exact(t * 1, total(world, MEASURED_N) * (call + 1)))
-        return outcome(v, errors, decisions=decisions())
-    finally:
-        stream_vehicle.finish()
+    return sync_calls_of_a_measured_class(rank, world)
 
 
 def test_without_a_stream_of_its_own_the_class_keeps_the_programs_way() -> None:
