@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mpi_allreduce  # noqa: E402
 import report  # noqa: E402
 
 import common  # noqa: E402
@@ -99,6 +100,7 @@ def driver(args: argparse.Namespace) -> int:
             Path(__file__), args, place, shape, forwarded, machines, ranks, f"{place.name}_{shape}"
         )
         runs[shape] = result if result is not None else {"error": f"exit status {code}"}
+        runs[shape]["mpi"] = _mpi(place.netns, machines, ranks, args)
     config = {
         "where": place.where,
         "rate": args.rate,
@@ -118,6 +120,17 @@ def driver(args: argparse.Namespace) -> int:
     return 0 if all("error" not in r for r in runs.values()) else 1
 
 
+def _mpi(netns: bool, machines: int, ranks: int, args: argparse.Namespace) -> dict[str, Any]:
+    """MPICH's times of the same sizes (bench/mpi_allreduce.py), or why there are none."""
+    if netns:
+        return {"error": "not run on the namespace cluster (mpiexec places no rank there)"}
+    sizes = sizes_of(args)
+    reps = [reps_for(s) for s in sizes]
+    result = mpi_allreduce.run(machines, ranks, sizes, reps, args.iters, args.warmup)
+    print(f"== mpi {machines}x{ranks}: {result.get('error', 'done')}", flush=True)
+    return result
+
+
 def summarize(run: dict[str, Any]) -> list[dict[str, float]]:
     """Per size: median seconds, algbw, busbw for each backend, and the ratio."""
     rows = []
@@ -135,6 +148,10 @@ def summarize(run: dict[str, Any]) -> list[dict[str, float]]:
         # Other jobs on a shared host only ever slow an iteration down: the best-of ratio
         # shows how much of a gap is noise.
         row["speedup_best"] = row["gloo_best_s"] / row["fairring_best_s"]
+        mpi = run.get("mpi", {}).get("sizes", {}).get(size_text)
+        if mpi:
+            row["mpi_s"] = common.median(mpi)
+            row["vs_mpi"] = row["mpi_s"] / row["fairring_s"]
         rows.append(row)
     return rows
 
@@ -148,7 +165,8 @@ def render(data: dict[str, Any]) -> tuple[str, Any]:
         "\n",
         "Times are per allreduce; bandwidths in MB/s (10^6 B/s); algbw = S/t, "
         "busbw = 2(N-1)/N·S/t; speedup = Gloo time / fairring time (medians; best of:"
-        " fastest iterations).\n\n",
+        " fastest iterations); vs MPI = MPICH's time / fairring's (bench/mpi_allreduce.py,"
+        " started by its own mpiexec after the other two).\n\n",
     ]
     goodput = data.get("link_goodput")
     if goodput:
@@ -163,35 +181,10 @@ def render(data: dict[str, Any]) -> tuple[str, Any]:
             parts.append(f"failed: {run['error']}\n\n")
             continue
         rows = summarize(run)
-        parts.append(
-            report.table(
-                [
-                    "size",
-                    "gloo ms",
-                    "fairring ms",
-                    "gloo algbw",
-                    "fairring algbw",
-                    "gloo busbw",
-                    "fairring busbw",
-                    "speedup",
-                    "speedup (best of)",
-                ],
-                [
-                    [
-                        common.show_size(int(r["size"])),
-                        report.ms(r["gloo_s"]),
-                        report.ms(r["fairring_s"]),
-                        report.mbps(r["gloo_algbw"]),
-                        report.mbps(r["fairring_algbw"]),
-                        report.mbps(r["gloo_busbw"]),
-                        report.mbps(r["fairring_busbw"]),
-                        report.ratio(r["speedup"]),
-                        report.ratio(r["speedup_best"]),
-                    ]
-                    for r in rows
-                ],
-            )
-        )
+        parts.append(_table(rows))
+        mpi_error = run.get("mpi", {}).get("error")
+        if mpi_error:
+            parts.append(f"\nMPI: {mpi_error}.\n")
         parts.append("\n")
         panels[shape] = {
             b: ([r["size"] for r in rows], [r[f"{b}_busbw"] / 1e6 for r in rows])
@@ -213,6 +206,31 @@ def render(data: dict[str, Any]) -> tuple[str, Any]:
         )
 
     return "".join(parts), plot
+
+
+def _table(rows: list[dict[str, float]]) -> str:
+    """One shape's table: Gloo, fairring and (where it ran) MPICH; "vs MPI" is MPICH's
+    time / fairring's (above 1: fairring is faster)."""
+    mpi = any("mpi_s" in r for r in rows)
+    head = ["size", "gloo ms", "fairring ms"] + (["mpi ms"] if mpi else [])
+    head += ["gloo algbw", "fairring algbw", "gloo busbw", "fairring busbw", "speedup"]
+    head += ["speedup (best of)"] + (["vs MPI"] if mpi else [])
+
+    def line(r: dict[str, float]) -> list[str]:
+        cells = [
+            common.show_size(int(r["size"])),
+            report.ms(r["gloo_s"]),
+            report.ms(r["fairring_s"]),
+        ]
+        cells += [report.ms(r["mpi_s"]) if "mpi_s" in r else "-"] if mpi else []
+        cells += [
+            report.mbps(r[f"{b}_{w}"]) for w in ("algbw", "busbw") for b in ("gloo", "fairring")
+        ]
+        cells += [report.ratio(r["speedup"]), report.ratio(r["speedup_best"])]
+        cells += [report.ratio(r["vs_mpi"]) if "vs_mpi" in r else "-"] if mpi else []
+        return cells
+
+    return report.table(head, [line(r) for r in rows])
 
 
 def _rate_bytes(rate: str) -> float:
