@@ -352,7 +352,6 @@ def core_options(
     engine.listen_address = address
     engine.token = token
     engine.timeout = timeout
-    engine.rail_congestion = "" if config.rail_congestion == "system" else config.rail_congestion
     opts.subgroup.timeout = timeout
     if cuda_plan is not None:
         # What each size of the sub-group allreduce runs; where some size composes, its

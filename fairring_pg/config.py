@@ -300,6 +300,7 @@ class Config:
         "reno",
         job_wide=False,
         shapes_plan=True,
+        core=("engine.rail_congestion",),
         help="CPU, 3 machines and more: the TCP congestion control of the sockets a rank "
         "sends to other machines on, one after another; `system` keeps the machine's "
         "(`net.ipv4.tcp_congestion_control`). Reno because BBR paces each of these flows at "

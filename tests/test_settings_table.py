@@ -59,11 +59,19 @@ def test_a_value_reaches_the_core_options_by_its_row() -> None:
         pass
 
     opts = SimpleNamespace(engine=Part(), subgroup=Part())
-    config = Config(total_memory=3 << 20, pipeline_chunk=5 << 10, slice_scaling=False)
+    config = Config(
+        total_memory=3 << 20, pipeline_chunk=5 << 10, slice_scaling=False, rail_congestion="bbr"
+    )
     topology = build_topology(0, ["a", "a", "b", "b"], ["h"] * 4)
     core_options(opts, config, topology, "127.0.0.1", "t", timedelta(seconds=1))
     assert opts.engine.total_memory == opts.subgroup.total_memory == 3 << 20
     assert opts.engine.chunk_bytes == 5 << 10
+    assert opts.engine.rail_congestion == "bbr"
     assert opts.engine.slice_bytes == config.slice_size  # scaling off: as given
     targets = [t for f in dataclasses.fields(Config) for t in f.metadata["core"]]
-    assert sorted(targets) == ["engine.chunk_bytes", "engine.total_memory", "subgroup.total_memory"]
+    assert sorted(targets) == [
+        "engine.chunk_bytes",
+        "engine.rail_congestion",
+        "engine.total_memory",
+        "subgroup.total_memory",
+    ]

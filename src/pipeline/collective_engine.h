@@ -47,7 +47,7 @@ struct EngineOptions {
   std::string token;
   std::string timelinePath; // empty: no timeline
   size_t chunkBytes{0}; // FAIRRING_PIPELINE_CHUNK: each local rank's part of a segment
-  std::string railCongestion; // FAIRRING_RAIL_CONGESTION; empty: the system's
+  std::string railCongestion; // FAIRRING_RAIL_CONGESTION; empty or "system": the system's
 };
 
 // The reduction-server collectives on CPU tensors. Every operation is cut

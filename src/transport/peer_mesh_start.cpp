@@ -250,7 +250,7 @@ Status PeerMesh::connect(int peer, Lane lane, const std::string& url, Clock::tim
     // paces a flow at the share it last measured (while the others sent to
     // the same machine), which left a 300 Mbit/s link half idle at 4 x 1
     // (docs/design.md, "Rail sockets").
-    if (!options_.railCongestion.empty()) {
+    if (!options_.railCongestion.empty() && options_.railCongestion != "system") {
       if (Status s = setCongestion(socket, options_.railCongestion); !s.ok()) {
         return failure("connecting to", peer, "FAIRRING_RAIL_CONGESTION: " + s.message());
       }
