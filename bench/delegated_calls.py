@@ -5,7 +5,7 @@
 
 A broadcast, a gather and an all_to_all_single (fairring runs none of them) reach Gloo
 only once every rank announced the same call on fairring's engine
-(src/backend/gloo_calls.h): one empty message to each machine and rail peer. Each
+(src/cpu/gloo_calls.h): one empty message to each machine and rail peer. Each
 worker times the same calls on a fairring group and on Gloo's own group in the same
 processes, interleaved iteration by iteration, and prints the medians, their ratio
 (Gloo's time over fairring's: below 1 is what the check costs) and the interquartile

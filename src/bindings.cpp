@@ -11,8 +11,8 @@
 #include <memory>
 
 #include "backend/fairring_backend.h"
-#include "backend/python_callback.h"
-#include "backend/ring_reaper.h"
+#include "cpu/python_callback.h"
+#include "cpu/ring_reaper.h"
 #include "pipeline/collective_engine.h"
 #include "subgroups/subgroup_allreduce.h"
 #include "subgroups/call_plan.h"

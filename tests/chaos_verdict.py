@@ -291,7 +291,7 @@ def _bad_call(
     worst = 0.0
     for rank, v in survivors.items():
         for r in _fairring(v):
-            # A delegated collective takes its turn too (src/backend/gloo_calls.h).
+            # A delegated collective takes its turn too (src/cpu/gloo_calls.h).
             if r["index"] < k:
                 _exact_or(rank, job, r, lambda _: False, problems)
                 continue

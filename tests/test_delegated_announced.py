@@ -1,6 +1,6 @@
 """The CPU collectives fairring does not run (broadcast, reduce, gather, scatter,
 all_to_all, ...) go to Gloo only once every rank announced the same call at its turn on
-the engine (src/backend/gloo_calls.h). Gloo pairs calls by issue order alone: a rank
+the engine (src/cpu/gloo_calls.h). Gloo pairs calls by issue order alone: a rank
 that skips a broadcast pairs its next one with the others' skipped one, and where the
 sizes differ Gloo ends the process on its own thread (``gloo::EnforceNotMet``, SIGABRT).
 Announced, the call fails on every rank naming both sides (the plant

@@ -1,6 +1,6 @@
 """A ring call the group's failure gave up on while Gloo still ran it ("abandoned",
-src/backend/gloo_calls.h): destroy does not wait for Gloo, and Gloo's group is freed
-once Gloo's call ends (src/backend/ring_reaper.h), not left to the process.
+src/cpu/gloo_calls.h): destroy does not wait for Gloo, and Gloo's group is freed
+once Gloo's call ends (src/cpu/ring_reaper.h), not left to the process.
 
 The failure is forced: rank 0's connection from rank 1 breaks under the body of a
 small allreduce (fault point mesh.read.close) posted once rank 0 has handed a 128 MiB

@@ -2,7 +2,7 @@
 per group from the job's shape and configuration, the same on every rank.
 
 A row is ``(from_bytes, path, reason)``, sorted, the first from 0; a call of ``b`` bytes
-takes the last row with ``from_bytes <= b`` (src/backend/cpu_plan.h): ``engine``,
+takes the last row with ``from_bytes <= b`` (src/cpu/cpu_plan.h): ``engine``,
 fairring's engine; ``ring``, Gloo's ring; ``measure``, a size class of the measured choice
 (src/measured/), whose first calls run both ways, timed, until every rank runs the faster.
 Calls whose dtype and op Gloo does not reduce, and calls issued from callbacks, are the

@@ -3,9 +3,9 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
-#include "backend/cpu_path.h"
 #include "backend/delegate_path.h"
 #include "common/without_gil.h"
+#include "cpu/cpu_path.h"
 #include "faults/plants.h"
 #include "subgroups/composed_path.h"
 

@@ -12,8 +12,8 @@
 #include <optional>
 
 #include "backend/coalescing_block.h"
-#include "backend/cpu_allreduce.h"
-#include "backend/cpu_plan.h"
+#include "cpu/cpu_allreduce.h"
+#include "cpu/cpu_plan.h"
 #include "device/device_path.h"
 #include "measured/measured_choice.h"
 #include "subgroups/subgroup_allreduce.h"

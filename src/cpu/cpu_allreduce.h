@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/gloo_calls.h"
+#include "cpu/gloo_calls.h"
 #include "pipeline/collective_engine.h"
 #include "pipeline/ordered_completion.h"
 

@@ -1,4 +1,4 @@
-#include "backend/future_work.h"
+#include "cpu/future_work.h"
 
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>

@@ -5,10 +5,10 @@
 #include <memory>
 #include <optional>
 
-#include "backend/cpu_allreduce.h"
-#include "backend/cpu_plan.h"
-#include "backend/cpu_sharded.h"
-#include "backend/gloo_calls.h"
+#include "cpu/cpu_allreduce.h"
+#include "cpu/cpu_plan.h"
+#include "cpu/cpu_sharded.h"
+#include "cpu/gloo_calls.h"
 #include "device/device_path.h"
 #include "measured/measured_choice.h"
 #include "pipeline/collective_engine.h"

@@ -1,4 +1,4 @@
-#include "backend/cpu_plan.h"
+#include "cpu/cpu_plan.h"
 
 #include <c10/util/Exception.h>
 

@@ -6,7 +6,7 @@
 
 #include <vector>
 
-#include "backend/cpu_allreduce.h"
+#include "cpu/cpu_allreduce.h"
 
 namespace fairring {
 

@@ -1,4 +1,4 @@
-#include "backend/ring_reaper.h"
+#include "cpu/ring_reaper.h"
 
 #include <pthread.h>
 

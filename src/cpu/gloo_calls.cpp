@@ -1,4 +1,4 @@
-#include "backend/gloo_calls.h"
+#include "cpu/gloo_calls.h"
 
 #include <c10/util/Exception.h>
 

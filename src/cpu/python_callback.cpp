@@ -1,4 +1,4 @@
-#include "backend/python_callback.h"
+#include "cpu/python_callback.h"
 
 #include <iterator>
 #include <mutex>

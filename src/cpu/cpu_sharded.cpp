@@ -1,4 +1,4 @@
-#include "backend/cpu_sharded.h"
+#include "cpu/cpu_sharded.h"
 
 #include "ops/reduce_kind.h"
 

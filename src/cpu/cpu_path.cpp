@@ -1,10 +1,10 @@
-#include "backend/cpu_path.h"
+#include "cpu/cpu_path.h"
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
-#include "backend/future_work.h"
-#include "backend/ring_reaper.h"
+#include "cpu/future_work.h"
+#include "cpu/ring_reaper.h"
 #include "faults/plants.h"
 #include "ops/reduce_kind.h"
 #include "ops/tensor_fusion.h"

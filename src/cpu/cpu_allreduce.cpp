@@ -1,10 +1,10 @@
-#include "backend/cpu_allreduce.h"
+#include "cpu/cpu_allreduce.h"
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
-#include "backend/future_work.h"
-#include "backend/python_callback.h"
+#include "cpu/future_work.h"
+#include "cpu/python_callback.h"
 #include "faults/plants.h"
 
 namespace fairring {
