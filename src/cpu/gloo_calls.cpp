@@ -13,6 +13,24 @@
 namespace fairring {
 
 namespace {
+
+// Whether a handed-over call's error is an argument check of torch's, made
+// before Gloo sent anything (torch 2.13 checks all_to_all's split sizes on
+// Gloo's worker thread, 2.14 at the call): a plain c10::Error, not a
+// DistError or Gloo's own. Gloo's pairs are intact, so the call raises it
+// and the group goes on, as with Gloo alone.
+bool refusedBeforeSending(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::DistError&) {
+    return false;
+  } catch (const c10::Error&) {
+    return true;
+  } catch (...) {
+    return false;
+  }
+}
+
 c10::intrusive_ptr<c10::ivalue::Future> newFuture() {
   return c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
 }
@@ -222,10 +240,11 @@ void GlooCalls::start(const std::shared_ptr<State>& state, const std::shared_ptr
   source->addCallback([weak, call, inGloo](c10::ivalue::Future& f) {
     --*inGloo;
     std::string failed = f.hasError() ? f.tryRetrieveErrorMessage() : "";
+    const bool refused = f.hasError() && refusedBeforeSending(f.exception_ptr());
     auto state = weak.lock();
     CollectiveEngine* engine = state && call->announced ? state->use() : nullptr;
     if (engine != nullptr) {
-      if (f.hasError()) {
+      if (f.hasError() && !refused) {
         // Its turn failed on this rank: it fails the group from there on,
         // with the lost peer named where the engine saw one go.
         failed = engine->turnFailed(call->seq, failed);
@@ -234,7 +253,9 @@ void GlooCalls::start(const std::shared_ptr<State>& state, const std::shared_ptr
       }
       state->release();
     }
-    if (f.hasError()) {
+    if (refused) {
+      call->failWith(f.exception_ptr()); // Gloo's own error, as at issue
+    } else if (f.hasError()) {
       call->fail(failed);
     } else if (!call->settled.exchange(true)) {
       call->done->markCompleted(f.value());
