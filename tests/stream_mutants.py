@@ -213,6 +213,14 @@ CATCHERS: dict[str, Catch] = {
         ("test_trial_stream.py::test_the_timers_hold_back_none_of_the_programs_streams",),
         (),
     ),
+    # A rank that is no peer of the held one times out connecting to a peer held behind it.
+    "mesh_connects_in_order": Catch(
+        (
+            "test_startup_connect.py::test_a_rank_whose_start_fails_is_named_on_every_rank_in_time"
+            "[core_held]",
+        ),
+        (),
+    ),
 }
 
 _FAILED = re.compile(r"^FAILED (\S+)", re.MULTILINE)

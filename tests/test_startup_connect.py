@@ -9,8 +9,11 @@ the core. Forced here, each on one rank of a 2 x 2 job:
 - its core fails at once (the others wait for its address);
 - its core fails once every rank's core has started (without the ranks' last wait they
   would return a group);
-- its core holds past the timeout: the others time out together, each waiting for the
-  next in a chain to it (chaos seeds 67, 195 named a rank that left because of it).
+- its core holds past the timeout: it holds back only the connections to it (a rank
+  connects to each peer once that one published its address, in any order), so the rank
+  that is no peer of it connects all of its own and waits for every rank to start, and
+  the others name it. Before, each waited for the next in a chain to it and a timeout
+  named a rank that left because of it (chaos seeds 67, 195, 125).
 
 Each has its plant, the bug the fix is for, and the test that the plant fails. Times
 count from the ranks' verdict, when the groups begin to connect.
@@ -25,6 +28,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+import stream_mutants
 import torch.distributed as dist
 from multiprocess import SHAPES
 from reliability_helpers import run_bare
@@ -39,6 +43,8 @@ LATER_S = 0.3  # below the settle (fairring_pg.startup.SETTLE_S)
 STARTED = "test/core_started"
 # How a rank's error names the one whose Gloo connect held (process_groups.py).
 STALLED = r"rank 1\b[^:]*came to connect it and left or stalled"
+NOT_A_PEER = 3  # of the held rank 0: its own connects need nothing of rank 0
+STARTED_ITS_OWN = "(waiting for every rank to start)"
 BOUND_S = {
     "gloo_held": SHORT_TIMEOUT_S + 1.0,
     "core_fails": 3.0,
@@ -112,6 +118,8 @@ def _later(real: Callable[..., Any]) -> Callable[..., Any]:
 
 def _plant(case: str) -> None:
     """The bug each case is for."""
+    import native_module
+
     import fairring_pg.backend as backend
     import fairring_pg.process_groups as process_groups
 
@@ -121,7 +129,8 @@ def _plant(case: str) -> None:
         backend.publish_failure = lambda *args: None
     elif case == "core_fails_late":  # a rank returns its group once its peers are in
         backend.all_started = lambda *args: None
-    elif case == "core_held":  # a timeout names the peer it waited for, not the chain
+    elif case == "core_held":  # peers connected in order; a timeout names the next peer
+        native_module.load().plants.arm("mesh_connects_in_order")
         backend.failures_of_others = lambda *args: []
 
 
@@ -142,6 +151,7 @@ def _time_from_the_verdict() -> dict[str, float]:
 
 
 def _start(rank: int, world: int, store: Any, case: str, planted: bool) -> dict[str, Any]:
+    stream_mutants.arm_from_env()
     timeout_s = _fault(case, store, world) if rank == AT_FAULT[case] else None
     if case == "core_held" and rank in (1, 2):
         _replace_core(_later)
@@ -188,6 +198,8 @@ def _problems(case: str, planted: bool) -> list[str]:
                 problems.append(f"rank {o.rank}: rank {at_fault} not named as stalled: {error}")
             elif case in ("core_fails", "core_fails_late") and WHY not in error:
                 problems.append(f"rank {o.rank}: rank {at_fault}'s reason not said: {error}")
+            elif case == "core_held" and o.rank == NOT_A_PEER and STARTED_ITS_OWN not in error:
+                problems.append(f"rank {o.rank}: held back connecting its own peers: {error}")
         if took > BOUND_S[case] and (o.rank != at_fault or case != "core_held"):
             problems.append(f"rank {o.rank}: raised after {took:.1f} s (bound {BOUND_S[case]} s)")
     return problems

@@ -40,8 +40,9 @@ const std::vector<std::string>& names() {
       "barrier_before_hand_over",
       "wait_note_by_rank",
       "timer_on_pool_stream",
+      "mesh_connects_in_order",
   };
-  static_assert(static_cast<int>(Plant::kCount) == 30, "a name for every plant");
+  static_assert(static_cast<int>(Plant::kCount) == 31, "a name for every plant");
   return all;
 }
 

@@ -43,6 +43,7 @@ enum class Plant : uint8_t {
   kBarrierBeforeHandOver, // barrier() does not wait for the announced calls before it to be on Gloo
   kWaitNoteByRank, // the wait chain follows a peer's latest note, not its note for the turn waited at
   kTimerOnPoolStream, // a device's trial timers record on the device's "new stream" (CUDA: torch's shared pool)
+  kMeshConnectsInOrder, // start-up connects to its peers one by one, each waiting for the one before
   kCount,
 };
 

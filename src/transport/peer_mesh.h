@@ -105,15 +105,27 @@ class PeerMesh {
   Status openGate(const std::string& me, std::string urls[2]);
   // Waits until every peer has connected back (both lanes).
   Status awaitPeers(const std::string& me, const std::vector<int>& peers, Clock::time_point deadline);
-  Status connect(int peer, Lane lane, const std::string& url, Clock::time_point deadline);
+  // One connection to `peer`; `dialed` false (and the error why) where
+  // nothing took the dial yet: worth another try.
+  Status connect(int peer, Lane lane, const std::string& url, Clock::time_point deadline, bool& dialed);
   // Connects to `url` and exchanges the hello, retrying where the gate closed
   // the connection without a verdict; the verdict in `reply`.
-  Status hello(int peer, Lane lane, const std::string& url, Clock::time_point deadline, Socket& socket, HelloReply& reply);
+  Status hello(
+      int peer,
+      Lane lane,
+      const std::string& url,
+      Clock::time_point deadline,
+      Socket& socket,
+      HelloReply& reply,
+      bool& dialed);
   // Adds the connection to `peer` and its writer (rail connections of a lane share one).
   Status add(int peer, Lane lane, Socket socket, bool readsMemory);
-  // The address `peer` published in the store, polled so that interrupt()
-  // and the deadline end the wait (the store's own would take its timeout).
-  Status addressOf(c10d::Store& store, int peer, Clock::time_point deadline, std::string& url);
+  // Connects to each peer once its address is in the store, in whatever order
+  // they appear: a peer that never publishes (dead, or stuck before its start)
+  // holds no other connection back, so the peers waiting for this rank do not
+  // time out naming it in place of the rank at fault. The store is polled so
+  // that interrupt() and the deadline end the wait.
+  Status connectAll(c10d::Store& store, const std::vector<int>& peers, Clock::time_point deadline);
   bool interrupted();
   // Why start() stops now (interrupt(), close() or giveUp), or nullopt.
   std::optional<std::string> stopped();

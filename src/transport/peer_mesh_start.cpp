@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "faults/fault_points.h"
+#include "faults/plants.h"
 #include "transport/handshake.h"
 #include "transport/peer_mesh.h"
 
@@ -20,6 +21,9 @@ namespace {
 constexpr int kRailUnsentBytes = 128 * 1024;
 // Between attempts to get past a gate that had no room.
 constexpr auto kRetryPause = std::chrono::milliseconds(50);
+// The longest one dial may wait for a host's answer: a peer that does not
+// answer yet holds the others' connections back no longer than this.
+constexpr auto kDialSlice = std::chrono::milliseconds(200);
 // Between looks at the store for a peer's address.
 constexpr auto kStorePoll = std::chrono::milliseconds(10);
 
@@ -52,17 +56,8 @@ Status PeerMesh::start(c10d::Store& store, GiveUp giveUp) {
         store.set(addressKey(static_cast<Reach>(r), layout_.rank()), std::vector<uint8_t>(urls[r].begin(), urls[r].end()));
       }
     }
-    for (int peer : peers) {
-      std::string url;
-      if (Status s = addressOf(store, peer, deadline, url); !s.ok()) {
-        return s;
-      }
-      faults::hit(faults::kMeshConnect, peer);
-      for (int l = 0; l < kNumLanes; ++l) {
-        if (Status s = connect(peer, static_cast<Lane>(l), url, deadline); !s.ok()) {
-          return s;
-        }
-      }
+    if (Status s = connectAll(store, peers, deadline); !s.ok()) {
+      return s;
     }
   } catch (const std::exception& e) {
     return Status::error(
@@ -146,22 +141,67 @@ Status PeerMesh::awaitPeers(const std::string& me, const std::vector<int>& peers
   }
 }
 
-Status PeerMesh::addressOf(c10d::Store& store, int peer, Clock::time_point deadline, std::string& url) {
-  const std::string key = addressKey(reachOf(peer), peer);
-  while (!store.check({key})) {
+Status PeerMesh::connectAll(c10d::Store& store, const std::vector<int>& peers, Clock::time_point deadline) {
+  struct Pending {
+    int peer;
+    std::string url; // empty until the peer published it
+    int lanesDone{0};
+    Status notYet; // why its last dial did not connect
+  };
+  std::vector<Pending> pending;
+  for (int peer : peers) {
+    pending.push_back({peer, {}, 0, Status()});
+  }
+  for (;;) {
+    bool progressed = false;
+    for (auto it = pending.begin(); it != pending.end();) {
+      if (it != pending.begin() && plants::planted(plants::Plant::kMeshConnectsInOrder)) {
+        break;
+      }
+      if (it->url.empty()) {
+        const std::string key = addressKey(reachOf(it->peer), it->peer);
+        if (!store.check({key})) {
+          ++it;
+          continue;
+        }
+        const std::vector<uint8_t> raw = store.get(key);
+        it->url.assign(raw.begin(), raw.end());
+        faults::hit(faults::kMeshConnect, it->peer);
+      }
+      for (; it->lanesDone < kNumLanes; ++it->lanesDone) {
+        bool dialed = true;
+        if (Status s = connect(it->peer, static_cast<Lane>(it->lanesDone), it->url, deadline, dialed); !s.ok()) {
+          if (dialed) {
+            return s;
+          }
+          it->notYet = s;
+          break;
+        }
+        progressed = true;
+      }
+      it = it->lanesDone == kNumLanes ? pending.erase(it) : it + 1;
+    }
+    if (pending.empty()) {
+      return Status();
+    }
+    std::string named; // what each peer still missing did
+    for (const Pending& p : pending) {
+      named += (named.empty() ? "" : "; ") + layout_.describe(p.peer) +
+          (p.url.empty() ? " published no address (did it start?)"
+                         : " did not take a connection (" + p.notYet.message() + "; did it die?)");
+    }
     if (auto why = stopped()) {
-      return Status::error(*why + " (while waiting for the address of " + layout_.describe(peer) + ")");
+      return Status::error(*why + " (while connecting: " + named + ")");
     }
     if (Clock::now() >= deadline) {
-      return failure(
-          "waiting for the address of", peer,
-          "it published none within " + std::to_string(options_.timeout.count()) + " ms (did it start?)");
+      return Status::error(
+          "fairring: " + layout_.describe(layout_.rank()) + " timed out after " +
+          std::to_string(options_.timeout.count()) + " ms connecting to its peers: " + named);
     }
-    std::this_thread::sleep_for(kStorePoll);
+    if (!progressed) {
+      std::this_thread::sleep_for(kStorePoll);
+    }
   }
-  const std::vector<uint8_t> raw = store.get(key);
-  url.assign(raw.begin(), raw.end());
-  return Status();
 }
 
 bool PeerMesh::interrupted() {
@@ -230,10 +270,10 @@ void PeerMesh::adopt(const Hello& hello, Socket socket, bool readsMemory) {
   cv_.notify_all();
 }
 
-Status PeerMesh::connect(int peer, Lane lane, const std::string& url, Clock::time_point deadline) {
+Status PeerMesh::connect(int peer, Lane lane, const std::string& url, Clock::time_point deadline, bool& dialed) {
   Socket socket;
   HelloReply reply;
-  if (Status s = hello(peer, lane, url, deadline, socket, reply); !s.ok()) {
+  if (Status s = hello(peer, lane, url, deadline, socket, reply, dialed); !s.ok()) {
     return s;
   }
   if (reply.verdict == HelloReply::Verdict::kWrongVersion) {
@@ -265,7 +305,8 @@ Status PeerMesh::hello(
     const std::string& url,
     Clock::time_point deadline,
     Socket& socket,
-    HelloReply& reply) {
+    HelloReply& reply,
+    bool& dialed) {
   Hello hello;
   hello.rank = layout_.rank();
   hello.lane = lane;
@@ -290,11 +331,15 @@ Status PeerMesh::hello(
       }
       std::this_thread::sleep_for(kRetryPause);
     }
-    if (Status s = connectTo(url, deadline, socket, [this] { return interrupted(); }); !s.ok()) {
-      if (auto why = stopped()) {
-        return Status::error(*why);
-      }
-      return failure("connecting to", peer, s.message());
+    Status why;
+    switch (connectOnce(url, std::min(deadline, Clock::now() + kDialSlice), socket, why)) {
+      case ConnectAttempt::kConnected:
+        break;
+      case ConnectAttempt::kNotYet:
+        dialed = false;
+        return why;
+      case ConnectAttempt::kFailed:
+        return failure("connecting to", peer, why.message());
     }
     if (Status s = writeFull(socket, bytes.data(), bytes.size()); !s.ok()) {
       closedWhy = s.message();

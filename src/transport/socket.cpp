@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <thread>
 
 namespace fairring {
 
@@ -134,42 +133,62 @@ Status listenOn(const std::string& host, Socket& out, std::string& url) {
   return Status();
 }
 
-Status connectTo(
-    const std::string& url,
-    Clock::time_point deadline,
-    Socket& out,
-    const std::function<bool()>& cancelled) {
+namespace {
+
+// The dial's end: connected, or the error that ended it (ETIMEDOUT at `until`).
+int dial(const Socket& sock, const struct addrinfo* info, Clock::time_point until) {
+  // Non-blocking, so that a host that never answers (no RST: powered off,
+  // partitioned) costs the deadline, not the kernel's minutes of SYN retries.
+  setBlocking(sock, false);
+  if (::connect(sock.fd(), info->ai_addr, info->ai_addrlen) != 0 && errno != EINPROGRESS) {
+    return errno;
+  }
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now()).count();
+    struct pollfd p{sock.fd(), POLLOUT, 0};
+    const int rc = ::poll(&p, 1, static_cast<int>(std::clamp<int64_t>(left, 0, 100)));
+    if (rc < 0 && errno != EINTR) {
+      return errno;
+    }
+    if (rc > 0) {
+      int err = 0;
+      socklen_t len = sizeof(err);
+      ::getsockopt(sock.fd(), SOL_SOCKET, SO_ERROR, &err, &len);
+      return err;
+    }
+    if (Clock::now() >= until) {
+      return ETIMEDOUT;
+    }
+  }
+}
+
+} // namespace
+
+ConnectAttempt connectOnce(const std::string& url, Clock::time_point until, Socket& out, Status& why) {
   std::string host, port;
   if (!splitUrl(url, host, port)) {
-    return Status::error("malformed address '" + url + "'");
+    why = Status::error("malformed address '" + url + "'");
+    return ConnectAttempt::kFailed;
   }
   struct addrinfo* info = nullptr;
   if (Status s = resolve(host, port, &info); !s.ok()) {
-    return Status::error("cannot connect to " + url + ": " + s.message());
+    why = Status::error("cannot connect to " + url + ": " + s.message());
+    return ConnectAttempt::kFailed;
   }
-  int err = 0;
-  while (true) {
-    Socket sock(::socket(info->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    if (!sock.valid()) {
-      err = errno;
-      break;
-    }
-    if (::connect(sock.fd(), info->ai_addr, info->ai_addrlen) == 0) {
-      ::freeaddrinfo(info);
-      out = std::move(sock);
-      setNoDelay(out);
-      return Status();
-    }
-    err = errno;
-    // A full accept queue refuses too; anything else will not get better.
-    const bool transient = err == ECONNREFUSED || err == EAGAIN || err == EINTR || err == ETIMEDOUT;
-    if (!transient || Clock::now() >= deadline || (cancelled && cancelled())) {
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  Socket sock(::socket(info->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  const int err = sock.valid() ? dial(sock, info, until) : errno;
   ::freeaddrinfo(info);
-  return Status::error("cannot connect to " + url + ": " + errnoText(err));
+  if (err == 0) {
+    setBlocking(sock, true);
+    setNoDelay(sock);
+    out = std::move(sock);
+    return ConnectAttempt::kConnected;
+  }
+  why = Status::error("cannot connect to " + url + ": " + errnoText(err));
+  // A full accept queue refuses too, and a host may answer late; anything
+  // else will not get better.
+  const bool transient = err == ECONNREFUSED || err == EAGAIN || err == EINTR || err == ETIMEDOUT;
+  return transient ? ConnectAttempt::kNotYet : ConnectAttempt::kFailed;
 }
 
 Status readFull(const Socket& s, void* data, size_t bytes, bool* closed) {

@@ -48,13 +48,14 @@ std::string formatUrl(const std::string& host, int port);
 // The socket is non-blocking: it is only ever accepted from under poll().
 Status listenOn(const std::string& host, Socket& out, std::string& url);
 
-// Connects to `url`, retrying while nothing listens there yet, until `deadline`.
-// `cancelled`, if given, is asked between attempts: true gives up.
-Status connectTo(
-    const std::string& url,
-    Clock::time_point deadline,
-    Socket& out,
-    const std::function<bool()>& cancelled = nullptr);
+// What one attempt to connect came to: kNotYet (refused or unanswered by
+// `until`: nothing there yet, a full queue, a slow host) is worth another
+// try, kFailed will not get better.
+enum class ConnectAttempt { kConnected, kNotYet, kFailed };
+
+// One attempt to connect to `url`, given up at `until`; unless kConnected,
+// `why` says what happened.
+ConnectAttempt connectOnce(const std::string& url, Clock::time_point until, Socket& out, Status& why);
 
 // Blocking, whole-buffer I/O. `closed` is set when the peer closed cleanly
 // before the first byte (an orderly end rather than a torn message).
