@@ -21,8 +21,8 @@ CollectiveEngine::CollectiveEngine(RankLayout layout, EngineOptions options)
       steps_{
           allreduceSteps(layout_), reduceScatterSteps(layout_), allGatherSteps(layout_), allreduceSteps(layout_),
           announceSteps(layout_)},
-      outboxes_(layout_),
-      staging_(options_.totalMemory, options_.slotBytes) {
+      ledger_(options_.totalMemory, options_.slotBytes),
+      outboxes_(layout_) {
   TORCH_CHECK(
       options_.sliceBytes > 0 && options_.chunkBytes > 0 && options_.timeout.count() > 0,
       "fairring: the engine needs a slice size, a pipeline chunk and a timeout (fairring_pg.backend sets them)");
@@ -54,90 +54,56 @@ void CollectiveEngine::start(const c10::intrusive_ptr<c10d::Store>& store, PeerM
     throw c10::DistBackendError(status.message());
   }
   faults::hit(faults::kEngineStart);
-  Actions actions;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    // A shutdown meanwhile (interpreter exit, a destroy) joined no watchdog:
-    // none may start after it.
-    if (life_.is(EngineLife::kShutDown)) {
-      throw c10::DistBackendError("fairring: the process group was shut down while it was starting");
-    }
-    // A peer that failed while we were still connecting told us before we
-    // could tell the peers we had not reached yet: they hear it now.
-    if (auto held = failure_.connected()) {
-      sendAborts(*held, actions);
-    }
-    watchdog_ = std::thread([this] { watchdog(); });
+  std::unique_lock<std::mutex> lock(mu_);
+  Locked locked(lock);
+  // A shutdown meanwhile (interpreter exit, a destroy) joined no watchdog:
+  // none may start after it.
+  if (life_.is(EngineLife::kShutDown)) {
+    throw c10::DistBackendError("fairring: the process group was shut down while it was starting");
   }
-  run(actions);
+  // A peer that failed while we were still connecting told us before we
+  // could tell the peers we had not reached yet: they hear it now.
+  if (auto held = failure_.connected()) {
+    sendAborts(*held, locked);
+  }
+  watchdog_ = std::thread([this] { watchdog(); });
+  locked.release();
 }
 
-void CollectiveEngine::run(Actions& actions) {
-  for (auto& a : actions) {
-    a();
-  }
-  actions.clear();
-}
-
-void CollectiveEngine::pump(Actions& actions) {
-  while (!waitingForSlot_.empty()) {
-    auto [seq, s] = waitingForSlot_.front();
-    auto it = ops_.find(seq);
-    if (it == ops_.end()) {
-      waitingForSlot_.pop_front();
-      continue;
-    }
-    Operation& op = *it->second;
-    Slice& slice = op.slices[s];
-    // A kind that stages nothing still activates in the global order: that
-    // is what keeps its messages in order on the reduce lane.
-    const bool staged = stepsOf(op).staged();
-    if (staged) {
-      const int slot = staging_.tryAcquire();
-      if (slot < 0) {
-        return;
-      }
-      slice.slot = slot;
-      slice.staging = staging_.data(slot);
-    }
-    waitingForSlot_.pop_front();
-    activate(op, slice, staged ? SliceState::kStaged : SliceState::kActive, actions);
+void CollectiveEngine::pump(Locked& locked) {
+  const auto stages = [this](const Operation& op) { return stepsOf(op).staged(); };
+  while (auto ready = ledger_.nextReady(stages, locked)) {
+    activate(*ready->op, *ready->slice, ready->staged ? SliceState::kStaged : SliceState::kActive, locked);
   }
 }
 
-void CollectiveEngine::activate(Operation& op, Slice& slice, SliceState state, Actions& actions) {
+void CollectiveEngine::activate(Operation& op, Slice& slice, SliceState state, Locked& locked) {
   slice.state.moveTo(state);
   timeline_.stamp(slice.tActive);
   for (Segment& seg : slice.segments) {
     seg.state.moveTo(SegmentState::kStepping);
-    Turn t{op, slice, seg, *this, actions};
+    Turn t{op, slice, seg, *this, locked};
     stepsOf(op).open(t);
   }
-  deliverParked(op, slice, actions);
+  deliverParked(op, slice, locked);
   if (failure_.fails(op.seq)) {
     return;
   }
   for (Segment& seg : slice.segments) {
-    Turn t{op, slice, seg, *this, actions};
+    Turn t{op, slice, seg, *this, locked};
     advance(t);
   }
 }
 
-void CollectiveEngine::deliverParked(Operation& op, Slice& slice, Actions& actions) {
-  auto parked = parked_.find({op.seq, slice.index});
-  if (parked == parked_.end()) {
-    return;
-  }
-  std::vector<Parked> waiting = std::move(parked->second);
-  parked_.erase(parked);
-  for (const Parked& p : waiting) {
+void CollectiveEngine::deliverParked(Operation& op, Slice& slice, Locked& locked) {
+  for (const Parked& p : inbox_.take(op.seq, slice.index, locked)) {
     if (failure_.fails(op.seq)) {
       // The operation failed while delivering: drop the rest unread.
       if (!p.consumed) {
-        discard(p.peer, laneOf(p.header.route), p.bytes, actions);
+        discard(p.peer, laneOf(p.header.route), p.bytes, locked);
       }
     } else {
-      deliver(op, slice, p.peer, p.header, p.bytes, actions, p.consumed);
+      deliver(op, slice, p.peer, p.header, p.bytes, locked, p.consumed);
     }
   }
 }
@@ -172,10 +138,10 @@ void CollectiveEngine::send(Turn& t, int peer, Route route, int piece, uint8_t* 
       failLocked(
           "fairring: internal error: " + std::string(opKindName(t.op.kind)) + " #" + std::to_string(t.op.seq) +
               " sends more reduce-lane messages to " + layout_.describe(peer) + " than it announced",
-          t.actions);
+          t.locked);
       return;
     case Outboxes::Queued::kStartDrainer:
-      t.actions.push_back([this, key = outboxes_.keyOf(peer), lane] { drain(key, lane); });
+      t.locked.later([this, key = outboxes_.keyOf(peer), lane] { drain(key, lane); });
       break;
     case Outboxes::Queued::kQueued: break;
   }
@@ -215,25 +181,23 @@ void CollectiveEngine::reduce(Turn& t, std::function<void()> task) {
     } catch (const std::exception& e) {
       error = e.what();
     }
-    Actions actions;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = ops_.find(seq);
-      if (!error.empty()) {
-        // This operation cannot finish here, so nowhere: it fails on every rank.
-        failLocked(
-            "fairring: a reduction of " + (it != ops_.end() ? std::string(opKindName(it->second->kind)) : "operation") +
-                " #" + std::to_string(seq) + " failed on " + layout_.describe(layout_.rank()) + ": " + error,
-            actions, seq);
-      } else if (it != ops_.end()) {
-        Slice& slice = it->second->slices[s];
-        Turn t{*it->second, slice, slice.segments[g], *this, actions};
-        t.seg.state.moveTo(SegmentState::kStepping);
-        endStep(t);
-        advance(t);
-      }
+    std::unique_lock<std::mutex> lock(mu_);
+    Locked locked(lock);
+    Operation* op = ledger_.find(seq, locked);
+    if (!error.empty()) {
+      // This operation cannot finish here, so nowhere: it fails on every rank.
+      failLocked(
+          "fairring: a reduction of " + (op ? std::string(opKindName(op->kind)) : "operation") + " #" +
+              std::to_string(seq) + " failed on " + layout_.describe(layout_.rank()) + ": " + error,
+          locked, seq);
+    } else if (op) {
+      Slice& slice = op->slices[s];
+      Turn t{*op, slice, slice.segments[g], *this, locked};
+      t.seg.state.moveTo(SegmentState::kStepping);
+      endStep(t);
+      advance(t);
     }
-    run(actions);
+    locked.release();
   });
 }
 
@@ -241,11 +205,9 @@ void CollectiveEngine::unstage(Turn& t) {
   if (--t.slice.segmentsStaged > 0 || !t.slice.state.is(SliceState::kStaged)) {
     return;
   }
-  staging_.release(t.slice.slot);
-  t.slice.slot = -1;
-  t.slice.staging = nullptr;
+  ledger_.releaseSlot(t.slice, t.locked);
   t.slice.state.moveTo(SliceState::kActive);
-  pump(t.actions);
+  pump(t.locked);
 }
 
 void CollectiveEngine::finishSegment(Turn& t) {
@@ -254,31 +216,29 @@ void CollectiveEngine::finishSegment(Turn& t) {
   if (--t.slice.segmentsLeft == 0) {
     t.slice.state.moveTo(SliceState::kDone);
     if (--t.op.slicesLeft == 0) {
-      finishOperation(t.op, t.actions);
+      finishOperation(t.op, t.locked);
     }
   }
 }
 
-void CollectiveEngine::finishOperation(Operation& op, Actions& actions) {
+void CollectiveEngine::finishOperation(Operation& op, Locked& locked) {
   recordOp(op);
   if (outboxes_.expecting(op.seq)) {
     // It would hold every later operation's messages forever.
     failLocked(
         "fairring: internal error: " + std::string(opKindName(op.kind)) + " #" + std::to_string(op.seq) +
             " finished without sending every reduce-lane message it announced",
-        actions, op.seq);
+        locked, op.seq);
     return;
   }
   op.state.moveTo(OpState::kFinished);
-  auto it = ops_.find(op.seq);
-  std::shared_ptr<Operation> finished(std::move(it->second));
-  ops_.erase(it);
-  cv_.notify_all(); // shutdownAll may be waiting for ops_ to empty
-  complete(std::move(finished), actions);
+  std::shared_ptr<Operation> finished = ledger_.retire(op.seq, locked);
+  cv_.notify_all(); // shutdownAll may be waiting for the ledger to empty
+  complete(std::move(finished), locked);
 }
 
-void CollectiveEngine::complete(std::shared_ptr<Operation> finished, Actions& actions) {
-  actions.push_back([this, finished] {
+void CollectiveEngine::complete(std::shared_ptr<Operation> finished, Locked& locked) {
+  locked.later([this, finished] {
     auto complete = [finished] {
       try {
         if (finished->finish) {

@@ -8,7 +8,6 @@
 #include <array>
 #include <chrono>
 #include <condition_variable>
-#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -24,11 +23,14 @@
 #include "failure/peer_closes.h"
 #include "pipeline/delegated_calls.h"
 #include "pipeline/engine_life.h"
+#include "pipeline/engine_lock.h"
+#include "pipeline/inbox.h"
 #include "pipeline/operation.h"
 #include "pipeline/outboxes.h"
+#include "pipeline/outside_turns.h"
 #include "pipeline/steps.h"
 #include "pipeline/task_queue.h"
-#include "staging/staging_pool.h"
+#include "pipeline/turn_ledger.h"
 #include "timeline/timeline.h"
 #include "topology/rank_layout.h"
 #include "transport/peer_mesh.h"
@@ -155,15 +157,6 @@ class CollectiveEngine : private StepContext {
   }
 
  private:
-  struct Parked {
-    int peer;
-    DataHeader header;
-    size_t bytes;
-    // An empty gather-lane message read on arrival, so that its connection
-    // reads on: it is only counted when delivered.
-    bool consumed{false};
-  };
-
   // Admission (engine_admission.cpp).
   std::unique_ptr<Operation> newOp(
       OpKind kind,
@@ -175,7 +168,7 @@ class CollectiveEngine : private StepContext {
   // Posts `o` (its plan set) at the next turn, which it returns, or throws the
   // group's failure.
   uint64_t admit(std::unique_ptr<Operation> o);
-  void admitLocked(std::unique_ptr<Operation> o, Actions& actions);
+  void admitLocked(std::unique_ptr<Operation> o, Locked& locked);
   void layOut(Operation& op);
   int64_t shardedSliceElems(OpKind kind, const at::Tensor& input, int64_t partElems, const std::string& where);
 
@@ -183,66 +176,71 @@ class CollectiveEngine : private StepContext {
   const KindSteps& stepsOf(const Operation& op) const {
     return *steps_[static_cast<int>(op.kind)];
   }
-  void pump(Actions& actions);
+  void pump(Locked& locked);
   // Moves the slice to `state` (kStaged or kActive) and starts its segments.
-  void activate(Operation& op, Slice& slice, SliceState state, Actions& actions);
-  void deliverParked(Operation& op, Slice& slice, Actions& actions);
+  void activate(Operation& op, Slice& slice, SliceState state, Locked& locked);
+  void deliverParked(Operation& op, Slice& slice, Locked& locked);
   void advance(Turn& t);
   void endStep(Turn& t);
   void finishSegment(Turn& t);
-  void finishOperation(Operation& op, Actions& actions);
-  void complete(std::shared_ptr<Operation> finished, Actions& actions);
+  void finishOperation(Operation& op, Locked& locked);
+  void complete(std::shared_ptr<Operation> finished, Locked& locked);
   // StepContext.
   void send(Turn& t, int peer, Route route, int piece, uint8_t* data, size_t bytes) override;
   void reduce(Turn& t, std::function<void()> task) override;
   void unstage(Turn& t) override;
   void drain(int key, Lane lane);
-  void run(Actions& actions);
 
   // Messages (engine_messages.cpp).
   void onMessage(int peer, Lane lane, Status status, std::string header, size_t bytes);
   // A connection from `peer` read as closed (PeerCloses holds a reduce-lane one).
-  void closeRead(int peer, Lane lane, const std::string& message, Actions& actions);
+  void closeRead(int peer, Lane lane, const std::string& message, Locked& locked);
   // `peer`'s gather lane ended (its abort or its close): act on its held reduce-lane close.
-  void gatherEnded(int peer, Actions& actions);
-  void onData(int peer, Lane lane, const DataHeader& h, size_t bytes, Actions& actions);
+  void gatherEnded(int peer, Locked& locked);
+  void onData(int peer, Lane lane, const DataHeader& h, size_t bytes, Locked& locked);
   void deliver(
       Operation& op,
       Slice& slice,
       int peer,
       const DataHeader& h,
       size_t bytes,
-      Actions& actions,
+      Locked& locked,
       bool consumed = false);
   // Parks a message whose operation (or slice) is not active yet.
-  void park(int peer, Lane lane, const DataHeader& h, size_t bytes, Actions& actions);
+  void park(int peer, Lane lane, const DataHeader& h, size_t bytes, Locked& locked);
   void onReceived(uint64_t seq, int64_t s, int g, Route route, Status status);
   void onSent(uint64_t seq, int64_t s, int g, int peer, Status status);
   // Reads and drops the body of a message for an operation that failed, so
   // that what queues behind it on the connection still arrives.
-  void discard(int peer, Lane lane, size_t bytes, Actions& actions);
+  void discard(int peer, Lane lane, size_t bytes, Locked& locked);
   // Whether an operation in flight still waits for a message on (peer, lane).
-  bool needsFrom(int peer, Lane lane) const;
-  bool segmentNeeds(const Operation& op, const Slice& slice, const Segment& seg, int peer, Route route) const;
+  bool needsFrom(int peer, Lane lane, const Locked& locked) const;
+  bool segmentNeeds(
+      const Operation& op,
+      const Slice& slice,
+      const Segment& seg,
+      int peer,
+      Route route,
+      const Locked& locked) const;
   std::string describeOp(const DataHeader& h) const;
   bool sameOp(const Operation& op, const DataHeader& h) const;
   std::string describeMismatch(const Operation& op, int peer, const DataHeader& h) const;
 
   // Failure (engine_failure.cpp): GroupFailure decides, these carry it out.
-  void failLocked(const std::string& message, Actions& actions, uint64_t fromSeq = 0);
-  void sendAborts(const GroupFailure::Abort& abort, Actions& actions);
+  void failLocked(const std::string& message, Locked& locked, uint64_t fromSeq = 0);
+  void sendAborts(const GroupFailure::Abort& abort, Locked& locked);
   // A peer is gone; `needed`: an operation in flight waits on it.
-  void lostPeerLocked(bool needed, const std::string& message, Actions& actions);
+  void lostPeerLocked(bool needed, const std::string& message, Locked& locked);
 
   // The watchdog (engine_watchdog.cpp).
   void watchdog();
   // Whether a failed group's connections may close now: no operation before
   // the failed turn is left (a slower rank may not have posted them yet) and
   // the aborts are out (closing earlier would drop them).
-  bool readyToClose() const;
-  void checkDeadlines(std::unique_lock<std::mutex>& lock);
+  bool readyToClose(const Locked& locked) const;
+  void checkDeadlines(Locked& locked);
   // A reduce-lane close held past GroupFailure::kSendFailureWait is acted on.
-  void actOnHeldCloses(std::unique_lock<std::mutex>& lock);
+  void actOnHeldCloses(Locked& locked);
   // What the operation waits for, and the ranks it waits for (none where it
   // waits for a slot, or for its own sends).
   std::string describeWait(const Operation& op, std::vector<int>& peers) const;
@@ -252,7 +250,7 @@ class CollectiveEngine : private StepContext {
   // the timeout notes whom it waits for in the store; one that timed out
   // follows the notes to a rank that wrote none, and names it (blame, called
   // holding no lock).
-  void noteLongWaits(); // holding mu_
+  void noteLongWaits(const Locked& locked);
   void note(uint64_t seq, std::vector<int> waited);
   std::string blame(uint64_t seq, const std::vector<int>& waited);
 
@@ -277,18 +275,12 @@ class CollectiveEngine : private StepContext {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   StateValue<EngineLife> life_{EngineLife::kOpen};
-  uint64_t nextSeq_{0}; // the next turn
   uint64_t nextSegmentId_{0}; // timeline rows
-  std::map<uint64_t, std::unique_ptr<Operation>> ops_;
-  // Failed operations whose memory a connection may still read or write
-  // until the connections are closed.
-  std::vector<std::unique_ptr<Operation>> graveyard_;
-  std::deque<std::pair<uint64_t, int64_t>> waitingForSlot_;
-  std::map<std::pair<uint64_t, int64_t>, std::vector<Parked>> parked_;
-  // Calls running outside the engine (watchTurn), not yet done: how to fail them.
-  std::map<uint64_t, std::function<void(const std::string&)>> outsideTurns_;
-  Outboxes outboxes_;
-  StagingPool staging_;
+  // The parts, each with its rules (its header), all under mu_.
+  TurnLedger ledger_; // turns, operations in flight, slots, the buried
+  Inbox inbox_; // messages that came before their slice started
+  OutsideTurns outside_; // calls on Gloo's ring at their turn
+  Outboxes outboxes_; // what each connection sends next, in turn order
   std::thread watchdog_;
 };
 

@@ -93,7 +93,7 @@ int64_t CollectiveEngine::shardedSliceElems(
   // pieces of k: k = slice / W fits the slot an allreduce slice uses.
   const int64_t staged = static_cast<int64_t>(L - 1) * M + (M - 1);
   if (kind == OpKind::kReduceScatter && staged > 0) {
-    sliceElems = std::min<int64_t>(sliceElems, static_cast<int64_t>(staging_.slotBytes()) / (elem * staged));
+    sliceElems = std::min<int64_t>(sliceElems, static_cast<int64_t>(ledger_.slotBytes()) / (elem * staged));
     if (sliceElems == 0) {
       refuse(where + ": FAIRRING_SLICE_SIZE=" + std::to_string(options_.sliceBytes) +
              " is too small for a reduce_scatter of " + dtypeName(input.scalar_type()) + " at world size " +
@@ -127,25 +127,22 @@ std::unique_ptr<Operation> CollectiveEngine::newOp(
 }
 
 uint64_t CollectiveEngine::admit(std::unique_ptr<Operation> o) {
-  Actions actions;
   std::string refusal;
-  uint64_t seq = 0;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    // Its turn, whatever happens to it: every rank numbers its calls alike.
-    seq = o->seq = nextSeq_++;
-    if (auto departed = failure_.departed(); departed && !failure_.fails(o->seq)) {
-      failLocked(*departed, actions, o->seq);
-    }
-    // A call before the failed turn runs as if nothing had happened: a slower
-    // rank may learn of a failure before it posts what the others still wait for.
-    if (failure_.fails(o->seq)) {
-      refusal = failure_.refusal();
-    } else {
-      admitLocked(std::move(o), actions);
-    }
+  std::unique_lock<std::mutex> lock(mu_);
+  Locked locked(lock);
+  // Its turn, whatever happens to it: every rank numbers its calls alike.
+  const uint64_t seq = o->seq = ledger_.take(locked);
+  if (auto departed = failure_.departed(); departed && !failure_.fails(seq)) {
+    failLocked(*departed, locked, seq);
   }
-  run(actions);
+  // A call before the failed turn runs as if nothing had happened: a slower
+  // rank may learn of a failure before it posts what the others still wait for.
+  if (failure_.fails(seq)) {
+    refusal = failure_.refusal();
+  } else {
+    admitLocked(std::move(o), locked);
+  }
+  locked.release();
   if (!refusal.empty()) {
     throw c10::DistBackendError(refusal);
   }
@@ -153,13 +150,11 @@ uint64_t CollectiveEngine::admit(std::unique_ptr<Operation> o) {
 }
 
 void CollectiveEngine::refuse(const std::string& message) {
-  Actions actions;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    // The turn this operation would have had, and every later one.
-    failLocked(message, actions, nextSeq_++);
-  }
-  run(actions);
+  std::unique_lock<std::mutex> lock(mu_);
+  Locked locked(lock);
+  // The turn this operation would have had, and every later one.
+  failLocked(message, locked, ledger_.take(locked));
+  locked.release();
   throw c10::DistBackendError(message);
 }
 
@@ -174,9 +169,10 @@ c10::intrusive_ptr<CollectiveEngine::Future> CollectiveEngine::announce(const An
 void CollectiveEngine::watchTurn(uint64_t seq, std::function<void(const std::string&)> fail) {
   std::string failed;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
+    Locked locked(lock);
     if (!failure_.fails(seq)) {
-      outsideTurns_[seq] = std::move(fail);
+      outside_.watch(seq, std::move(fail), locked);
       return;
     }
     failed = failure_.refusal();
@@ -185,16 +181,16 @@ void CollectiveEngine::watchTurn(uint64_t seq, std::function<void(const std::str
 }
 
 void CollectiveEngine::turnDone(uint64_t seq) {
-  std::lock_guard<std::mutex> lock(mu_);
-  outsideTurns_.erase(seq);
+  std::unique_lock<std::mutex> lock(mu_);
+  outside_.done(seq, Locked(lock));
 }
 
 std::string CollectiveEngine::turnFailed(uint64_t seq, const std::string& message) {
-  Actions actions;
   std::string reason = message;
   {
     std::unique_lock<std::mutex> lock(mu_);
-    outsideTurns_.erase(seq);
+    Locked locked(lock);
+    outside_.done(seq, locked);
     // Gloo names a lost peer by its address only. A peer that died closed this
     // rank's own connections to it at the same moment: give their readers the
     // time a failed send gives them to reach that close, and name the rank.
@@ -208,14 +204,14 @@ std::string CollectiveEngine::turnFailed(uint64_t seq, const std::string& messag
       reason = message + "; " + *departed;
     }
     if (!life_.is(EngineLife::kShutDown)) {
-      failLocked(reason, actions, seq);
+      failLocked(reason, locked, seq);
     }
+    locked.release();
   }
-  run(actions);
   return reason;
 }
 
-void CollectiveEngine::admitLocked(std::unique_ptr<Operation> o, Actions& actions) {
+void CollectiveEngine::admitLocked(std::unique_ptr<Operation> o, Locked& locked) {
   o->deadline = Clock::now() + options_.timeout;
   timeline_.stamp(o->tEnqueued);
   layOut(*o);
@@ -224,21 +220,17 @@ void CollectiveEngine::admitLocked(std::unique_ptr<Operation> o, Actions& action
   const bool inOrder = steps.activatesInOrder();
   for (const Slice& slice : o->slices) {
     segments += static_cast<int64_t>(slice.segments.size());
-    if (inOrder) {
-      waitingForSlot_.emplace_back(o->seq, slice.index);
-    }
   }
   outboxes_.expect(o->seq, segments * steps.toEachLocalPeer(), segments * steps.toRail());
-  Operation& op = *o;
-  ops_[o->seq] = std::move(o);
+  Operation& op = ledger_.add(std::move(o), inOrder, locked);
   if (!inOrder) {
     // Nothing on the reduce lane and nothing staged: it starts now, not
     // behind the slices of earlier operations that wait for a slot.
     for (Slice& slice : op.slices) {
-      activate(op, slice, SliceState::kActive, actions);
+      activate(op, slice, SliceState::kActive, locked);
     }
   }
-  pump(actions);
+  pump(locked);
 }
 
 void CollectiveEngine::layOut(Operation& op) {

@@ -35,10 +35,10 @@ constexpr auto kChainWait = std::chrono::milliseconds(400);
 
 } // namespace
 
-void CollectiveEngine::noteLongWaits() {
+void CollectiveEngine::noteLongWaits(const Locked& locked) {
   const auto now = Clock::now();
   const auto halfway = options_.timeout / 2;
-  for (auto& [seq, op] : ops_) {
+  for (auto& [seq, op] : ledger_.inFlight(locked)) {
     if (op->waitsNoted) {
       continue;
     }
@@ -62,7 +62,7 @@ void CollectiveEngine::noteLongWaits() {
         others.push_back(r);
       }
     }
-    note(nextSeq_, std::move(others));
+    note(ledger_.next(locked), std::move(others));
   }
 }
 

@@ -20,37 +20,28 @@ std::exception_ptr makeError(const std::string& message) {
 }
 } // namespace
 
-void CollectiveEngine::failLocked(const std::string& message, Actions& actions, uint64_t fromSeq) {
+void CollectiveEngine::failLocked(const std::string& message, Locked& locked, uint64_t fromSeq) {
   if (!failure_.fail(message, fromSeq)) {
     return; // those operations have failed already
   }
   outboxes_.dropFrom(fromSeq);
   if (auto abort = failure_.abortDue(life_.is(EngineLife::kShutDown))) {
-    sendAborts(*abort, actions);
+    sendAborts(*abort, locked);
   }
-  for (auto it = ops_.lower_bound(fromSeq); it != ops_.end();) {
-    it->second->state.moveTo(OpState::kFailed);
-    auto future = it->second->future;
-    actions.push_back([future, message] { future->setError(makeError(message)); });
-    graveyard_.push_back(std::move(it->second));
-    it = ops_.erase(it);
+  for (Operation* op : ledger_.bury(fromSeq, locked)) {
+    op->state.moveTo(OpState::kFailed);
+    locked.later([future = op->future, message] { future->setError(makeError(message)); });
   }
-  for (auto it = outsideTurns_.lower_bound(fromSeq); it != outsideTurns_.end();) {
-    actions.push_back([fail = std::move(it->second), message] { fail(message); });
-    it = outsideTurns_.erase(it);
+  for (auto& fail : outside_.takeFrom(fromSeq, locked)) {
+    locked.later([fail = std::move(fail), message] { fail(message); });
   }
-  for (auto it = parked_.lower_bound({fromSeq, 0}); it != parked_.end();) {
-    for (const Parked& p : it->second) {
-      if (!p.consumed) {
-        discard(p.peer, laneOf(p.header.route), p.bytes, actions);
-      }
-    }
-    it = parked_.erase(it);
+  for (const Parked& p : inbox_.dropFrom(fromSeq, locked)) {
+    discard(p.peer, laneOf(p.header.route), p.bytes, locked);
   }
   cv_.notify_all();
 }
 
-void CollectiveEngine::sendAborts(const GroupFailure::Abort& abort, Actions& actions) {
+void CollectiveEngine::sendAborts(const GroupFailure::Abort& abort, Locked& locked) {
   // On every lane: a peer may hold either one at a message it cannot take yet
   // (parked), and must still learn the reason before it sees this rank close.
   // Ahead of the data queued there: the reason must not wait behind it.
@@ -58,7 +49,7 @@ void CollectiveEngine::sendAborts(const GroupFailure::Abort& abort, Actions& act
   const uint64_t round = failure_.abortsQueued(peers, Clock::now());
   for (int peer : peers) {
     for (int l = 0; l < kNumLanes; ++l) {
-      actions.push_back([this, peer, l, abort, round] {
+      locked.later([this, peer, l, abort, round] {
         mesh_->send(
             peer, static_cast<Lane>(l), encode(Abort{abort.reason, abort.fromSeq}), nullptr, 0,
             [this, peer, l, round](Status) {
@@ -76,9 +67,9 @@ void CollectiveEngine::sendAborts(const GroupFailure::Abort& abort, Actions& act
   }
 }
 
-void CollectiveEngine::lostPeerLocked(bool needed, const std::string& message, Actions& actions) {
+void CollectiveEngine::lostPeerLocked(bool needed, const std::string& message, Locked& locked) {
   if (auto now = failure_.peerLost(message, needed)) {
-    failLocked(*now, actions);
+    failLocked(*now, locked);
   }
   cv_.notify_all(); // a ring call that failed waits to name the lost peer (turnFailed)
 }

@@ -32,34 +32,32 @@ void CollectiveEngine::onMessage(int peer, Lane lane, Status status, std::string
   } else if (!status.ok()) {
     faults::hit(faults::kEngineLost, peer);
   }
-  Actions actions;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!life_.is(EngineLife::kOpen)) {
-      return;
-    }
-    if (!status.ok()) {
-      closeRead(peer, lane, status.message(), actions);
-    } else if (abort) {
-      failLocked(
-          GroupFailure::forwarded(abort->reason, layout_.describe(layout_.rank()), layout_.describe(peer)), actions,
-          abort->fromSeq);
-      if (lane == Lane::kGather) {
-        // Operations before the failed turn may still need its reduce lane, now closed.
-        gatherEnded(peer, actions);
-      }
-      // Finish reading it: earlier operations' messages queue behind it.
-      discard(peer, lane, bytes, actions);
-    } else if (auto h = decodeData(header); !h || laneOf(h->route) != lane) {
-      failLocked("fairring: malformed message from " + layout_.describe(peer), actions);
-    } else {
-      onData(peer, lane, *h, bytes, actions);
-    }
+  std::unique_lock<std::mutex> lock(mu_);
+  Locked locked(lock);
+  if (!life_.is(EngineLife::kOpen)) {
+    return;
   }
-  run(actions);
+  if (!status.ok()) {
+    closeRead(peer, lane, status.message(), locked);
+  } else if (abort) {
+    failLocked(
+        GroupFailure::forwarded(abort->reason, layout_.describe(layout_.rank()), layout_.describe(peer)), locked,
+        abort->fromSeq);
+    if (lane == Lane::kGather) {
+      // Operations before the failed turn may still need its reduce lane, now closed.
+      gatherEnded(peer, locked);
+    }
+    // Finish reading it: earlier operations' messages queue behind it.
+    discard(peer, lane, bytes, locked);
+  } else if (auto h = decodeData(header); !h || laneOf(h->route) != lane) {
+    failLocked("fairring: malformed message from " + layout_.describe(peer), locked);
+  } else {
+    onData(peer, lane, *h, bytes, locked);
+  }
+  locked.release();
 }
 
-void CollectiveEngine::closeRead(int peer, Lane lane, const std::string& message, Actions& actions) {
+void CollectiveEngine::closeRead(int peer, Lane lane, const std::string& message, Locked& locked) {
   // A reduce-lane close read first waits for the gather lane, which carries the
   // peer's abort if it failed on purpose (PeerCloses); the watchdog bounds it.
   if (lane == Lane::kReduce && !closes_.gatherEnded(peer) &&
@@ -69,58 +67,57 @@ void CollectiveEngine::closeRead(int peer, Lane lane, const std::string& message
   }
   // A peer that finished everything may close before we have read its last
   // bytes' successors; that is only an error if we wait on it.
-  lostPeerLocked(needsFrom(peer, lane), message, actions);
+  lostPeerLocked(needsFrom(peer, lane, locked), message, locked);
   if (lane == Lane::kGather) {
-    gatherEnded(peer, actions);
+    gatherEnded(peer, locked);
   }
 }
 
-void CollectiveEngine::gatherEnded(int peer, Actions& actions) {
+void CollectiveEngine::gatherEnded(int peer, Locked& locked) {
   if (auto held = closes_.endGather(peer)) {
-    lostPeerLocked(needsFrom(peer, Lane::kReduce), *held, actions);
+    lostPeerLocked(needsFrom(peer, Lane::kReduce, locked), *held, locked);
   }
 }
 
-void CollectiveEngine::onData(int peer, Lane lane, const DataHeader& h, size_t bytes, Actions& actions) {
+void CollectiveEngine::onData(int peer, Lane lane, const DataHeader& h, size_t bytes, Locked& locked) {
   if (failure_.fails(h.opSeq)) {
-    discard(peer, lane, bytes, actions);
+    discard(peer, lane, bytes, locked);
     return;
   }
-  auto it = ops_.find(h.opSeq);
-  if (it != ops_.end()) {
-    Operation& op = *it->second;
+  if (Operation* found = ledger_.find(h.opSeq, locked)) {
+    Operation& op = *found;
     if (!sameOp(op, h)) {
-      failLocked(describeMismatch(op, peer, h), actions, op.seq);
+      failLocked(describeMismatch(op, peer, h), locked, op.seq);
     } else if (!op.slices[h.slice].active()) {
-      park(peer, lane, h, bytes, actions);
+      park(peer, lane, h, bytes, locked);
     } else {
-      deliver(op, op.slices[h.slice], peer, h, bytes, actions);
+      deliver(op, op.slices[h.slice], peer, h, bytes, locked);
     }
-  } else if (h.opSeq < nextSeq_) {
+  } else if (h.opSeq < ledger_.next(locked)) {
     failLocked(
         "fairring: " + callName(h) + " #" + std::to_string(h.opSeq) +
             " differs between ranks: " + layout_.describe(peer) + " sent " + describeOp(h) +
             " but it has already finished on " + layout_.describe(layout_.rank()) + " (with fewer elements)",
-        actions, h.opSeq);
+        locked, h.opSeq);
   } else {
     // The peer is ahead of us; the connection waits until we post this
     // operation (but for a message with no body: park()).
-    park(peer, lane, h, bytes, actions);
+    park(peer, lane, h, bytes, locked);
   }
 }
 
-void CollectiveEngine::park(int peer, Lane lane, const DataHeader& h, size_t bytes, Actions& actions) {
+void CollectiveEngine::park(int peer, Lane lane, const DataHeader& h, size_t bytes, Locked& locked) {
   Parked parked{peer, h, bytes};
   // The gather lane never stops reading at a message (the results of earlier
   // operations may come behind it), so one with no body (an announcement of
   // a call this rank has not made yet) is read now and kept until its turn.
   if (bytes == 0 && lane == Lane::kGather && !plants::planted(plants::Plant::kAnnouncementParked)) {
     parked.consumed = true;
-    actions.push_back([this, peer, lane] {
+    locked.later([this, peer, lane] {
       mesh_->receive(peer, lane, nullptr, 0, [](const Status&) {}); // a lost connection is told apart
     });
   }
-  parked_[{h.opSeq, h.slice}].push_back(std::move(parked));
+  inbox_.park(std::move(parked), locked);
 }
 
 void CollectiveEngine::deliver(
@@ -129,10 +126,10 @@ void CollectiveEngine::deliver(
     int peer,
     const DataHeader& h,
     size_t bytes,
-    Actions& actions,
+    Locked& locked,
     bool consumed) {
   if (!sameOp(op, h)) {
-    failLocked(describeMismatch(op, peer, h), actions, op.seq);
+    failLocked(describeMismatch(op, peer, h), locked, op.seq);
     return;
   }
   const KindSteps& steps = stepsOf(op);
@@ -144,7 +141,7 @@ void CollectiveEngine::deliver(
   const int pieces = steps.piecesPer(h.route);
   Segment& seg = slice.segments[h.segment];
   const size_t index = static_cast<size_t>(from) * pieces + h.piece;
-  Turn t{op, slice, seg, *this, actions};
+  Turn t{op, slice, seg, *this, locked};
   std::optional<Landing> landing;
   if (samePlace && peer != layout_.rank() && h.piece >= 0 && h.piece < pieces &&
       index < seg.announced[route].size() && !seg.announced[route][index]) {
@@ -154,7 +151,7 @@ void CollectiveEngine::deliver(
     failLocked(
         "fairring: unexpected " + steps.label(h.route) + " message from " + layout_.describe(peer) + " for " +
             opKindName(op.kind) + " #" + std::to_string(op.seq),
-        actions);
+        locked);
     return;
   }
   const size_t expected = static_cast<size_t>(landing->range.size()) * op.elemSize;
@@ -163,18 +160,18 @@ void CollectiveEngine::deliver(
         "fairring: " + layout_.describe(peer) + " sent " + std::to_string(bytes) + " bytes for the " +
             steps.label(h.route) + " of " + opKindName(op.kind) + " #" + std::to_string(op.seq) + " where " +
             std::to_string(expected) + " were expected",
-        actions);
+        locked);
     return;
   }
   seg.announced[route][index] = 1;
   ++seg.pendingReads;
   if (consumed) {
-    actions.push_back([this, p = h.route, seq = op.seq, s = h.slice, g = h.segment] {
+    locked.later([this, p = h.route, seq = op.seq, s = h.slice, g = h.segment] {
       onReceived(seq, s, g, p, Status());
     });
     return;
   }
-  actions.push_back([this, peer, p = h.route, dst = landing->dst, bytes, seq = op.seq, s = h.slice, g = h.segment] {
+  locked.later([this, peer, p = h.route, dst = landing->dst, bytes, seq = op.seq, s = h.slice, g = h.segment] {
     mesh_->receive(peer, laneOf(p), dst, bytes, [this, seq, s, g, p](Status status) {
       onReceived(seq, s, g, p, std::move(status));
     });
@@ -182,63 +179,60 @@ void CollectiveEngine::deliver(
 }
 
 void CollectiveEngine::onReceived(uint64_t seq, int64_t s, int g, Route route, Status status) {
-  Actions actions;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!life_.is(EngineLife::kOpen)) {
-      return;
-    }
-    if (!status.ok()) {
-      // A body this rank was reading: needed.
-      lostPeerLocked(true, status.message(), actions);
-    } else if (auto it = ops_.find(seq); it != ops_.end()) {
-      Slice& slice = it->second->slices[s];
-      Turn t{*it->second, slice, slice.segments[g], *this, actions};
-      --t.seg.pendingReads;
-      ++t.seg.received[static_cast<int>(route)];
-      advance(t);
-    }
+  std::unique_lock<std::mutex> lock(mu_);
+  Locked locked(lock);
+  if (!life_.is(EngineLife::kOpen)) {
+    return;
   }
-  run(actions);
+  if (!status.ok()) {
+    // A body this rank was reading: needed.
+    lostPeerLocked(true, status.message(), locked);
+  } else if (Operation* op = ledger_.find(seq, locked)) {
+    Slice& slice = op->slices[s];
+    Turn t{*op, slice, slice.segments[g], *this, locked};
+    --t.seg.pendingReads;
+    ++t.seg.received[static_cast<int>(route)];
+    advance(t);
+  }
+  locked.release();
 }
 
 void CollectiveEngine::onSent(uint64_t seq, int64_t s, int g, int peer, Status status) {
-  Actions actions;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!life_.is(EngineLife::kOpen)) {
-      return;
-    }
-    // A failed send does not make this rank's result wrong: only data it still
-    // has to receive can. (A peer that finished and exited may drop the
-    // acknowledgement of bytes it did read from its memory.) So the send
-    // counts as over, and the peer as lost, needed only if work waits on it.
-    if (!status.ok()) {
-      lostPeerLocked(needsFrom(peer, Lane::kReduce) || needsFrom(peer, Lane::kGather), status.message(), actions);
-    }
-    // An operation that failed is gone from ops_; earlier ones carry on.
-    if (auto it = ops_.find(seq); it != ops_.end()) {
-      Slice& slice = it->second->slices[s];
-      Turn t{*it->second, slice, slice.segments[g], *this, actions};
-      --t.seg.sendsInFlight;
-      advance(t);
-    }
+  std::unique_lock<std::mutex> lock(mu_);
+  Locked locked(lock);
+  if (!life_.is(EngineLife::kOpen)) {
+    return;
   }
-  run(actions);
+  // A failed send does not make this rank's result wrong: only data it still
+  // has to receive can. (A peer that finished and exited may drop the
+  // acknowledgement of bytes it did read from its memory.) So the send
+  // counts as over, and the peer as lost, needed only if work waits on it.
+  if (!status.ok()) {
+    const bool needed = needsFrom(peer, Lane::kReduce, locked) || needsFrom(peer, Lane::kGather, locked);
+    lostPeerLocked(needed, status.message(), locked);
+  }
+  // An operation that failed is out of the ledger; earlier ones carry on.
+  if (Operation* op = ledger_.find(seq, locked)) {
+    Slice& slice = op->slices[s];
+    Turn t{*op, slice, slice.segments[g], *this, locked};
+    --t.seg.sendsInFlight;
+    advance(t);
+  }
+  locked.release();
 }
 
-void CollectiveEngine::discard(int peer, Lane lane, size_t bytes, Actions& actions) {
-  actions.push_back([this, peer, lane, bytes] { mesh_->receive(peer, lane, nullptr, bytes, [](Status) {}); });
+void CollectiveEngine::discard(int peer, Lane lane, size_t bytes, Locked& locked) {
+  locked.later([this, peer, lane, bytes] { mesh_->receive(peer, lane, nullptr, bytes, [](Status) {}); });
 }
 
-bool CollectiveEngine::needsFrom(int peer, Lane lane) const {
+bool CollectiveEngine::needsFrom(int peer, Lane lane, const Locked& locked) const {
   const bool local = layout_.machineOf(peer) == layout_.machine();
   const Route route = local ? (lane == Lane::kReduce ? Route::kWithinMachine : Route::kWithinMachineBack)
                             : (lane == Lane::kReduce ? Route::kAlongRail : Route::kAlongRailBack);
-  for (const auto& [seq, op] : ops_) {
+  for (const auto& [seq, op] : ledger_.inFlight(locked)) {
     for (const Slice& slice : op->slices) {
       for (const Segment& seg : slice.segments) {
-        if (segmentNeeds(*op, slice, seg, peer, route)) {
+        if (segmentNeeds(*op, slice, seg, peer, route, locked)) {
           return true;
         }
       }
@@ -252,7 +246,8 @@ bool CollectiveEngine::segmentNeeds(
     const Slice& slice,
     const Segment& seg,
     int peer,
-    Route route) const {
+    Route route,
+    const Locked& locked) const {
   const bool local = layout_.machineOf(peer) == layout_.machine();
   const int from = local ? layout_.localRankOf(peer) : layout_.machineOf(peer);
   const size_t pieces = static_cast<size_t>(stepsOf(op).piecesPer(route));
@@ -263,11 +258,7 @@ bool CollectiveEngine::segmentNeeds(
     return false;
   }
   // What a peer sent that waits for this rank's slot is already here.
-  auto parked = parked_.find({op.seq, slice.index});
-  return parked == parked_.end() ||
-      std::none_of(parked->second.begin(), parked->second.end(), [&](const Parked& p) {
-           return p.peer == peer && p.header.route == route && p.header.segment == seg.index;
-         });
+  return !inbox_.holds(op.seq, slice.index, seg.index, peer, route, locked);
 }
 
 std::string CollectiveEngine::describeOp(const DataHeader& h) const {

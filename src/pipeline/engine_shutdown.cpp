@@ -38,7 +38,8 @@ void CollectiveEngine::shutdownAll(std::chrono::milliseconds grace) {
   const auto deadline = Clock::now() + grace;
   for (CollectiveEngine* engine : registry()) {
     std::unique_lock<std::mutex> engineLock(engine->mu_);
-    engine->cv_.wait_until(engineLock, deadline, [engine] { return engine->ops_.empty(); });
+    const Locked locked(engineLock);
+    engine->cv_.wait_until(engineLock, deadline, [&] { return engine->ledger_.empty(locked); });
   }
   for (CollectiveEngine* engine : registry()) {
     engine->shutdown();
@@ -50,19 +51,19 @@ void CollectiveEngine::shutdownAll(std::chrono::milliseconds grace) {
 }
 
 void CollectiveEngine::shutdown() {
-  Actions actions;
   bool closedEarlier = false; // by the watchdog, which stops now
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
+    Locked locked(lock);
     if (life_.is(EngineLife::kShutDown)) {
       return;
     }
     closedEarlier = life_.is(EngineLife::kClosed);
     life_.moveTo(EngineLife::kShutDown);
-    failLocked("fairring: the process group was shut down while this operation was in flight", actions);
+    failLocked("fairring: the process group was shut down while this operation was in flight", locked);
+    cv_.notify_all();
+    locked.release();
   }
-  cv_.notify_all();
-  run(actions);
   // Closing the connections interrupts a start() still connecting; it then
   // starts no watchdog (kShutDown).
   mesh_->interrupt();
@@ -85,8 +86,8 @@ void CollectiveEngine::shutdown() {
   mesh_->close();
   tasks_.stop();
   timeline_.close();
-  std::lock_guard<std::mutex> lock(mu_);
-  graveyard_.clear();
+  std::unique_lock<std::mutex> lock(mu_);
+  ledger_.freeBuried(Locked(lock));
 }
 
 } // namespace fairring

@@ -16,53 +16,46 @@ using Clock = std::chrono::steady_clock;
 void CollectiveEngine::watchdog() {
   pthread_setname_np(pthread_self(), "fairring-watch");
   std::unique_lock<std::mutex> lock(mu_);
+  Locked locked(lock);
   while (!life_.is(EngineLife::kShutDown)) {
     cv_.wait_for(lock, std::chrono::milliseconds(100));
     if (life_.is(EngineLife::kShutDown)) {
       break;
     }
     if (timeline_.enabled()) {
-      lock.unlock();
-      timeline_.flush();
-      lock.lock();
+      locked.unlocked([this] { timeline_.flush(); });
     }
-    if (life_.is(EngineLife::kOpen) && readyToClose()) {
+    if (life_.is(EngineLife::kOpen) && readyToClose(locked)) {
       // Closing the connections tells every peer at once that this rank has failed.
       life_.moveTo(EngineLife::kClosed);
-      lock.unlock();
-      mesh_->close();
-      lock.lock();
-      graveyard_.clear();
+      locked.unlocked([this] { mesh_->close(); });
+      ledger_.freeBuried(locked);
       continue;
     }
-    noteLongWaits();
-    actOnHeldCloses(lock);
-    checkDeadlines(lock);
+    noteLongWaits(locked);
+    actOnHeldCloses(locked);
+    checkDeadlines(locked);
   }
 }
 
-void CollectiveEngine::actOnHeldCloses(std::unique_lock<std::mutex>& lock) {
+void CollectiveEngine::actOnHeldCloses(Locked& locked) {
   if (!life_.is(EngineLife::kOpen)) {
     return;
   }
-  Actions actions;
   for (auto& [peer, message] : closes_.expired(Clock::now(), GroupFailure::kSendFailureWait)) {
-    lostPeerLocked(needsFrom(peer, Lane::kReduce), message, actions);
+    lostPeerLocked(needsFrom(peer, Lane::kReduce, locked), message, locked);
   }
-  if (!actions.empty()) {
-    lock.unlock();
-    run(actions);
-    lock.lock();
-  }
+  locked.flush();
 }
 
-bool CollectiveEngine::readyToClose() const {
-  return failure_.failed() && ops_.empty() && nextSeq_ >= failure_.failSeq() && failure_.mayClose(Clock::now());
+bool CollectiveEngine::readyToClose(const Locked& locked) const {
+  return failure_.failed() && ledger_.empty(locked) && ledger_.next(locked) >= failure_.failSeq() &&
+      failure_.mayClose(Clock::now());
 }
 
-void CollectiveEngine::checkDeadlines(std::unique_lock<std::mutex>& lock) {
+void CollectiveEngine::checkDeadlines(Locked& locked) {
   const auto now = Clock::now();
-  for (auto& [seq, op] : ops_) {
+  for (auto& [seq, op] : ledger_.inFlight(locked)) {
     if (now <= op->deadline) {
       continue;
     }
@@ -73,18 +66,14 @@ void CollectiveEngine::checkDeadlines(std::unique_lock<std::mutex>& lock) {
         describeWait(*op, waited);
     // The peer it waits for may itself wait for another: name the rank at
     // the end of the chain, without holding the lock (aborts, destroy).
-    const uint64_t turn = seq; // ops_ may change meanwhile
-    lock.unlock();
-    const std::string chain = blame(turn, waited);
-    lock.lock();
+    const uint64_t turn = seq; // the ledger may change meanwhile
+    std::string chain;
+    locked.unlocked([&] { chain = blame(turn, waited); });
     if (failure_.failed() || life_.is(EngineLife::kShutDown)) {
       return; // another rank's abort came first: its reason stands
     }
-    Actions actions;
-    failLocked(message + chain, actions);
-    lock.unlock();
-    run(actions);
-    lock.lock();
+    failLocked(message + chain, locked);
+    locked.flush();
     return;
   }
 }

@@ -16,23 +16,22 @@
 #include <string>
 #include <vector>
 
+#include "pipeline/engine_lock.h"
 #include "pipeline/operation.h"
 #include "topology/rank_layout.h"
 
 namespace fairring {
 
-using Actions = std::vector<std::function<void()>>;
-
 class StepContext;
 
-// What one step works on, under the engine's lock; I/O it decides goes into
-// `actions`, issued after the lock is released.
+// What one step works on, under the engine's lock; I/O it decides is queued
+// on `locked`, issued after the lock is released.
 struct Turn {
   Operation& op;
   Slice& slice;
   Segment& seg;
   StepContext& ctx;
-  Actions& actions;
+  Locked& locked;
 };
 
 // What the engine does for a step.
