@@ -263,13 +263,13 @@ def store_barrier(store: Any, key: str, world: int, timeout_s: float) -> None:
 # ---------------------------------------------------------------- the wire, as tests see it
 
 # The hello a rank opens every connection with (src/transport/handshake.cpp): 64 bytes,
-# magic "FRH2", the wire version, the lane, the sender's rank and the job token at
+# magic "FRH2", the wire version, the track, the sender's rank and the job token at
 # these offsets (then pid and memory probe, zero when unused).
 HELLO_BYTES = 64
 HELLO_MAGIC = 0x46524832
 WIRE_VERSION = 3  # kVersion in src/transport/handshake.cpp
 HELLO_VERSION = slice(4, 6)
-HELLO_LANE = 6
+HELLO_TRACK = 6
 HELLO_RANK = slice(8, 12)
 HELLO_TOKEN = slice(16, 48)
 # The gate's answer to a hello with its magic: "FRR1", a verdict, whether bodies are

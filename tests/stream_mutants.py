@@ -138,11 +138,11 @@ CATCHERS: dict[str, Catch] = {
         (),
     ),
     # Rank 1 waits for an engine allreduce's results, queued behind rank 0's unread
-    # announcement of the next call on the gather lane: a hang to the group's timeout.
+    # announcement of the next call on the gather track: a hang to the group's timeout.
     "announcement_parked": Catch(
         (
             "test_ring_announcement.py::"
-            "test_an_announcement_ahead_of_its_call_does_not_stop_the_gather_lane",
+            "test_an_announcement_ahead_of_its_call_does_not_stop_the_gather_track",
         ),
         (),
     ),
@@ -177,11 +177,11 @@ CATCHERS: dict[str, Catch] = {
         (),
     ),
     "close_waits_reduce_abort": Catch(
-        ("test_abort_lanes.py::test_a_held_reduce_lane_holds_neither_the_reason_nor_the_close",),
+        ("test_abort_tracks.py::test_a_held_reduce_track_holds_neither_the_reason_nor_the_close",),
         (),
     ),
     "reduce_close_not_held": Catch(
-        ("test_abort_lanes.py::test_a_held_reduce_lane_holds_neither_the_reason_nor_the_close",),
+        ("test_abort_tracks.py::test_a_held_reduce_track_holds_neither_the_reason_nor_the_close",),
         (),
     ),
     # A skipped broadcast pairs the next one with a call of another size on Gloo,
@@ -219,6 +219,11 @@ CATCHERS: dict[str, Catch] = {
             "test_startup_connect.py::test_a_rank_whose_start_fails_is_named_on_every_rank_in_time"
             "[core_held]",
         ),
+        (),
+    ),
+    # A broken pipe named instead of the reason its peer sent ahead of its close.
+    "send_failure_waits_briefly": Catch(
+        ("test_send_failure_reason.py::test_a_broken_send_waits_for_the_peers_reason",),
         (),
     ),
 }

@@ -27,8 +27,15 @@ import torch
 import torch.distributed as dist
 from case_job import CaseJob
 from multiprocess import DEFAULT_BACKEND, SHAPES, fairring_env, run_ranks
-from values import FLOAT_DTYPES, INT_DTYPES, compare, compare_exact, reduce_op, reference
-from values import make_values as _make_values
+from values import (
+    FLOAT_DTYPES,
+    INT_DTYPES,
+    compare,
+    compare_exact,
+    make_values,
+    reduce_op,
+    reference,
+)
 
 BACKEND = DEFAULT_BACKEND
 SLICE_SIZE = 4 * 1024
@@ -160,15 +167,8 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def make_values(
-    rank: int, case_id: str, op: str, dtype: str, numel: int, world: int
-) -> torch.Tensor:
-    """Deterministic small integer values for one rank's input (tests/values.py)."""
-    return _make_values(case_id, rank, op, dtype, numel, world).to(torch.int64)
-
-
 def make_input(rank: int, case: Case, numel: int, world: int) -> torch.Tensor:
-    return _make_values(case.id, rank, case.op, case.dtype, numel, world, case.values)
+    return make_values(case.id, rank, case.op, case.dtype, numel, world, case.values)
 
 
 def reduce_exact(inputs: list[torch.Tensor], op: str, dtype: str) -> torch.Tensor:
@@ -271,8 +271,8 @@ def _coalesced(rank: int, world: int, case: Case) -> str | None:
 def _complex_sum(rank: int, world: int, case: Case) -> str | None:
     # torch hands complex SUM to the backend as a float view (view_as_real).
     def complex_input(r: int) -> torch.Tensor:
-        real = make_values(r, case.id + "/re", "SUM", "float32", case.numel, world)
-        imag = make_values(r, case.id + "/im", "SUM", "float32", case.numel, world)
+        real = make_values(case.id + "/re", r, "SUM", "float32", case.numel, world)
+        imag = make_values(case.id + "/im", r, "SUM", "float32", case.numel, world)
         return torch.complex(real.float(), imag.float())
 
     inputs = [complex_input(r) for r in range(world)]
@@ -322,8 +322,8 @@ def _unsupported(rank: int, world: int, case: Case) -> str | None:
     # users know it ("complex64", not c10's "ComplexFloat").
     inputs = [
         torch.complex(
-            make_values(r, case.id, "SUM", "float32", case.numel, world).float(),
-            make_values(r, case.id + "/im", "SUM", "float32", case.numel, world).float(),
+            make_values(case.id, r, "SUM", "float32", case.numel, world).float(),
+            make_values(case.id + "/im", r, "SUM", "float32", case.numel, world).float(),
         )
         for r in range(world)
     ]
@@ -395,7 +395,7 @@ def reduced_bits(rank: int, world: int) -> list[str]:
     digests = []
     for dtype, op in itertools.product(FLOAT_DTYPES, ("SUM", "AVG", "PRODUCT")):
         inputs = [
-            _make_values(f"bits-{op}-{dtype}", r, op, dtype, 20_000, world, "wide")
+            make_values(f"bits-{op}-{dtype}", r, op, dtype, 20_000, world, "wide")
             for r in range(world)
         ]
         for _ in range(2):

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from case_job import CaseJob
 from multiprocess import DEFAULT_BACKEND, SHAPES, fairring_env
-from test_allreduce import make_values, reduce_exact
-from values import compare_exact
+from test_allreduce import reduce_exact
+from values import compare_exact, make_values
 
 BACKEND = DEFAULT_BACKEND
 SLICE_SIZE = 4 * 1024
@@ -72,7 +72,7 @@ def _batch(case: Case) -> list[_Op]:
 def _inputs(op: _Op, world: int) -> list[torch.Tensor]:
     dtype = getattr(torch, op.dtype)
     return [
-        make_values(r, op.key, op.op, op.dtype, op.numel, world).to(dtype) for r in range(world)
+        make_values(op.key, r, op.op, op.dtype, op.numel, world).to(dtype) for r in range(world)
     ]
 
 

@@ -90,7 +90,7 @@ def _kill_job(victim: int, shape: str = "2x2", mate: int | None = None) -> tuple
 
 
 # 2x2, rank 3 killed: its machine-mate, rank 2, dies 0.15 s later, as torchrun's agent
-# ends the rest of a machine whose rank died. 3x1: the rail connections of a lane share
+# ends the rest of a machine whose rank died. 3x1: the rail connections of a track share
 # one writer (src/transport/peer_mesh.h).
 KILLS = {("2x2", 3): 2, ("2x2", 1): None, ("3x1", 1): None}  # (shape, victim): mate
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import zlib
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -30,7 +29,7 @@ import torch
 import torch.distributed as dist
 from case_job import CaseJob
 from multiprocess import SHAPES, fairring_env
-from values import compare_exact
+from values import compare_exact, make_values
 
 JOB_ENV = fairring_env(
     total_memory=64 * 1024,
@@ -85,53 +84,9 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def make_values(
-    case_id: str, rank: int, op: str, dtype: str, numel: int, world: int
-) -> torch.Tensor:
-    """One rank's input in float64 (floats) or int64: exact in ``dtype``, and so are
-    all partial results of ``op`` over ``world`` ranks."""
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{case_id}/{rank}".encode()))
-
-    def ints(lo: int, hi: int) -> torch.Tensor:
-        return torch.randint(lo, hi + 1, (numel,), generator=gen, dtype=torch.int64)
-
-    if dtype == "bool":
-        return ints(0, 1)
-    if op == "PRODUCT":
-        choices = {
-            "uint8": [1, 2, 3],
-            "float32": [0.5, 1.0, 1.5, 2.0, -1.0, -0.25],
-            "float64": [0.5, 1.0, 1.5, 2.0, -1.0, -0.25],
-            "float16": [0.5, 1.0, 1.5, 2.0, -1.0],
-            "bfloat16": [0.5, 1.0, 1.5, 2.0, -1.0],
-        }.get(dtype, [1, 2, -1, 3, -2])
-        table = torch.tensor(choices, dtype=torch.float64 if dtype in FLOAT_DTYPES else torch.int64)
-        return table[ints(0, len(choices) - 1)]
-    wide = op in ("MIN", "MAX")
-    if dtype in FLOAT_DTYPES:
-        # (integer range, fraction): sums of `world` values stay exact in the dtype.
-        span, step = {
-            "float32": (4000, 0.25) if not wide else (10**6, 0.125),
-            "float64": (10**9, 0.125),
-            "float16": (60, 0.25) if not wide else (2000, 0.5),
-            "bfloat16": (10, 0.5) if not wide else (200, 1.0),
-        }[dtype]
-        values = ints(-span, span).to(torch.float64) * step
-        if dtype == "float64" and not wide:
-            values += 2.0**30  # beyond float32's precision, still exact sums in float64
-    else:
-        span = {
-            "int8": 30 if not wide else 127,
-            "int16": 8000 if not wide else 32000,
-            "int32": 10**8 if not wide else 2**31 - 1,
-            "int64": 2**40 if not wide else 2**62,
-            "uint8": 60 if not wide else 255,
-        }[dtype]
-        lo = 0 if dtype == "uint8" else -span
-        values = ints(lo, span)
-    if op == "AVG":
-        values = values * world  # the average is exact too
-    return values
+def _exact(dtype: str) -> torch.dtype:
+    """Where the reference reduces: float64 for floats, int64 for the rest."""
+    return torch.float64 if dtype in FLOAT_DTYPES else torch.int64
 
 
 def reduce_exact(inputs: list[torch.Tensor], op: str, dtype: str) -> torch.Tensor:
@@ -162,7 +117,9 @@ def reduce_exact(inputs: list[torch.Tensor], op: str, dtype: str) -> torch.Tenso
 def big_inputs(case: Case, world: int, tag: str = "") -> list[torch.Tensor]:
     """Every rank's world x numel input of a reduce-scatter (wide)."""
     return [
-        make_values(case.id + tag, r, case.op, case.dtype, world * case.numel, world)
+        make_values(
+            case.id + tag, r, case.op, case.dtype, world * case.numel, world, "fractions"
+        ).to(_exact(case.dtype))
         for r in range(world)
     ]
 
@@ -175,7 +132,7 @@ def rs_expected(inputs: list[torch.Tensor], rank: int, case: Case) -> torch.Tens
 def part_inputs(case: Case, world: int, tag: str = "") -> list[torch.Tensor]:
     """Every rank's numel input of an all-gather, in the dtype."""
     return [
-        make_values(case.id + tag, r, "MAX", case.dtype, case.numel, world).to(_dtype(case.dtype))
+        make_values(case.id + tag, r, "MAX", case.dtype, case.numel, world, "fractions")
         for r in range(world)
     ]
 

@@ -149,7 +149,7 @@ def test_the_grace_is_the_documented_two_seconds() -> None:
         ((1, 2, 3), (), 100, False),  # aborts not out, within the grace
         ((1, 2, 3), (1, 2), 100, False),  # rank 3 has none yet
         ((1, 2, 3), (1, 2, 3), 100, True),  # every peer has one
-        ((1, 2, 3), (1, 1, 2, 2), 100, False),  # both lanes of two peers: not the third
+        ((1, 2, 3), (1, 1, 2, 2), 100, False),  # both tracks of two peers: not the third
         ((1, 2, 3), (), 100 + GRACE, False),  # exactly the grace: not yet
         (
             (1, 2, 3),
@@ -163,8 +163,8 @@ def test_the_connections_close_once_every_peer_has_an_abort_or_the_grace_is_over
     peers: tuple[int, ...], left: tuple[int, ...], at: int, may_close: bool
 ) -> None:
     """One abort per peer is enough (chaos seed 74: a rail writer held at one peer's
-    parked reduce lane held both peers' reduce-lane aborts, and the close, for the
-    whole grace, though their gather-lane aborts had left in 2 ms)."""
+    parked reduce track held both peers' reduce-track aborts, and the close, for the
+    whole grace, though their gather-track aborts had left in 2 ms)."""
     f = _failure()
     f.fail("why", 0)
     if peers:

@@ -5,7 +5,7 @@ Under BBR (this host's default) the writer's rotation over those sockets left a 
 link half idle at 4 x 1 (bench/results/details.md, "Rail sockets and BBR"), so they use
 Reno unless told otherwise. Each rank reads the algorithm of every TCP socket it holds
 (getsockopt TCP_CONGESTION on a duplicate of each descriptor), so the check is the
-kernel's, not the engine's own account: with 3 machines, the 2 lanes to each of the 2
+kernel's, not the engine's own account: with 3 machines, the 2 tracks to each of the 2
 other machines are Reno and nothing else is; with 2 machines (one rail peer, no
 rotation) or `system`, none is changed.
 """

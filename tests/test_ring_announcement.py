@@ -1,6 +1,6 @@
 """A call handed to Gloo's ring is announced to the rank's machine and rail peers in one
-empty gather-lane message (src/pipeline/announce_steps.cpp), which may reach a peer
-before that peer makes the call. The peer reads it at once: the gather lane carries the
+empty gather-track message (src/pipeline/announce_steps.cpp), which may reach a peer
+before that peer makes the call. The peer reads it at once: the gather track carries the
 results of earlier operations behind it, which the peer may be waiting for before it
 makes the call.
 
@@ -64,7 +64,7 @@ def ahead_and_behind(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-def test_an_announcement_ahead_of_its_call_does_not_stop_the_gather_lane() -> None:
+def test_an_announcement_ahead_of_its_call_does_not_stop_the_gather_track() -> None:
     env = fairring_env(FAIRRING_CPU_ALLREDUCE="model")
     got = run_ranks(ahead_and_behind, 2, ["m0", "m1"], env=env, timeout_s=90, pg_timeout_s=20)
     for rank, r in enumerate(got):

@@ -37,10 +37,10 @@ import torch.distributed as dist
 from multiprocess import launch
 from reliability_helpers import (
     HELLO_BYTES,
-    HELLO_LANE,
     HELLO_MAGIC,
     HELLO_RANK,
     HELLO_TOKEN,
+    HELLO_TRACK,
     HELLO_VERSION,
     REPLY,
     REPLY_MAGIC,
@@ -198,7 +198,7 @@ def _join_fake(answer: Any) -> tuple[str, float, list[bytes]]:
 def test_a_connection_closed_without_an_answer_is_tried_again() -> None:
     accepted = REPLY.pack(REPLY_MAGIC, 0, 0, 1)
     ending, _, hellos = _join_fake(lambda i: None if i == 0 else accepted)
-    # Rank 3's peers are rank 2 (local) and rank 1 (rail), two lanes each: four
+    # Rank 3's peers are rank 2 (local) and rank 1 (rail), two tracks each: four
     # connections, the first one twice.
     assert len(hellos) == 5, f"{len(hellos)} hellos: {ending}"
     assert hellos[0] == hellos[1], "the second attempt did not repeat the first hello"
@@ -217,11 +217,11 @@ def test_a_refusal_fails_at_once_naming_why() -> None:
 # ---------------------------------------------------------------- a peer that breaks the protocol
 
 
-def _hello(rank: int, lane: int, token: str) -> bytes:
+def _hello(rank: int, track: int, token: str) -> bytes:
     out = bytearray(HELLO_BYTES)
     out[0:4] = struct.pack("<I", HELLO_MAGIC)
     out[HELLO_VERSION] = struct.pack("<H", WIRE_VERSION)
-    out[HELLO_LANE] = lane
+    out[HELLO_TRACK] = track
     out[HELLO_RANK] = struct.pack("<i", rank)
     out[HELLO_TOKEN] = token.encode()
     return bytes(out)
@@ -253,16 +253,16 @@ def test_a_malformed_frame_from_a_peer_fails_the_group_naming_it() -> None:
         urls = {key: value.decode() for key, value in store.written.items()}
         for peer, key in ((2, "addr/local/3"), (1, "addr/rail/3")):
             host, port = urls[key][len("tcp://") :].rsplit(":", 1)
-            for lane in (0, 1):
+            for track in (0, 1):
                 s = socket.create_connection((host, int(port)), timeout=5)
-                s.sendall(_hello(peer, lane, TOKEN))
+                s.sendall(_hello(peer, track, TOKEN))
                 reply = REPLY.unpack(s.recv(REPLY.size))
-                assert reply[:2] == (REPLY_MAGIC, 0), f"rank {peer} lane {lane}: {reply}"
-                into[(peer, lane)] = s
+                assert reply[:2] == (REPLY_MAGIC, 0), f"rank {peer} track {track}: {reply}"
+                into[(peer, track)] = s
         builder.join(timeout=30)
         assert "backend" in built, built.get("error")
         backend = built["backend"]
-        into[(2, 1)].sendall(os.urandom(24))  # where a frame belongs, on the gather lane
+        into[(2, 1)].sendall(os.urandom(24))  # where a frame belongs, on the gather track
         t0 = time.monotonic()
         with pytest.raises(Exception, match=r"malformed message from rank 2 ") as raised:
             backend.allreduce([torch.ones(10)]).wait()

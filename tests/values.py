@@ -114,10 +114,65 @@ def _wide_float(gen: torch.Generator, op: str, dtype: str, numel: int) -> torch.
     return v.to(_dtype(dtype)).to(torch.float64)
 
 
+def _fraction_values(
+    tag: str, rank: int, op: str, dtype: str, numel: int, world: int
+) -> torch.Tensor:
+    """Integers and binary fractions across most of ``dtype``'s exact range, in float64
+    (floats) or int64: exact in ``dtype``, and so are all partial results of ``op``
+    over ``world`` ranks (the reduce-scatter's and all-gather's tests)."""
+    gen = _generator(tag, rank)
+
+    def ints(lo: int, hi: int) -> torch.Tensor:
+        return torch.randint(lo, hi + 1, (numel,), generator=gen, dtype=torch.int64)
+
+    if dtype == "bool":
+        return ints(0, 1)
+    if op == "PRODUCT":
+        choices = {
+            "uint8": [1, 2, 3],
+            "float32": [0.5, 1.0, 1.5, 2.0, -1.0, -0.25],
+            "float64": [0.5, 1.0, 1.5, 2.0, -1.0, -0.25],
+            "float16": [0.5, 1.0, 1.5, 2.0, -1.0],
+            "bfloat16": [0.5, 1.0, 1.5, 2.0, -1.0],
+        }.get(dtype, [1, 2, -1, 3, -2])
+        table = torch.tensor(choices, dtype=torch.float64 if dtype in FLOAT_DTYPES else torch.int64)
+        return table[ints(0, len(choices) - 1)]
+    wide = op in ("MIN", "MAX")
+    if dtype in FLOAT_DTYPES:
+        # (integer range, fraction): sums of `world` values stay exact in the dtype.
+        span, step = {
+            "float32": (4000, 0.25) if not wide else (10**6, 0.125),
+            "float64": (10**9, 0.125),
+            "float16": (60, 0.25) if not wide else (2000, 0.5),
+            "bfloat16": (10, 0.5) if not wide else (200, 1.0),
+        }[dtype]
+        values = ints(-span, span).to(torch.float64) * step
+        if dtype == "float64" and not wide:
+            values += 2.0**30  # beyond float32's precision, still exact sums in float64
+    else:
+        span = {
+            "int8": 30 if not wide else 127,
+            "int16": 8000 if not wide else 32000,
+            "int32": 10**8 if not wide else 2**31 - 1,
+            "int64": 2**40 if not wide else 2**62,
+            "uint8": 60 if not wide else 255,
+        }[dtype]
+        lo = 0 if dtype == "uint8" else -span
+        values = ints(lo, span)
+    if op == "AVG":
+        values = values * world  # the average is exact too
+    return values
+
+
 def make_values(
     tag: str, rank: int, op: str, dtype: str, numel: int, world: int, kind: str = "small"
 ) -> torch.Tensor:
-    """One rank's input, in ``dtype``, deterministic in (tag, rank)."""
+    """One rank's input, in ``dtype``, deterministic in (tag, rank): every test's values.
+    ``kind``: "small" integers (exact everywhere), "fractions" (exact sums across most
+    of the dtype's range), "wide" (the dtype's width and precision: compare with
+    reference()'s tolerance), "limits" (integers at the dtype's ends)."""
+    if kind == "fractions":
+        return _fraction_values(tag, rank, op, dtype, numel, world).to(_dtype(dtype))
     if kind == "small" or dtype == "bool":
         return small_values(tag, rank, op, dtype, numel, world).to(_dtype(dtype))
     gen = _generator(f"{kind}/{tag}", rank)

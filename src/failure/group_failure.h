@@ -27,8 +27,8 @@ namespace fairring {
 //  - The reason travels ahead of this rank's close: an abort to every peer on
 //    every connection, ahead of the data still queued there, once every
 //    connection exists; the connections close once every peer has taken the
-//    one on its gather lane (always read, so it is read before the close; a
-//    reduce-lane writer held at another peer's parked reduce lane holds no
+//    one on its gather track (always read, so it is read before the close; a
+//    reduce-track writer held at another peer's parked reduce track holds no
 //    close: see PeerCloses for the other end), or kAbortGrace after they
 //    were queued.
 //  - A peer read as closed while an operation still needs it is the failure
@@ -41,9 +41,9 @@ class GroupFailure {
   using Clock = std::chrono::steady_clock;
   static constexpr uint64_t kNone = UINT64_MAX;
   // How long a failed rank's connections stay open for its aborts to leave,
-  // counted from when they were queued: a peer holding a reduce-lane
+  // counted from when they were queued: a peer holding a reduce-track
   // connection at a message it cannot take yet does not read the abort queued
-  // behind it there (it reads the one on the gather lane, which is always read).
+  // behind it there (it reads the one on the gather track, which is always read).
   static constexpr std::chrono::milliseconds kAbortGrace{2000};
   // How long a send that failed (the peer closed) waits for one of that peer's
   // readers to reach the close: the peer's abort, if it sent one, is read first.
@@ -89,7 +89,7 @@ class GroupFailure {
   uint64_t abortsQueued(const std::vector<int>& peers, Clock::time_point now);
   void abortLeft(int peer, uint64_t round);
   // Whether the connections may close now (the group has failed): every peer
-  // has taken the gather-lane abort of the latest round, or kAbortGrace has
+  // has taken the gather-track abort of the latest round, or kAbortGrace has
   // passed since they were queued.
   bool mayClose(Clock::time_point now) const;
   // Until when a shutdown waits for the aborts (now, if none are out).

@@ -10,12 +10,12 @@
 
 namespace fairring {
 
-// A peer's reduce lane read as closed before its gather lane is held here
-// until the gather lane reaches its end too (an abort or the close), or until
+// A peer's reduce track read as closed before its gather track is held here
+// until the gather track reaches its end too (an abort or the close), or until
 // `wait` has passed. A peer that fails on purpose sends its reason on the
-// gather lane (always read) before it closes, but it may close without its
-// reduce-lane abort (GroupFailure: a rail writer held at another peer's
-// parked reduce lane does not hold the close): a reduce-lane close read first
+// gather track (always read) before it closes, but it may close without its
+// reduce-track abort (GroupFailure: a rail writer held at another peer's
+// parked reduce track does not hold the close): a reduce-track close read first
 // does not mean that the peer died. The engine's lock guards it.
 class PeerCloses {
  public:
@@ -29,7 +29,7 @@ class PeerCloses {
     held_.emplace(peer, Held{std::move(message), now});
   }
 
-  // The gather lane of `peer` ended: its held reduce-lane close, to act on now.
+  // The gather track of `peer` ended: its held reduce-track close, to act on now.
   std::optional<std::string> endGather(int peer) {
     gatherEnded_.insert(peer);
     auto it = held_.find(peer);

@@ -27,7 +27,7 @@ enum class Action : uint8_t {
 // point cannot go silently inert under a test that arms the old name.
 inline constexpr const char* kMeshConnect = "mesh.connect"; // key: the peer; before connecting to it
 inline constexpr const char* kMeshSendFirst = "mesh.send.first"; // key: the peer; an abort, before it is written
-inline constexpr const char* kMeshSendFirstReduce = "mesh.send.first.reduce"; // key: the peer; an abort on the reduce lane, before it is written
+inline constexpr const char* kMeshSendFirstReduce = "mesh.send.first.reduce"; // key: the peer; an abort on the reduce track, before it is written
 inline constexpr const char* kMeshReadClose = "mesh.read.close"; // key: the peer; before a body is read
 inline constexpr const char* kEngineStart = "engine.start"; // no key; between connecting and the watchdog
 inline constexpr const char* kEngineReduce = "engine.reduce"; // key: the turn; a reduction, before it runs

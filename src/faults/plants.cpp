@@ -41,8 +41,10 @@ const std::vector<std::string>& names() {
       "wait_note_by_rank",
       "timer_on_pool_stream",
       "mesh_connects_in_order",
+      "send_failure_waits_briefly",
   };
-  static_assert(static_cast<int>(Plant::kCount) == 31, "a name for every plant");
+  static_assert(static_cast<int>(Plant::kCount) == 32, "a name for every plant");
+  static_assert(static_cast<int>(Plant::kCount) <= 32, "gPlanted has one bit per plant: widen it first");
   return all;
 }
 

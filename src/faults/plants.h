@@ -32,18 +32,19 @@ enum class Plant : uint8_t {
   kEventlessWorkUnordered, // a delegated Work whose future carries no event is waited for through it alone
   kTrialsOnOneWayCalls, // a measured row's call that only the composition takes still takes a trial turn
   kAgreementByOrder, // the measured choice's agreements named by their order on the rank, not device and class
-  kAnnouncementParked, // an announcement that comes before its call is left unread, stopping its gather lane
+  kAnnouncementParked, // an announcement that comes before its call is left unread, stopping its gather track
   kCallbacksStartIgnoresLoss, // the callbacks' engine starts (and waits out the timeout) after its group lost a peer
   kTimeoutNamesNextPeer, // a timeout names the peer it waits for, not the rank at the end of the wait chain
   kRingLeftToProcess, // the Gloo group of a ring call given up on is never freed
   kCallbacksFailureStaysThere, // a failure of the callbacks' engine does not fail the program's calls
-  kCloseWaitsReduceAbort, // a failed group's connections close only once the reduce lane's abort left (or the grace)
-  kReduceCloseNotHeld, // a peer's reduce lane read as closed is its loss at once, before its gather lane's abort
+  kCloseWaitsReduceAbort, // a failed group's connections close only once the reduce track's abort left (or the grace)
+  kReduceCloseNotHeld, // a peer's reduce track read as closed is its loss at once, before its gather track's abort
   kDelegatedUnannounced, // a CPU collective fairring does not run goes to Gloo at once, unannounced
   kBarrierBeforeHandOver, // barrier() does not wait for the announced calls before it to be on Gloo
   kWaitNoteByRank, // the wait chain follows a peer's latest note, not its note for the turn waited at
   kTimerOnPoolStream, // a device's trial timers record on the device's "new stream" (CUDA: torch's shared pool)
   kMeshConnectsInOrder, // start-up connects to its peers one by one, each waiting for the one before
+  kSendFailureWaitsBriefly, // a failed send waits 500 ms for any track's reader to reach the close, then is the reason
   kCount,
 };
 

@@ -1,20 +1,20 @@
 // The all-gather's steps, per segment, on rank (m, l); "part r" is rank r's
 // range of the output, W parts in all. Nothing is staged: every message lands
 // in the output, so its slices take no slot (they still activate in the
-// global slot order, which keeps their reduce-lane messages in order).
+// global slot order, which keeps their reduce-track messages in order).
 //
-//   at activation: my part to each (m', l) (reduce lane), and an empty
-//                  "ready" to each local rank (reduce lane)
+//   at activation: my part to each (m', l) (reduce track), and an empty
+//                  "ready" to each local rank (reduce track)
 //   1. copy own      my own part into the output (nothing where in place)
 //   2. gather rail   the M parts of rail l are here
 //   3. forward       to each local rank that is ready, those M parts (gather
-//                    lane); waits for the ranks not ready yet
+//                    track); waits for the ranks not ready yet
 //   4. finish        every part of the other rails is here, every send and
 //                    read is done
 //
-// The "ready" is what makes step 3 safe on the gather lane, which must never
+// The "ready" is what makes step 3 safe on the gather track, which must never
 // carry a message the receiver has not posted the operation for (a receiver
-// stops reading a connection at such a message; docs/design.md, "Lanes").
+// stops reading a connection at such a message; docs/design.md, "Tracks").
 
 #include "ops/reduce_kind.h"
 #include "pipeline/steps.h"

@@ -1,7 +1,7 @@
 // The allreduce's steps (also the barrier's, an allreduce of nothing), per
 // segment of a slice, on rank (m, l) of M machines of L ranks:
 //
-//   at activation: chunk j of the segment to each local rank j (reduce lane)
+//   at activation: chunk j of the segment to each local rank j (reduce track)
 //   1. reduce-scatter  the other local ranks' copies of my chunk are here:
 //                      reduce them into mine
 //   2. collect         shard m' of my chunk to (m', l), along my rail

@@ -1,6 +1,6 @@
 // The steps of an announcement (a call handed to Gloo: announced.h), on rank
 // (m, l): an empty message, whose header says the call (announced.h), to each
-// local rank and each rank of rail l, on the gather lane; nothing staged,
+// local rank and each rank of rail l, on the gather track; nothing staged,
 // nothing reduced, one hop.
 //
 //   at activation: the header to each (m, l') and each (m', l)
@@ -13,7 +13,7 @@
 // the first's machine and the second's rail: no two ranks hand Gloo
 // different calls. A rank that saw a mismatch fails the group at that turn,
 // and every rank learns it (GroupFailure). Its messages come on the gather
-// lane, which a receiver never stops reading for them: one that arrives
+// track, which a receiver never stops reading for them: one that arrives
 // before this rank's call is read at once (CollectiveEngine::park).
 
 #include "pipeline/steps.h"

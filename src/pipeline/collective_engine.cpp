@@ -40,8 +40,8 @@ CollectiveEngine::CollectiveEngine(RankLayout layout, EngineOptions options)
   mesh_ = std::make_unique<PeerMesh>(
       layout_,
       PeerMesh::Options{options_.listenAddress, options_.token, options_.timeout, options_.railCongestion},
-      [this](int peer, Lane lane, Status status, std::string header, size_t bytes) {
-        onMessage(peer, lane, std::move(status), std::move(header), bytes);
+      [this](int peer, Track track, Status status, std::string header, size_t bytes) {
+        onMessage(peer, track, std::move(status), std::move(header), bytes);
       });
   enlist(this);
 }
@@ -100,7 +100,7 @@ void CollectiveEngine::deliverParked(Operation& op, Slice& slice, Locked& locked
     if (failure_.fails(op.seq)) {
       // The operation failed while delivering: drop the rest unread.
       if (!p.consumed) {
-        discard(p.peer, laneOf(p.header.route), p.bytes, locked);
+        discard(p.peer, trackOf(p.header.route), p.bytes, locked);
       }
     } else {
       deliver(op, slice, p.peer, p.header, p.bytes, locked, p.consumed);
@@ -129,31 +129,31 @@ void CollectiveEngine::endStep(Turn& t) {
 }
 
 void CollectiveEngine::send(Turn& t, int peer, Route route, int piece, uint8_t* data, size_t bytes) {
-  const Lane lane = laneOf(route);
+  const Track track = trackOf(route);
   Outboxes::Message message{
       encode(t.op.header(t.slice.index, t.seg.index, route, piece)), data, bytes, t.op.seq, t.slice.index,
       t.seg.index, peer};
-  switch (outboxes_.queue(lane, std::move(message))) {
+  switch (outboxes_.queue(track, std::move(message))) {
     case Outboxes::Queued::kUnannounced:
       failLocked(
           "fairring: internal error: " + std::string(opKindName(t.op.kind)) + " #" + std::to_string(t.op.seq) +
-              " sends more reduce-lane messages to " + layout_.describe(peer) + " than it announced",
+              " sends more reduce-track messages to " + layout_.describe(peer) + " than it announced",
           t.locked);
       return;
     case Outboxes::Queued::kStartDrainer:
-      t.locked.later([this, key = outboxes_.keyOf(peer), lane] { drain(key, lane); });
+      t.locked.later([this, key = outboxes_.keyOf(peer), track] { drain(key, track); });
       break;
     case Outboxes::Queued::kQueued: break;
   }
   ++t.seg.sendsInFlight;
 }
 
-void CollectiveEngine::drain(int key, Lane lane) {
+void CollectiveEngine::drain(int key, Track track) {
   for (;;) {
     std::optional<Outboxes::Message> next;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      next = outboxes_.next(key, lane, failure_.failSeq(), !life_.is(EngineLife::kOpen));
+      next = outboxes_.next(key, track, failure_.failSeq(), !life_.is(EngineLife::kOpen));
       if (!next) {
         return;
       }
@@ -162,7 +162,7 @@ void CollectiveEngine::drain(int key, Lane lane) {
     const int64_t s = next->slice;
     const int g = next->segment;
     const int peer = next->peer;
-    mesh_->send(peer, lane, std::move(next->header), next->data, next->bytes, [this, seq, s, g, peer](Status status) {
+    mesh_->send(peer, track, std::move(next->header), next->data, next->bytes, [this, seq, s, g, peer](Status status) {
       onSent(seq, s, g, peer, std::move(status));
     });
   }
@@ -227,7 +227,7 @@ void CollectiveEngine::finishOperation(Operation& op, Locked& locked) {
     // It would hold every later operation's messages forever.
     failLocked(
         "fairring: internal error: " + std::string(opKindName(op.kind)) + " #" + std::to_string(op.seq) +
-            " finished without sending every reduce-lane message it announced",
+            " finished without sending every reduce-track message it announced",
         locked, op.seq);
     return;
   }

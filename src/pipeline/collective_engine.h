@@ -189,15 +189,15 @@ class CollectiveEngine : private StepContext {
   void send(Turn& t, int peer, Route route, int piece, uint8_t* data, size_t bytes) override;
   void reduce(Turn& t, std::function<void()> task) override;
   void unstage(Turn& t) override;
-  void drain(int key, Lane lane);
+  void drain(int key, Track track);
 
   // Messages (engine_messages.cpp).
-  void onMessage(int peer, Lane lane, Status status, std::string header, size_t bytes);
-  // A connection from `peer` read as closed (PeerCloses holds a reduce-lane one).
-  void closeRead(int peer, Lane lane, const std::string& message, Locked& locked);
-  // `peer`'s gather lane ended (its abort or its close): act on its held reduce-lane close.
+  void onMessage(int peer, Track track, Status status, std::string header, size_t bytes);
+  // A connection from `peer` read as closed (PeerCloses holds a reduce-track one).
+  void closeRead(int peer, Track track, const std::string& message, Locked& locked);
+  // `peer`'s gather track ended (its abort or its close): act on its held reduce-track close.
   void gatherEnded(int peer, Locked& locked);
-  void onData(int peer, Lane lane, const DataHeader& h, size_t bytes, Locked& locked);
+  void onData(int peer, Track track, const DataHeader& h, size_t bytes, Locked& locked);
   void deliver(
       Operation& op,
       Slice& slice,
@@ -207,14 +207,14 @@ class CollectiveEngine : private StepContext {
       Locked& locked,
       bool consumed = false);
   // Parks a message whose operation (or slice) is not active yet.
-  void park(int peer, Lane lane, const DataHeader& h, size_t bytes, Locked& locked);
+  void park(int peer, Track track, const DataHeader& h, size_t bytes, Locked& locked);
   void onReceived(uint64_t seq, int64_t s, int g, Route route, Status status);
   void onSent(uint64_t seq, int64_t s, int g, int peer, Status status);
   // Reads and drops the body of a message for an operation that failed, so
   // that what queues behind it on the connection still arrives.
-  void discard(int peer, Lane lane, size_t bytes, Locked& locked);
-  // Whether an operation in flight still waits for a message on (peer, lane).
-  bool needsFrom(int peer, Lane lane, const Locked& locked) const;
+  void discard(int peer, Track track, size_t bytes, Locked& locked);
+  // Whether an operation in flight still waits for a message on (peer, track).
+  bool needsFrom(int peer, Track track, const Locked& locked) const;
   bool segmentNeeds(
       const Operation& op,
       const Slice& slice,
@@ -239,7 +239,7 @@ class CollectiveEngine : private StepContext {
   // the aborts are out (closing earlier would drop them).
   bool readyToClose(const Locked& locked) const;
   void checkDeadlines(Locked& locked);
-  // A reduce-lane close held past GroupFailure::kSendFailureWait is acted on.
+  // A reduce-track close held past GroupFailure::kSendFailureWait is acted on.
   void actOnHeldCloses(Locked& locked);
   // What the operation waits for, and the ranks it waits for (none where it
   // waits for a slot, or for its own sends).

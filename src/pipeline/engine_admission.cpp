@@ -224,7 +224,7 @@ void CollectiveEngine::admitLocked(std::unique_ptr<Operation> o, Locked& locked)
   outboxes_.expect(o->seq, segments * steps.toEachLocalPeer(), segments * steps.toRail());
   Operation& op = ledger_.add(std::move(o), inOrder, locked);
   if (!inOrder) {
-    // Nothing on the reduce lane and nothing staged: it starts now, not
+    // Nothing on the reduce track and nothing staged: it starts now, not
     // behind the slices of earlier operations that wait for a slot.
     for (Slice& slice : op.slices) {
       activate(op, slice, SliceState::kActive, locked);

@@ -36,26 +36,26 @@ void CollectiveEngine::failLocked(const std::string& message, Locked& locked, ui
     locked.later([fail = std::move(fail), message] { fail(message); });
   }
   for (const Parked& p : inbox_.dropFrom(fromSeq, locked)) {
-    discard(p.peer, laneOf(p.header.route), p.bytes, locked);
+    discard(p.peer, trackOf(p.header.route), p.bytes, locked);
   }
   cv_.notify_all();
 }
 
 void CollectiveEngine::sendAborts(const GroupFailure::Abort& abort, Locked& locked) {
-  // On every lane: a peer may hold either one at a message it cannot take yet
+  // On every track: a peer may hold either one at a message it cannot take yet
   // (parked), and must still learn the reason before it sees this rank close.
   // Ahead of the data queued there: the reason must not wait behind it.
   const std::vector<int> peers = layout_.peers();
   const uint64_t round = failure_.abortsQueued(peers, Clock::now());
   for (int peer : peers) {
-    for (int l = 0; l < kNumLanes; ++l) {
+    for (int l = 0; l < kNumTracks; ++l) {
       locked.later([this, peer, l, abort, round] {
         mesh_->send(
-            peer, static_cast<Lane>(l), encode(Abort{abort.reason, abort.fromSeq}), nullptr, 0,
+            peer, static_cast<Track>(l), encode(Abort{abort.reason, abort.fromSeq}), nullptr, 0,
             [this, peer, l, round](Status) {
-              const Lane counted =
-                  plants::planted(plants::Plant::kCloseWaitsReduceAbort) ? Lane::kReduce : Lane::kGather;
-              if (static_cast<Lane>(l) == counted) {
+              const Track counted =
+                  plants::planted(plants::Plant::kCloseWaitsReduceAbort) ? Track::kReduce : Track::kGather;
+              if (static_cast<Track>(l) == counted) {
                 failure_.abortLeft(peer, round);
               }
               std::lock_guard<std::mutex> lock(mu_);

@@ -25,7 +25,7 @@ std::string callName(const DataHeader& h) {
 
 using RedOp = c10d::ReduceOp::RedOpType;
 
-void CollectiveEngine::onMessage(int peer, Lane lane, Status status, std::string header, size_t bytes) {
+void CollectiveEngine::onMessage(int peer, Track track, Status status, std::string header, size_t bytes) {
   const std::optional<Abort> abort = status.ok() ? decodeAbort(header) : std::nullopt;
   if (abort) {
     faults::hit(faults::kEngineAbort, peer); // outside the lock: a delay here holds only this connection
@@ -38,50 +38,50 @@ void CollectiveEngine::onMessage(int peer, Lane lane, Status status, std::string
     return;
   }
   if (!status.ok()) {
-    closeRead(peer, lane, status.message(), locked);
+    closeRead(peer, track, status.message(), locked);
   } else if (abort) {
     failLocked(
         GroupFailure::forwarded(abort->reason, layout_.describe(layout_.rank()), layout_.describe(peer)), locked,
         abort->fromSeq);
-    if (lane == Lane::kGather) {
-      // Operations before the failed turn may still need its reduce lane, now closed.
+    if (track == Track::kGather) {
+      // Operations before the failed turn may still need its reduce track, now closed.
       gatherEnded(peer, locked);
     }
     // Finish reading it: earlier operations' messages queue behind it.
-    discard(peer, lane, bytes, locked);
-  } else if (auto h = decodeData(header); !h || laneOf(h->route) != lane) {
+    discard(peer, track, bytes, locked);
+  } else if (auto h = decodeData(header); !h || trackOf(h->route) != track) {
     failLocked("fairring: malformed message from " + layout_.describe(peer), locked);
   } else {
-    onData(peer, lane, *h, bytes, locked);
+    onData(peer, track, *h, bytes, locked);
   }
   locked.release();
 }
 
-void CollectiveEngine::closeRead(int peer, Lane lane, const std::string& message, Locked& locked) {
-  // A reduce-lane close read first waits for the gather lane, which carries the
+void CollectiveEngine::closeRead(int peer, Track track, const std::string& message, Locked& locked) {
+  // A reduce-track close read first waits for the gather track, which carries the
   // peer's abort if it failed on purpose (PeerCloses); the watchdog bounds it.
-  if (lane == Lane::kReduce && !closes_.gatherEnded(peer) &&
+  if (track == Track::kReduce && !closes_.gatherEnded(peer) &&
       !plants::planted(plants::Plant::kReduceCloseNotHeld)) {
     closes_.holdReduceClose(peer, message, Clock::now());
     return;
   }
   // A peer that finished everything may close before we have read its last
   // bytes' successors; that is only an error if we wait on it.
-  lostPeerLocked(needsFrom(peer, lane, locked), message, locked);
-  if (lane == Lane::kGather) {
+  lostPeerLocked(needsFrom(peer, track, locked), message, locked);
+  if (track == Track::kGather) {
     gatherEnded(peer, locked);
   }
 }
 
 void CollectiveEngine::gatherEnded(int peer, Locked& locked) {
   if (auto held = closes_.endGather(peer)) {
-    lostPeerLocked(needsFrom(peer, Lane::kReduce, locked), *held, locked);
+    lostPeerLocked(needsFrom(peer, Track::kReduce, locked), *held, locked);
   }
 }
 
-void CollectiveEngine::onData(int peer, Lane lane, const DataHeader& h, size_t bytes, Locked& locked) {
+void CollectiveEngine::onData(int peer, Track track, const DataHeader& h, size_t bytes, Locked& locked) {
   if (failure_.fails(h.opSeq)) {
-    discard(peer, lane, bytes, locked);
+    discard(peer, track, bytes, locked);
     return;
   }
   if (Operation* found = ledger_.find(h.opSeq, locked)) {
@@ -89,7 +89,7 @@ void CollectiveEngine::onData(int peer, Lane lane, const DataHeader& h, size_t b
     if (!sameOp(op, h)) {
       failLocked(describeMismatch(op, peer, h), locked, op.seq);
     } else if (!op.slices[h.slice].active()) {
-      park(peer, lane, h, bytes, locked);
+      park(peer, track, h, bytes, locked);
     } else {
       deliver(op, op.slices[h.slice], peer, h, bytes, locked);
     }
@@ -102,19 +102,19 @@ void CollectiveEngine::onData(int peer, Lane lane, const DataHeader& h, size_t b
   } else {
     // The peer is ahead of us; the connection waits until we post this
     // operation (but for a message with no body: park()).
-    park(peer, lane, h, bytes, locked);
+    park(peer, track, h, bytes, locked);
   }
 }
 
-void CollectiveEngine::park(int peer, Lane lane, const DataHeader& h, size_t bytes, Locked& locked) {
+void CollectiveEngine::park(int peer, Track track, const DataHeader& h, size_t bytes, Locked& locked) {
   Parked parked{peer, h, bytes};
-  // The gather lane never stops reading at a message (the results of earlier
+  // The gather track never stops reading at a message (the results of earlier
   // operations may come behind it), so one with no body (an announcement of
   // a call this rank has not made yet) is read now and kept until its turn.
-  if (bytes == 0 && lane == Lane::kGather && !plants::planted(plants::Plant::kAnnouncementParked)) {
+  if (bytes == 0 && track == Track::kGather && !plants::planted(plants::Plant::kAnnouncementParked)) {
     parked.consumed = true;
-    locked.later([this, peer, lane] {
-      mesh_->receive(peer, lane, nullptr, 0, [](const Status&) {}); // a lost connection is told apart
+    locked.later([this, peer, track] {
+      mesh_->receive(peer, track, nullptr, 0, [](const Status&) {}); // a lost connection is told apart
     });
   }
   inbox_.park(std::move(parked), locked);
@@ -172,7 +172,7 @@ void CollectiveEngine::deliver(
     return;
   }
   locked.later([this, peer, p = h.route, dst = landing->dst, bytes, seq = op.seq, s = h.slice, g = h.segment] {
-    mesh_->receive(peer, laneOf(p), dst, bytes, [this, seq, s, g, p](Status status) {
+    mesh_->receive(peer, trackOf(p), dst, bytes, [this, seq, s, g, p](Status status) {
       onReceived(seq, s, g, p, std::move(status));
     });
   });
@@ -208,7 +208,7 @@ void CollectiveEngine::onSent(uint64_t seq, int64_t s, int g, int peer, Status s
   // acknowledgement of bytes it did read from its memory.) So the send
   // counts as over, and the peer as lost, needed only if work waits on it.
   if (!status.ok()) {
-    const bool needed = needsFrom(peer, Lane::kReduce, locked) || needsFrom(peer, Lane::kGather, locked);
+    const bool needed = needsFrom(peer, Track::kReduce, locked) || needsFrom(peer, Track::kGather, locked);
     lostPeerLocked(needed, status.message(), locked);
   }
   // An operation that failed is out of the ledger; earlier ones carry on.
@@ -221,14 +221,14 @@ void CollectiveEngine::onSent(uint64_t seq, int64_t s, int g, int peer, Status s
   locked.release();
 }
 
-void CollectiveEngine::discard(int peer, Lane lane, size_t bytes, Locked& locked) {
-  locked.later([this, peer, lane, bytes] { mesh_->receive(peer, lane, nullptr, bytes, [](Status) {}); });
+void CollectiveEngine::discard(int peer, Track track, size_t bytes, Locked& locked) {
+  locked.later([this, peer, track, bytes] { mesh_->receive(peer, track, nullptr, bytes, [](Status) {}); });
 }
 
-bool CollectiveEngine::needsFrom(int peer, Lane lane, const Locked& locked) const {
+bool CollectiveEngine::needsFrom(int peer, Track track, const Locked& locked) const {
   const bool local = layout_.machineOf(peer) == layout_.machine();
-  const Route route = local ? (lane == Lane::kReduce ? Route::kWithinMachine : Route::kWithinMachineBack)
-                            : (lane == Lane::kReduce ? Route::kAlongRail : Route::kAlongRailBack);
+  const Route route = local ? (track == Track::kReduce ? Route::kWithinMachine : Route::kWithinMachineBack)
+                            : (track == Track::kReduce ? Route::kAlongRail : Route::kAlongRailBack);
   for (const auto& [seq, op] : ledger_.inFlight(locked)) {
     for (const Slice& slice : op->slices) {
       for (const Segment& seg : slice.segments) {

@@ -43,7 +43,7 @@ void CollectiveEngine::actOnHeldCloses(Locked& locked) {
     return;
   }
   for (auto& [peer, message] : closes_.expired(Clock::now(), GroupFailure::kSendFailureWait)) {
-    lostPeerLocked(needsFrom(peer, Lane::kReduce, locked), message, locked);
+    lostPeerLocked(needsFrom(peer, Track::kReduce, locked), message, locked);
   }
   locked.flush();
 }

@@ -17,7 +17,7 @@ struct Parked {
   int peer;
   DataHeader header;
   size_t bytes;
-  // An empty gather-lane message read on arrival, so that its connection
+  // An empty gather-track message read on arrival, so that its connection
   // reads on: it is only counted when delivered.
   bool consumed{false};
 };

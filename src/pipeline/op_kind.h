@@ -16,7 +16,7 @@ enum class OpKind : uint8_t {
   kBarrier = 3,
   // A call handed to Gloo's ring, announced at its turn (its size, dtype and
   // op in the headers): one empty message to each local and rail peer, on the
-  // gather lane, no slot (announce_steps.cpp).
+  // gather track, no slot (announce_steps.cpp).
   kAnnounce = 4,
 };
 

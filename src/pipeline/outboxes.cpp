@@ -14,16 +14,16 @@ void Outboxes::expect(uint64_t seq, int64_t perLocalPeer, int64_t toRail) {
   }
 }
 
-Outboxes::Queued Outboxes::queue(Lane lane, Message message) {
+Outboxes::Queued Outboxes::queue(Track track, Message message) {
   const int key = keyOf(message.peer);
-  if (lane == Lane::kReduce && !order_.queued(message.seq, key)) {
+  if (track == Track::kReduce && !order_.queued(message.seq, key)) {
     return Queued::kUnannounced;
   }
-  Box& box = boxes_[{key, lane}];
-  // On the reduce lane, behind every message of its own or an earlier
+  Box& box = boxes_[{key, track}];
+  // On the reduce track, behind every message of its own or an earlier
   // operation: a message held by SendOrder must not hold an earlier one back.
   auto at = box.queue.end();
-  while (lane == Lane::kReduce && at != box.queue.begin() && std::prev(at)->seq > message.seq) {
+  while (track == Track::kReduce && at != box.queue.begin() && std::prev(at)->seq > message.seq) {
     --at;
   }
   box.queue.insert(at, std::move(message));
@@ -34,13 +34,13 @@ Outboxes::Queued Outboxes::queue(Lane lane, Message message) {
   return Queued::kStartDrainer;
 }
 
-std::optional<Outboxes::Message> Outboxes::next(int key, Lane lane, uint64_t failSeq, bool closed) {
-  Box& box = boxes_[{key, lane}];
+std::optional<Outboxes::Message> Outboxes::next(int key, Track track, uint64_t failSeq, bool closed) {
+  Box& box = boxes_[{key, track}];
   // Messages of failed operations are dropped; earlier ones still go.
   while (!box.queue.empty() && box.queue.front().seq >= failSeq) {
     box.queue.pop_front();
   }
-  if (box.queue.empty() || closed || (lane == Lane::kReduce && !order_.mayLeave(box.queue.front().seq, key))) {
+  if (box.queue.empty() || closed || (track == Track::kReduce && !order_.mayLeave(box.queue.front().seq, key))) {
     if (closed) {
       box.queue.clear();
     }

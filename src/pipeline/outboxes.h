@@ -15,13 +15,13 @@ namespace fairring {
 
 // The messages this rank has decided to send and not yet handed to its
 // connections, and the order they leave in. One outbox per destination and
-// lane: a local peer, or all rail peers of a lane (they share one writer, see
+// track: a local peer, or all rail peers of a track (they share one writer, see
 // PeerMesh). Decisions are made under the engine's lock, but sends happen
 // after it on whichever thread made them, so one drainer at a time hands an
 // outbox's messages over, in queue order: without it two threads could swap
 // two slices' messages on one connection, and the deadlock argument needs
 // each connection to carry reduce messages in global order (docs/design.md,
-// "Lanes, staging and why it does not deadlock"). A reduce-lane outbox is
+// "Tracks, staging and why it does not deadlock"). A reduce-track outbox is
 // kept sorted by operation, and its front waits while SendOrder holds it
 // ("Message order across kinds"). Not thread-safe: lives under the engine's lock.
 class Outboxes {
@@ -44,22 +44,22 @@ class Outboxes {
     return layout_.machineOf(peer) == layout_.machine() ? peer : kRailPeers;
   }
 
-  // Operation `seq` will queue this many reduce-lane messages for each local
+  // Operation `seq` will queue this many reduce-track messages for each local
   // peer and for the rail.
   void expect(uint64_t seq, int64_t perLocalPeer, int64_t toRail);
 
   enum class Queued {
     kQueued, // a drainer is at work on that outbox
-    kStartDrainer, // none is: the caller starts one, drain(key, lane), after the lock
-    kUnannounced, // a reduce-lane message its operation did not announce: an engine bug
+    kStartDrainer, // none is: the caller starts one, drain(key, track), after the lock
+    kUnannounced, // a reduce-track message its operation did not announce: an engine bug
   };
-  Queued queue(Lane lane, Message message);
+  Queued queue(Track track, Message message);
 
-  // The next message that may leave outbox (key, lane), or nullopt, and the
+  // The next message that may leave outbox (key, track), or nullopt, and the
   // drainer stops: the outbox is empty, the connections are closed, or
   // SendOrder holds its front (queueing what it waits for starts a drainer
   // again). Messages of operations from `failSeq` on are dropped.
-  std::optional<Message> next(int key, Lane lane, uint64_t failSeq, bool closed);
+  std::optional<Message> next(int key, Track track, uint64_t failSeq, bool closed);
 
   // Operations from `seq` on have failed: they will queue nothing more.
   void dropFrom(uint64_t seq) {
@@ -78,7 +78,7 @@ class Outboxes {
   };
 
   const RankLayout& layout_;
-  std::map<std::pair<int, Lane>, Box> boxes_;
+  std::map<std::pair<int, Track>, Box> boxes_;
   SendOrder order_;
 };
 

@@ -3,7 +3,7 @@
 // the input, W parts in all:
 //
 //   at activation: to each local rank j, the parts of the M ranks of rail j
-//                  (reduce lane; the header's piece says which machine's)
+//                  (reduce track; the header's piece says which machine's)
 //   1. reduce machine  the other local ranks' copies are here: reduce, in
 //                      local-rank order, this machine's copies of each part
 //                      of rail l: my own part's into the output, each other

@@ -5,10 +5,10 @@
 
 namespace fairring {
 
-// The order of reduce-lane messages on every connection: a message of
+// The order of reduce-track messages on every connection: a message of
 // operation X leaves for a destination only once every earlier operation has
-// queued all of its reduce-lane messages for that destination. So each
-// reduce-lane connection carries its messages in the global issue order of
+// queued all of its reduce-track messages for that destination. So each
+// reduce-track connection carries its messages in the global issue order of
 // operations of every kind, whatever order the state machine decides them in
 // (an all-gather sends along the rail at activation, an allreduce only after
 // its local reduction), and a receiver that stops reading at a message of an
@@ -17,11 +17,11 @@ namespace fairring {
 //
 // A destination is an outbox key: a local peer, or all rail peers (which
 // share one writer). Each operation announces at admission how many messages
-// it will queue for each destination; the result lane needs no such rule (a
+// it will queue for each destination; the result track needs no such rule (a
 // result only ever goes to a rank that has posted its operation).
 class SendOrder {
  public:
-  // Operation `seq` will queue `count` reduce-lane messages for `key`.
+  // Operation `seq` will queue `count` reduce-track messages for `key`.
   void expect(uint64_t seq, int key, int64_t count);
 
   // Operation `seq` queues one message for `key`. False if it had announced

@@ -81,7 +81,7 @@ class KindSteps {
   virtual std::optional<Landing> landing(const Turn& t, Route route, int from, int piece) const = 0;
   // Pieces one peer sends per segment in `route` (0: the kind has no such route).
   virtual int piecesPer(Route route) const = 0;
-  // Reduce-lane messages queued per segment to each local peer, and to the
+  // Reduce-track messages queued per segment to each local peer, and to the
   // rail (all rail peers together): what SendOrder is told at admission.
   virtual int64_t toEachLocalPeer() const = 0;
   virtual int64_t toRail() const = 0;
@@ -90,8 +90,8 @@ class KindSteps {
     return true;
   }
   // Whether its slices activate in the global slot order (which keeps
-  // reduce-lane messages in order); a kind that sends nothing on the reduce
-  // lane and stages nothing starts at admission.
+  // reduce-track messages in order); a kind that sends nothing on the reduce
+  // track and stages nothing starts at admission.
   virtual bool activatesInOrder() const {
     return true;
   }

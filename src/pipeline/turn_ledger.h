@@ -19,7 +19,7 @@ namespace fairring {
 // same number on every rank. The operations in flight are kept by turn;
 // their slices start strictly in turn order, each staged one holding a slot
 // of the staging pool (a slice that stages nothing still takes its place in
-// that order: it keeps the reduce lane's messages in order). A failed
+// that order: it keeps the reduce track's messages in order). A failed
 // operation is buried, not freed, until the connections that may still read
 // or write its memory are closed. Every method runs under the engine's lock.
 class TurnLedger {

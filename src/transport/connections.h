@@ -33,7 +33,7 @@ struct OutgoingMessage {
 // it on, and reads the body where it is told.
 struct InboundConnection {
   int peer;
-  Lane lane;
+  Track track;
   Socket socket;
   bool readsMemory;
   pid_t pid;
@@ -54,7 +54,7 @@ struct ConnectionWriter;
 
 struct OutboundConnection {
   int peer;
-  Lane lane;
+  Track track;
   Socket socket;
   bool readsMemory;
   ConnectionWriter* writer{nullptr};
@@ -65,7 +65,7 @@ struct OutboundConnection {
 };
 
 // One thread that writes a queue of messages, in queue order, to one
-// connection or (rail: every rail connection of one lane) to several.
+// connection or (rail: every rail connection of one track) to several.
 struct ConnectionWriter {
   std::thread thread;
   std::mutex mu;

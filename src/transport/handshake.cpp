@@ -28,7 +28,7 @@ std::array<uint8_t, Hello::kBytes> encode(const Hello& h) {
   std::array<uint8_t, Hello::kBytes> out{};
   put(out.data(), 0, kHelloMagic);
   put(out.data(), 4, kVersion);
-  put(out.data(), 6, static_cast<uint8_t>(h.lane));
+  put(out.data(), 6, static_cast<uint8_t>(h.track));
   put(out.data(), 8, h.rank);
   put(out.data(), 12, h.pid);
   std::memcpy(out.data() + 16, h.token.data(), std::min(h.token.size(), Hello::kTokenBytes));
@@ -38,13 +38,13 @@ std::array<uint8_t, Hello::kBytes> encode(const Hello& h) {
 }
 
 std::optional<Hello> decodeHello(const uint8_t* in) {
-  const auto lane = get<uint8_t>(in, 6);
-  if (get<uint32_t>(in, 0) != kHelloMagic || get<uint16_t>(in, 4) != kVersion || lane >= kNumLanes ||
+  const auto track = get<uint8_t>(in, 6);
+  if (get<uint32_t>(in, 0) != kHelloMagic || get<uint16_t>(in, 4) != kVersion || track >= kNumTracks ||
       get<uint8_t>(in, 7) != 0) {
     return std::nullopt;
   }
   Hello h;
-  h.lane = static_cast<Lane>(lane);
+  h.track = static_cast<Track>(track);
   h.rank = get<int32_t>(in, 8);
   h.pid = get<int32_t>(in, 12);
   h.token.assign(reinterpret_cast<const char*>(in + 16), Hello::kTokenBytes);
@@ -97,7 +97,7 @@ std::string describe(HelloReply::Verdict verdict) {
     case HelloReply::Verdict::kNotAPeer: return "the claimed rank is not a peer of the listening rank";
     case HelloReply::Verdict::kWrongListener:
       return "it came to the listener for the other kind of peer (same machine vs other machines)";
-    case HelloReply::Verdict::kAlreadyConnected: return "that rank and lane are connected already";
+    case HelloReply::Verdict::kAlreadyConnected: return "that rank and track are connected already";
     case HelloReply::Verdict::kClosing: return "the listening rank's process group is closing";
   }
   return "unknown";

@@ -12,7 +12,7 @@
 namespace fairring {
 
 // The first bytes on every connection, sent by the connecting rank: who it
-// is, which lane the connection carries, and the job token that proves it
+// is, which track the connection carries, and the job token that proves it
 // belongs to this job. Fixed size, so that the accepting side reads exactly
 // this much from a stranger, checks it, and parses nothing else first.
 struct Hello {
@@ -20,7 +20,7 @@ struct Hello {
   static constexpr size_t kTokenBytes = 32;
 
   int32_t rank{0};
-  Lane lane{Lane::kReduce};
+  Track track{Track::kReduce};
   std::string token; // kTokenBytes characters
   // Same machine only: where the sender keeps `probeValue`. If the receiver
   // can read it out of the sender's memory, message bodies need not travel

@@ -9,6 +9,7 @@
 
 #include "failure/group_failure.h"
 #include "faults/fault_points.h"
+#include "faults/plants.h"
 #include "transport/frame.h"
 #include "transport/handshake.h"
 #include "transport/memory_reader.h"
@@ -45,14 +46,14 @@ Reach PeerMesh::reachOf(int peer) const {
   return layout_.machineOf(peer) == layout_.machine() ? Reach::kLocal : Reach::kRail;
 }
 
-void PeerMesh::report(int peer, Lane lane, Status status) {
+void PeerMesh::report(int peer, Track track, Status status) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) {
       return; // our own close, not the peer's failure
     }
   }
-  onMessage_(peer, lane, std::move(status), {}, 0);
+  onMessage_(peer, track, std::move(status), {}, 0);
 }
 
 void PeerMesh::readLoop(Inbound& in) {
@@ -65,7 +66,7 @@ void PeerMesh::readLoop(Inbound& in) {
     if (s.ok()) {
       if (frame.magic != Frame::kMagic || frame.headerBytes > Frame::kMaxHeaderBytes ||
           (frame.bodyAddress != 0 && !in.readsMemory)) {
-        report(peer, in.lane, Status::error("fairring: malformed message from " + layout_.describe(peer)));
+        report(peer, in.track, Status::error("fairring: malformed message from " + layout_.describe(peer)));
         break;
       }
       header.resize(frame.headerBytes);
@@ -73,14 +74,14 @@ void PeerMesh::readLoop(Inbound& in) {
     }
     if (!s.ok()) {
       report(
-          peer, in.lane,
+          peer, in.track,
           closed ? Status::error(
                        "fairring: " + layout_.describe(peer) + " closed its connection to " +
                        layout_.describe(layout_.rank()) + " (it exited, crashed or destroyed its process group)")
                  : failure("the connection from", peer, s.message()));
       break;
     }
-    onMessage_(peer, in.lane, Status(), std::move(header), frame.bodyBytes);
+    onMessage_(peer, in.track, Status(), std::move(header), frame.bodyBytes);
 
     void* data = nullptr;
     size_t bytes = 0;
@@ -122,7 +123,7 @@ void PeerMesh::readLoop(Inbound& in) {
     if (!status.ok()) {
       // Also as a failure of the connection: whoever posted this read may
       // not be waiting on it (a dropped body), but everything after it is lost.
-      report(peer, in.lane, status);
+      report(peer, in.track, status);
       break;
     }
   }
@@ -135,17 +136,27 @@ void PeerMesh::readLoop(Inbound& in) {
 }
 
 void PeerMesh::awaitDrained(int peer) {
-  // A peer that fails sends its reason on every lane, then closes. Our send
+  // A peer that fails sends its reason on every track, then closes. Our send
   // to it may see the close first (a broken pipe) while the reason still sits
-  // in our readers' buffers; once one reader has reached the close, it has
-  // read the reason before it.
+  // in our readers' buffers. The gather track is always read, and its abort
+  // always leaves before the close (GroupFailure), so once its reader has
+  // reached the close the reason is in; the reduce track's close may come
+  // without one (its abort held behind a parked message). The peer has
+  // closed, so that reader is only waiting for the CPU: a busy host gets
+  // kAbortGrace, not the 500 ms that once let a broken pipe pass for the
+  // reason (chaos seed 74 at load 12).
+  const bool brief = plants::planted(plants::Plant::kSendFailureWaitsBriefly);
   std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait_for(lock, GroupFailure::kSendFailureWait, [&] {
+  cv_.wait_for(lock, brief ? GroupFailure::kSendFailureWait : GroupFailure::kAbortGrace, [&] {
     if (closed_) {
       return true;
     }
-    for (int l = 0; l < kNumLanes; ++l) {
-      auto it = inbound_.find({peer, static_cast<Lane>(l)});
+    for (int l = 0; l < kNumTracks; ++l) {
+      const auto track = static_cast<Track>(l);
+      if (track != Track::kGather && !brief) {
+        continue;
+      }
+      auto it = inbound_.find({peer, track});
       if (it == inbound_.end() || it->second->exited.load()) {
         return true;
       }
@@ -208,12 +219,12 @@ void PeerMesh::writeLoop(Writer& writer) {
 }
 
 bool PeerMesh::holdFirst(Writer& writer, const Outbound& out) {
-  // A test holds an abort here (on every lane, or on the reduce lane only, as a
-  // rail writer blocked at a peer's parked reduce lane holds it); close() ends
+  // A test holds an abort here (on every track, or on the reduce track only, as a
+  // rail writer blocked at a peer's parked reduce track holds it); close() ends
   // the hold, as it ends every wait of a writer, so that destroy's time is not
   // the test's sleep.
   auto held = faults::at(faults::kMeshSendFirst, out.peer);
-  if (!held && out.lane == Lane::kReduce) {
+  if (!held && out.track == Track::kReduce) {
     held = faults::at(faults::kMeshSendFirstReduce, out.peer);
   }
   if (held && held->action == faults::Action::kDelay) {
@@ -256,13 +267,13 @@ Connection* PeerMesh::find(const std::map<Key, std::unique_ptr<Connection>>& con
 
 void PeerMesh::send(
     int peer,
-    Lane lane,
+    Track track,
     std::string header,
     void* data,
     size_t bytes,
     Done done,
     Priority priority) {
-  Outbound* out = find(outbound_, {peer, lane});
+  Outbound* out = find(outbound_, {peer, track});
   if (out == nullptr) {
     done(Status::error("fairring: no connection to " + layout_.describe(peer) + " (closed)"));
     return;
@@ -289,8 +300,8 @@ void PeerMesh::send(
   done(Status::error("fairring: no connection to " + layout_.describe(peer) + " (closed)"));
 }
 
-void PeerMesh::receive(int peer, Lane lane, void* data, size_t bytes, Done done) {
-  Inbound* in = find(inbound_, {peer, lane});
+void PeerMesh::receive(int peer, Track track, void* data, size_t bytes, Done done) {
+  Inbound* in = find(inbound_, {peer, track});
   if (in == nullptr) {
     done(Status::error("fairring: no connection from " + layout_.describe(peer) + " (closed)"));
     return;

@@ -24,13 +24,13 @@
 
 namespace fairring {
 
-// One TCP connection per (peer, lane, direction) between this rank and the
+// One TCP connection per (peer, track, direction) between this rank and the
 // ranks it exchanges with (its local peers and its rail peers). Outbound
 // connections only carry messages out, inbound ones only in, one message at
 // a time: the receiver sees a header, decides where the body goes (or
 // waits), then reads it. Each inbound connection and each local outbound one
 // has its own thread, blocked in the kernel when idle, so a slow peer holds
-// up only its own connection; the rail outbound connections of a lane share
+// up only its own connection; the rail outbound connections of a track share
 // one writer (see railWriters_).
 class PeerMesh {
  public:
@@ -45,7 +45,7 @@ class PeerMesh {
 
   // Called on a connection's thread once per arriving message (header only:
   // call receive() to read its body), or once with a failure of the connection.
-  using OnMessage = std::function<void(int peer, Lane lane, Status status, std::string header, size_t bytes)>;
+  using OnMessage = std::function<void(int peer, Track track, Status status, std::string header, size_t bytes)>;
   using Done = SendDone;
 
   PeerMesh(const RankLayout& layout, Options options, OnMessage onMessage);
@@ -69,17 +69,17 @@ class PeerMesh {
   // (for a body read out of this process's memory: once the peer has read it).
   void send(
       int peer,
-      Lane lane,
+      Track track,
       std::string header,
       void* data,
       size_t bytes,
       Done done,
       Priority priority = Priority::kInOrder);
 
-  // Reads the body of the message last announced on (peer, lane) into
+  // Reads the body of the message last announced on (peer, track) into
   // `data` (null: drops it), then waits for the next message on that
   // connection.
-  void receive(int peer, Lane lane, void* data, size_t bytes, Done done);
+  void receive(int peer, Track track, void* data, size_t bytes, Done done);
 
   // Makes a start() in progress give up at once (a shutdown during start-up);
   // connections already made stay until close(). Idempotent.
@@ -89,7 +89,7 @@ class PeerMesh {
   void close();
 
  private:
-  using Key = std::pair<int, Lane>;
+  using Key = std::pair<int, Track>;
   using Inbound = InboundConnection;
   using Outbound = OutboundConnection;
   using Writer = ConnectionWriter;
@@ -103,23 +103,23 @@ class PeerMesh {
   void adopt(const Hello& hello, Socket socket, bool readsMemory);
   // Creates the gate and its listeners (`urls`, by Reach), unless closed meanwhile.
   Status openGate(const std::string& me, std::string urls[2]);
-  // Waits until every peer has connected back (both lanes).
+  // Waits until every peer has connected back (both tracks).
   Status awaitPeers(const std::string& me, const std::vector<int>& peers, Clock::time_point deadline);
   // One connection to `peer`; `dialed` false (and the error why) where
   // nothing took the dial yet: worth another try.
-  Status connect(int peer, Lane lane, const std::string& url, Clock::time_point deadline, bool& dialed);
+  Status connect(int peer, Track track, const std::string& url, Clock::time_point deadline, bool& dialed);
   // Connects to `url` and exchanges the hello, retrying where the gate closed
   // the connection without a verdict; the verdict in `reply`.
   Status hello(
       int peer,
-      Lane lane,
+      Track track,
       const std::string& url,
       Clock::time_point deadline,
       Socket& socket,
       HelloReply& reply,
       bool& dialed);
-  // Adds the connection to `peer` and its writer (rail connections of a lane share one).
-  Status add(int peer, Lane lane, Socket socket, bool readsMemory);
+  // Adds the connection to `peer` and its writer (rail connections of a track share one).
+  Status add(int peer, Track track, Socket socket, bool readsMemory);
   // Connects to each peer once its address is in the store, in whatever order
   // they appear: a peer that never publishes (dead, or stuck before its start)
   // holds no other connection back, so the peers waiting for this rank do not
@@ -136,7 +136,7 @@ class PeerMesh {
   Status transmit(Outbound& out, Outgoing& msg);
   Status skip(const Socket& socket, size_t bytes);
   void awaitDrained(int peer);
-  void report(int peer, Lane lane, Status status);
+  void report(int peer, Track track, Status status);
   Status failure(const std::string& what, int peer, const std::string& why) const;
 
   const RankLayout& layout_;
@@ -154,7 +154,7 @@ class PeerMesh {
   std::map<Key, std::unique_ptr<Outbound>> outbound_;
   std::vector<std::unique_ptr<Writer>> writers_;
   // Messages to other machines share this rank's link. The rail connections
-  // of one lane share one writer, which sends their messages one at a time in
+  // of one track share one writer, which sends their messages one at a time in
   // the order the engine queued them (segment by segment, peers in rotation:
   // at any moment every rank sends to a different machine), each socket
   // keeping little unsent data (setLowUnsent, with 2+ rail peers) so that this
@@ -162,9 +162,9 @@ class PeerMesh {
   // link. On 4 × 1 at 1 Gbit/s, letting each socket buffer what the kernel
   // allows instead cost 3-9% (docs/design.md). A writer blocked on one peer
   // (which holds a reduce message until it has a staging slot) delays this
-  // lane's messages to the others; the engine's order makes that safe
-  // (docs/design.md, "Lanes, staging and why it does not deadlock").
-  Writer* railWriters_[kNumLanes] = {nullptr, nullptr};
+  // track's messages to the others; the engine's order makes that safe
+  // (docs/design.md, "Tracks, staging and why it does not deadlock").
+  Writer* railWriters_[kNumTracks] = {nullptr, nullptr};
   std::map<Key, std::unique_ptr<Inbound>> inbound_;
 };
 

@@ -99,12 +99,12 @@ Status PeerMesh::openGate(const std::string& me, std::string urls[2]) {
 }
 
 Status PeerMesh::awaitPeers(const std::string& me, const std::vector<int>& peers, Clock::time_point deadline) {
-  const size_t expected = peers.size() * kNumLanes;
+  const size_t expected = peers.size() * kNumTracks;
   auto missing = [&] {
     std::string named;
     std::lock_guard<std::mutex> lock(mu_);
     for (int peer : peers) {
-      if (!inbound_.count({peer, Lane::kReduce}) || !inbound_.count({peer, Lane::kGather})) {
+      if (!inbound_.count({peer, Track::kReduce}) || !inbound_.count({peer, Track::kGather})) {
         named += (named.empty() ? "" : ", ") + layout_.describe(peer);
       }
     }
@@ -168,9 +168,9 @@ Status PeerMesh::connectAll(c10d::Store& store, const std::vector<int>& peers, C
         it->url.assign(raw.begin(), raw.end());
         faults::hit(faults::kMeshConnect, it->peer);
       }
-      for (; it->lanesDone < kNumLanes; ++it->lanesDone) {
+      for (; it->lanesDone < kNumTracks; ++it->lanesDone) {
         bool dialed = true;
-        if (Status s = connect(it->peer, static_cast<Lane>(it->lanesDone), it->url, deadline, dialed); !s.ok()) {
+        if (Status s = connect(it->peer, static_cast<Track>(it->lanesDone), it->url, deadline, dialed); !s.ok()) {
           if (dialed) {
             return s;
           }
@@ -179,7 +179,7 @@ Status PeerMesh::connectAll(c10d::Store& store, const std::vector<int>& peers, C
         }
         progressed = true;
       }
-      it = it->lanesDone == kNumLanes ? pending.erase(it) : it + 1;
+      it = it->lanesDone == kNumTracks ? pending.erase(it) : it + 1;
     }
     if (pending.empty()) {
       return Status();
@@ -245,7 +245,7 @@ HelloReply::Verdict PeerMesh::check(Reach reach, const Hello& hello) {
   if (closed_) {
     return HelloReply::Verdict::kClosing;
   }
-  if (inbound_.count({hello.rank, hello.lane})) {
+  if (inbound_.count({hello.rank, hello.track})) {
     return HelloReply::Verdict::kAlreadyConnected;
   }
   return HelloReply::Verdict::kAccepted;
@@ -254,7 +254,7 @@ HelloReply::Verdict PeerMesh::check(Reach reach, const Hello& hello) {
 void PeerMesh::adopt(const Hello& hello, Socket socket, bool readsMemory) {
   auto in = std::make_unique<Inbound>();
   in->peer = hello.rank;
-  in->lane = hello.lane;
+  in->track = hello.track;
   in->socket = std::move(socket);
   in->readsMemory = readsMemory;
   in->pid = hello.pid;
@@ -265,15 +265,15 @@ void PeerMesh::adopt(const Hello& hello, Socket socket, bool readsMemory) {
       return;
     }
     raw->thread = std::thread([this, raw] { readLoop(*raw); });
-    inbound_[{hello.rank, hello.lane}] = std::move(in);
+    inbound_[{hello.rank, hello.track}] = std::move(in);
   }
   cv_.notify_all();
 }
 
-Status PeerMesh::connect(int peer, Lane lane, const std::string& url, Clock::time_point deadline, bool& dialed) {
+Status PeerMesh::connect(int peer, Track track, const std::string& url, Clock::time_point deadline, bool& dialed) {
   Socket socket;
   HelloReply reply;
-  if (Status s = hello(peer, lane, url, deadline, socket, reply, dialed); !s.ok()) {
+  if (Status s = hello(peer, track, url, deadline, socket, reply, dialed); !s.ok()) {
     return s;
   }
   if (reply.verdict == HelloReply::Verdict::kWrongVersion) {
@@ -296,12 +296,12 @@ Status PeerMesh::connect(int peer, Lane lane, const std::string& url, Clock::tim
       }
     }
   }
-  return add(peer, lane, std::move(socket), reply.readsMemory);
+  return add(peer, track, std::move(socket), reply.readsMemory);
 }
 
 Status PeerMesh::hello(
     int peer,
-    Lane lane,
+    Track track,
     const std::string& url,
     Clock::time_point deadline,
     Socket& socket,
@@ -309,7 +309,7 @@ Status PeerMesh::hello(
     bool& dialed) {
   Hello hello;
   hello.rank = layout_.rank();
-  hello.lane = lane;
+  hello.track = track;
   hello.token = options_.token;
   if (reachOf(peer) == Reach::kLocal) {
     hello.pid = static_cast<int32_t>(::getpid());
@@ -366,18 +366,18 @@ Status PeerMesh::hello(
   }
 }
 
-Status PeerMesh::add(int peer, Lane lane, Socket socket, bool readsMemory) {
+Status PeerMesh::add(int peer, Track track, Socket socket, bool readsMemory) {
   const bool rail = reachOf(peer) == Reach::kRail;
   auto out = std::make_unique<Outbound>();
   out->peer = peer;
-  out->lane = lane;
+  out->track = track;
   out->socket = std::move(socket);
   out->readsMemory = readsMemory;
   std::lock_guard<std::mutex> lock(mu_);
   if (closed_) {
     return Status::error("fairring: the process group was closed during start-up");
   }
-  Writer*& shared = railWriters_[static_cast<int>(lane)];
+  Writer*& shared = railWriters_[static_cast<int>(track)];
   if (!rail || shared == nullptr) {
     writers_.push_back(std::make_unique<Writer>());
     Writer* w = writers_.back().get();
@@ -387,7 +387,7 @@ Status PeerMesh::add(int peer, Lane lane, Socket socket, bool readsMemory) {
     }
   }
   out->writer = rail ? shared : writers_.back().get();
-  outbound_[{peer, lane}] = std::move(out);
+  outbound_[{peer, track}] = std::move(out);
   return Status();
 }
 

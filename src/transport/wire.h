@@ -9,13 +9,13 @@ namespace fairring {
 // Traffic classes get separate connections. A connection delivers in order, and a
 // receiver may hold a "reduce" message until a staging slot frees; slots free
 // only when "gather" messages arrive, so those must never queue behind it.
-enum class Lane : uint8_t { kReduce = 0, kGather = 1 };
-constexpr int kNumLanes = 2;
+enum class Track : uint8_t { kReduce = 0, kGather = 1 };
+constexpr int kNumTracks = 2;
 
 // Where a data message goes: to a rank of the same machine or along the
-// rail, and on which lane. The first two are the way to a reduction (the
-// reduce lane: a receiver may hold them for a slot), the "back" ones carry
-// results (the gather lane: never held). What a message means is its
+// rail, and on which track. The first two are the way to a reduction (the
+// reduce track: a receiver may hold them for a slot), the "back" ones carry
+// results (the gather track: never held). What a message means is its
 // operation kind's (pipeline/steps.h, KindSteps::label); the byte on the wire
 // is the value.
 enum class Route : uint8_t {
@@ -30,8 +30,8 @@ inline bool withinMachine(Route r) {
   return r == Route::kWithinMachine || r == Route::kWithinMachineBack;
 }
 
-inline Lane laneOf(Route r) {
-  return (r == Route::kWithinMachine || r == Route::kAlongRail) ? Lane::kReduce : Lane::kGather;
+inline Track trackOf(Route r) {
+  return (r == Route::kWithinMachine || r == Route::kAlongRail) ? Track::kReduce : Track::kGather;
 }
 
 // What precedes every data message. It carries the sender's view of the
@@ -56,7 +56,7 @@ struct DataHeader {
 
 std::string encode(const DataHeader& h);
 std::optional<DataHeader> decodeData(const std::string& bytes);
-// The last message a failing rank sends to each peer, on every lane (a
+// The last message a failing rank sends to each peer, on every track (a
 // receiver may be holding either at a parked message): the first error, so
 // that ranks that never talked to the culprit still learn who it was.
 struct Abort {

@@ -1,7 +1,7 @@
-"""A failed rank's close waits for one abort per peer, the one on the gather lane (always
-read), not for a reduce-lane abort that a writer held at another peer's parked reduce
-lane cannot send (chaos seed 74: destroy took the whole 2 s grace). A peer that reads
-the reduce lane's close first waits for the gather lane's end before it calls the rank
+"""A failed rank's close waits for one abort per peer, the one on the gather track (always
+read), not for a reduce-track abort that a writer held at another peer's parked reduce
+track cannot send (chaos seed 74: destroy took the whole 2 s grace). A peer that reads
+the reduce track's close first waits for the gather track's end before it calls the rank
 lost, so the reason still arrives. Plants close_waits_reduce_abort and
 reduce_close_not_held put each half back (tests/stream_mutants.py)."""
 
@@ -32,11 +32,11 @@ ABORT_READ_LATE_MS = 400
 
 
 def _refused_with_reduce_aborts_held(rank: int, world: int) -> dict[str, Any]:
-    """Rank 1 refuses a call, and its reduce-lane aborts are held past the grace (chaos
-    seed 74: one rail writer serves a lane to every rail peer, and a peer whose reduce
-    lane is parked at a message holds it, with every abort queued behind it). Its
-    gather-lane abort leaves: every peer is told, so its close waits for nothing more.
-    Rank 0 acts on that abort 0.4 s late, so that it reads the reduce lane's close
+    """Rank 1 refuses a call, and its reduce-track aborts are held past the grace (chaos
+    seed 74: one rail writer serves a track to every rail peer, and a peer whose reduce
+    track is parked at a message holds it, with every abort queued behind it). Its
+    gather-track abort leaves: every peer is told, so its close waits for nothing more.
+    Rank 0 acts on that abort 0.4 s late, so that it reads the reduce track's close
     first: a close without an abort before it, which is not the peer's death."""
     stream_mutants.arm_from_env()
     if rank == REDUCE_HOLDER:
@@ -67,7 +67,7 @@ def _refused_with_reduce_aborts_held(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-def test_a_held_reduce_lane_holds_neither_the_reason_nor_the_close() -> None:
+def test_a_held_reduce_track_holds_neither_the_reason_nor_the_close() -> None:
     outcomes = launch(_refused_with_reduce_aborts_held, 2, ["m0", "m1"], timeout_s=JOB_TIMEOUT_S)
     bad = [o for o in outcomes if not o.ok]
     assert not bad, "\n".join(o.describe() for o in bad)
