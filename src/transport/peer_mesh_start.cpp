@@ -145,7 +145,7 @@ Status PeerMesh::connectAll(c10d::Store& store, const std::vector<int>& peers, C
   struct Pending {
     int peer;
     std::string url; // empty until the peer published it
-    int lanesDone{0};
+    int tracksDone{0};
     Status notYet; // why its last dial did not connect
   };
   std::vector<Pending> pending;
@@ -168,9 +168,9 @@ Status PeerMesh::connectAll(c10d::Store& store, const std::vector<int>& peers, C
         it->url.assign(raw.begin(), raw.end());
         faults::hit(faults::kMeshConnect, it->peer);
       }
-      for (; it->lanesDone < kNumTracks; ++it->lanesDone) {
+      for (; it->tracksDone < kNumTracks; ++it->tracksDone) {
         bool dialed = true;
-        if (Status s = connect(it->peer, static_cast<Track>(it->lanesDone), it->url, deadline, dialed); !s.ok()) {
+        if (Status s = connect(it->peer, static_cast<Track>(it->tracksDone), it->url, deadline, dialed); !s.ok()) {
           if (dialed) {
             return s;
           }
@@ -179,7 +179,7 @@ Status PeerMesh::connectAll(c10d::Store& store, const std::vector<int>& peers, C
         }
         progressed = true;
       }
-      it = it->lanesDone == kNumTracks ? pending.erase(it) : it + 1;
+      it = it->tracksDone == kNumTracks ? pending.erase(it) : it + 1;
     }
     if (pending.empty()) {
       return Status();
