@@ -36,7 +36,9 @@ from fairring_pg.startup import (
     all_started,
     core_store,
     failures_of_others,
+    one_deadline,
     publish_failure,
+    time_left,
     wait_for,
 )
 from fairring_pg.topology import Topology, discover
@@ -79,21 +81,42 @@ def create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
     size = int(dist_backend_opts.group_size)
     timeout: timedelta = dist_backend_opts.timeout
 
-    agreed = _agree(store, rank, size, timeout, str(dist_backend_opts.group_id))
     try:
-        backend = _connect(agreed, store, rank, size, timeout, dist_backend_opts)
-        all_started(store, rank, size, timeout)
-        return backend
+        config = Config.from_env()
+        # Compile/load before any rendezvous: a first build takes minutes, and it must
+        # not eat into the start's time (a machine's ranks wait on one build).
+        core = _load_core()
     except Exception as exc:
-        # The others stop connecting at once, naming this rank's reason (startup.py).
         publish_failure(store, rank, exc)
-        if isinstance(exc, AnotherRankFailed):
-            raise
-        if others := failures_of_others(store, rank, size, not isinstance(exc, PeersNamed)):
-            raise RuntimeError(
-                f"{exc} (and other ranks failed to start: {'; '.join(others)})"
-            ) from exc
         raise
+    with one_deadline(timeout):
+        agreed = _agree(store, rank, size, timeout, str(dist_backend_opts.group_id), config, core)
+        try:
+            backend = _connect(agreed, store, rank, size, timeout, dist_backend_opts)
+            all_started(store, rank, size, timeout)
+            return backend
+        except Exception as exc:
+            # The others stop connecting at once, naming this rank's reason (startup.py).
+            publish_failure(store, rank, exc)
+            if isinstance(exc, AnotherRankFailed):
+                raise
+            if others := failures_of_others(store, rank, size, not isinstance(exc, PeersNamed)):
+                raise RuntimeError(
+                    f"{exc} (and other ranks failed to start: {'; '.join(others)})"
+                ) from exc
+            raise
+
+
+def _load_core() -> tuple[Callable[..., Any], Any, Any]:
+    """The core's factory, a fresh options object and the extension (None under a
+    test's stand-in core)."""
+    if _core_factory is not None:
+        return _core_factory, _Recorder(), None
+    from fairring_pg._build import load_extension
+
+    ext = load_extension()
+    future_callbacks.install(ext)
+    return ext.FairringBackend, ext.Options(), ext
 
 
 def _connect(
@@ -138,6 +161,8 @@ def _connect(
             str(dist_backend_opts.group_id),
             agreed.cuda_plan.composes,
         )
+    # The core's connecting ends with the rest of the start (startup.one_deadline).
+    opts.engine.start_timeout = time_left(timeout)
     try:
         return agreed.factory(core_store(store), rank, size, opts, cpu_delegate, cuda_delegate)
     except Exception as exc:
@@ -148,24 +173,20 @@ def _connect(
         ) from exc
 
 
-def _agree(store: Any, rank: int, size: int, timeout: timedelta, group_id: str) -> _Agreed:
+def _agree(
+    store: Any,
+    rank: int,
+    size: int,
+    timeout: timedelta,
+    group_id: str,
+    config: Config,
+    core: tuple[Callable[..., Any], Any, Any],
+) -> _Agreed:
     """Settings, topology, the CUDA decision and the job token, the same on every rank;
     a rank that fails here tells the others, which raise at once rather than at the init
     timeout."""
+    factory, opts, ext = core
     try:
-        config = Config.from_env()
-        # Compile/load before any rendezvous: a first build takes minutes, and it must
-        # not eat into the store timeouts below (a machine's ranks wait on one build).
-        ext: Any = None
-        if _core_factory is None:
-            from fairring_pg._build import load_extension
-
-            ext = load_extension()
-            factory, opts = ext.FairringBackend, ext.Options()
-            future_callbacks.install(ext)
-        else:
-            factory, opts = _core_factory, _Recorder()
-
         config.check_consistent_across_ranks(store, rank, size, timeout)
         topology = discover(store, rank, size, config.machine_id, timeout)
         # From every rank's published GPU facts: the same on every rank, or a ValueError

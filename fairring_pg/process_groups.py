@@ -24,6 +24,7 @@ from fairring_pg.startup import (
     ConnectGivenUp,
     PeersNamed,
     connect_watched,
+    settle_until,
 )
 
 # make(prefix, rank in the group, group size, global ranks, name) -> a c10d Backend
@@ -65,9 +66,10 @@ def gloo_group(
     came names a store key; this one names the rank."""
     members = list(range(size)) if members is None else members
     store.set(f"{_CAME}/{rank}", "1")
+    own = _own_connection(store)
     try:
         group = connect_watched(
-            lambda: _gloo_group(store, rank, size, timeout, config, global_ranks, name),
+            lambda: _gloo_group(own, rank, size, timeout, config, global_ranks, name),
             group_store,
             timeout,
             f"connecting Gloo's group {name!r}",
@@ -94,6 +96,18 @@ def gloo_group(
     return group
 
 
+def _own_connection(store: Any) -> Any:
+    """``store`` on a connection of its own, where the store can make one (TCPStore's
+    clone): Gloo's connect waits in the store for each peer's address, and a TCPStore
+    client serves one request at a time, so on the group's connection every look for
+    another rank's failure (connect_watched) would queue behind that wait until Gloo's
+    own timeout, past the start's deadline."""
+    try:
+        return store.clone()
+    except (RuntimeError, NotImplementedError):  # a Python store: the shared one
+        return store
+
+
 _CAME = "came_to_connect"
 _ENDED = "ended_connecting"
 
@@ -108,7 +122,7 @@ def _who_is_missing(store: Any, members: list[int], me: int, settle_s: float) ->
 
     if absent := without(_CAME):
         return f"{_ranks(absent)} never came to connect it (died or stalled before)"
-    deadline = time.monotonic() + settle_s
+    deadline = settle_until(settle_s) if settle_s else time.monotonic()
     while (silent := without(_ENDED)) and time.monotonic() < deadline:
         time.sleep(0.05)
     if silent:

@@ -7,13 +7,20 @@ its error under one key, the first to fail keeping it, and every wait here, each
 group's connect and the core's own connecting watch that key, so the other ranks raise
 at once naming the rank and its error, instead of sitting out the whole init timeout
 and then blaming a store timeout or a peer that left because of it.
+
+Every wait of one group's start ends by one deadline, the group's timeout from the
+moment its core is loaded (``one_deadline``): a peer that dies while the start runs is
+told within that timeout whichever stage it dies in, not within the timeout of the
+stage this rank had reached.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -34,6 +41,44 @@ CONNECT_GRACE_S = 0.3
 SETTLE_S = 0.5
 
 T = TypeVar("T")
+
+# When the start of the group this thread creates must end (time.monotonic()); None
+# outside a start.
+_START_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "fairring_start_deadline", default=None
+)
+
+
+@contextlib.contextmanager
+def one_deadline(timeout: timedelta) -> Iterator[None]:
+    """Within it, every wait below ends by ``timeout`` from now at the latest."""
+    token = _START_DEADLINE.set(time.monotonic() + timeout.total_seconds())
+    try:
+        yield
+    finally:
+        _START_DEADLINE.reset(token)
+
+
+def deadline_after(timeout: timedelta) -> float:
+    """``timeout`` from now, or the start's deadline if that comes first."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    start = _START_DEADLINE.get()
+    return deadline if start is None else min(deadline, start)
+
+
+def time_left(timeout: timedelta) -> timedelta:
+    """What is left of the start's time (at least 1 ms; ``timeout`` outside a start)."""
+    left = deadline_after(timeout) - time.monotonic()
+    return timedelta(seconds=max(left, 0.001))
+
+
+def settle_until(settle_s: float) -> float:
+    """When a rank whose start failed stops waiting for the others to say how theirs
+    ended: ``settle_s`` from now, or from the start's deadline if this rank's own wait
+    ran to it (the others' waits end there too)."""
+    now = time.monotonic()
+    start = _START_DEADLINE.get()
+    return now + settle_s if start is None else max(now, min(now, start) + settle_s)
 
 
 def core_store(store: Any) -> Any:
@@ -68,7 +113,7 @@ def failures_of_others(store: Any, rank: int, size: int, settle: bool = True) ->
     out together (each for the next in a chain to a dead one) then each name the whole
     chain, not just their neighbour."""
     keys = [f"{FAILURE_KEY}/{r}" for r in range(size) if r != rank]
-    deadline = time.monotonic() + (SETTLE_S if settle else 0.0)
+    deadline = settle_until(SETTLE_S) if settle else time.monotonic()
     try:
         store = core_store(store)
         while not store.check(keys) and time.monotonic() < deadline:
@@ -126,7 +171,7 @@ def connect_watched(make: Callable[[], T], store: Any, timeout: timedelta, what:
             ended.set()
 
     threading.Thread(target=run, name="fairring-connect", daemon=True).start()
-    deadline = time.monotonic() + timeout.total_seconds() + CONNECT_GRACE_S
+    deadline = deadline_after(timeout) + CONNECT_GRACE_S
     while not ended.wait(_POLL_S):
         if (why := published_failure(store)) is not None:
             raise _another_failed(what, why)
@@ -161,7 +206,7 @@ def _all_say(
     store.set(f"{key}/{rank}", "1")
     store.add(f"{key}/count", 1)
     waiting = f"waiting for every rank {what}"
-    deadline = time.monotonic() + timeout.total_seconds()
+    deadline = deadline_after(timeout)
     while store.add(f"{key}/count", 0) < size:
         if (why := published_failure(store)) is not None:
             raise _another_failed(waiting, why)
@@ -180,7 +225,7 @@ def wait_for(
 ) -> None:
     """Wait until every key exists (``ranks[i]`` writes ``keys[i]``); raise at once if
     another rank failed to start, and at the timeout naming the ranks that never wrote."""
-    deadline = time.monotonic() + timeout.total_seconds()
+    deadline = deadline_after(timeout)
     while not store.check(list(keys)):
         if (why := published_failure(store)) is not None:
             raise _another_failed(what, why)

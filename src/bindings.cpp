@@ -69,6 +69,7 @@ void bindPathOptions(py::module_& m) {
       .def_readwrite("slot_bytes", &EngineOptions::slotBytes)
       .def_readwrite("total_memory", &EngineOptions::totalMemory)
       .def_readwrite("timeout", &EngineOptions::timeout)
+      .def_readwrite("start_timeout", &EngineOptions::startTimeout)
       .def_readwrite("listen_address", &EngineOptions::listenAddress)
       .def_readwrite("token", &EngineOptions::token)
       .def_readwrite("timeline_path", &EngineOptions::timelinePath)

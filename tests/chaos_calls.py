@@ -64,6 +64,15 @@ def _broadcast_values(job: Job, call: Call) -> torch.Tensor:
     return torch.randn(call.numel, generator=gen)
 
 
+def warm_ddp() -> None:
+    """DDP's first construction in a process imports torch._dynamo, seconds on a loaded
+    host (chaos seed 117: 3-4 s at load 6, counted as fairring's time to raise): done
+    before the group starts, so a DDP set-up is timed by its collectives alone."""
+    import torch._dynamo.utils
+
+    torch._dynamo.utils.get_optimize_ddp_mode()
+
+
 class Model:
     """A linear layer under DDP whose gradients are exact small integers before DDP
     averages them: weight' = sum over the batch of w^T x, bias' = sum of w."""

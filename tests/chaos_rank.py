@@ -25,7 +25,7 @@ from typing import Any
 import stream_mutants
 import torch
 import torch.distributed as dist
-from chaos_calls import Model, Pending, Runner
+from chaos_calls import Model, Pending, Runner, warm_ddp
 from chaos_plan import MATE_AFTER_S, Call, Job
 from reliability_helpers import default_store
 
@@ -202,6 +202,8 @@ def chaos_rank(rank: int, world: int, job: Job, job_dir: str) -> dict[str, Any]:
     timeout = timedelta(seconds=job.group_timeout_s)
     # Gloo's group first: what is left once fairring's group is gone is fairring's.
     gloo = dist.new_group(backend="gloo", timeout=timeout) if job.mirror_gloo else None
+    if any(c.kind == "ddp" for c in job.calls):
+        warm_ddp()
     before = _named_resources()
     if fault.kind == "start_kill" and rank == fault.rank:
         _kill_during_start(directory, fault.after_ms)
@@ -315,7 +317,8 @@ def _program(
         for model in models.values():
             model.release()
         error = {"error": f"{type(exc).__name__}: {exc}", "posted_at": started_at}
-        return {"start_error": error | {"ended_at": time.time()}, "ring_abandoned": 0}
+        error |= {"what": "setting up DDP", "ended_at": time.time()}
+        return {"start_error": error, "ring_abandoned": 0}
     waits = random.Random(f"chaos/{job.seed}/waits/{rank}")  # differs between ranks
     pending: list[Pending] = []
     for call in job.calls:

@@ -527,7 +527,8 @@ def _start_killed(
         records = [v["start_error"]] if "start_error" in v else _fairring(v)
         if "start_error" in v and not _names(v["start_error"]["error"], {fault.rank}):
             problems.append(
-                f"rank {rank}: creating the group raised without naming rank {fault.rank}: "
+                f"rank {rank}: {v['start_error'].get('what', 'creating the group')} raised "
+                f"without naming rank {fault.rank}: "
                 f"{v['start_error']['error']}"
             )
         during_start = "start_s" not in v or killed_at < v["start_s"][1]
@@ -542,7 +543,7 @@ def _start_killed(
                 took = r["ended_at"] - max(killed_at, r["posted_at"])
                 worst = max(worst, took)
                 if took > bound:
-                    what = _what(job, r) if "index" in r else "creating the group"
+                    what = _what(job, r) if "index" in r else r.get("what", "creating the group")
                     problems.append(
                         f"rank {rank}: {what} raised {took:.3f} s after the kill (bound {bound} s)"
                     )

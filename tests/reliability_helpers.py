@@ -351,3 +351,22 @@ def second_backend(store: Any, claimed_rank: int, token: str, timeout_s: float =
         return f"refused: {exc}"
     backend.shutdown()
     return "admitted"
+
+
+def timed_init(rank: int, world: int, store: Any, timeout_s: float) -> dict[str, Any]:
+    """init_process_group("fairring"): its error (None if it started) and its time."""
+    import torch.distributed as dist
+
+    t0 = time.monotonic()
+    try:
+        dist.init_process_group(
+            "fairring",
+            store=store,
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        return {"error": f"{type(exc).__name__}: {exc}", "took": time.monotonic() - t0}
+    dist.destroy_process_group()
+    return {"error": None, "took": time.monotonic() - t0}

@@ -6,19 +6,20 @@ group. A rank that built one while a peer was still checking would see that peer
 mid-connect and report a closed connection instead of the setting at fault (a fresh
 clone's run of test_bad_input once showed Gloo's "connectFullMesh failed"). The failing
 rank's check is forced here (fairring_pg.backend's test hook) to end late, after the
-others passed theirs, and early, before they did.
+others passed theirs, and early, before they did: every rank names it, and no rank began
+to build a group. (Without the verdict, the others now name it too, where they wait in
+Gloo's connect: its store waits run on a connection of their own, and the watch beside
+them reads the published failure. The groups they began to build show the plant.)
 """
 
 from __future__ import annotations
 
 import time
-from datetime import timedelta
 from typing import Any
 
 import pytest
-import torch.distributed as dist
 from multiprocess import SHAPES
-from reliability_helpers import run_bare
+from reliability_helpers import run_bare, timed_init
 
 SHAPE = SHAPES["2x2"]
 FAILING = 3
@@ -45,24 +46,23 @@ def _start(rank: int, world: int, store: Any, late: bool, planted: bool) -> dict
     if planted:
         # The bug the verdict is for: each rank goes on alone.
         backend.all_passed = lambda *args: None
-    return _timed_init(rank, world, store, INIT_TIMEOUT_S)
+    built = _count_groups_built()
+    return timed_init(rank, world, store, INIT_TIMEOUT_S) | {"built": built[0]}
 
 
-def _timed_init(rank: int, world: int, store: Any, timeout_s: float) -> dict[str, Any]:
-    """init_process_group("fairring"): its error (None if it started) and its time."""
-    t0 = time.monotonic()
-    try:
-        dist.init_process_group(
-            "fairring",
-            store=store,
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=timeout_s),
-        )
-    except Exception as exc:  # noqa: BLE001 - the message is the result
-        return {"error": f"{type(exc).__name__}: {exc}", "took": time.monotonic() - t0}
-    dist.destroy_process_group()
-    return {"error": None, "took": time.monotonic() - t0}
+def _count_groups_built() -> list[int]:
+    """How many Gloo groups this rank began to build (a list to read after init)."""
+    import fairring_pg.process_groups as process_groups
+
+    built = [0]
+    real = process_groups.gloo_group
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        built[0] += 1
+        return real(*args, **kwargs)
+
+    process_groups.gloo_group = counted
+    return built
 
 
 def _verdicts(late: bool, planted: bool) -> list[str]:
@@ -79,6 +79,9 @@ def _verdicts(late: bool, planted: bool) -> list[str]:
             problems.append(f"rank {o.rank}: the error does not say rank {FAILING}'s: {error}")
         elif took > BOUND_S:
             problems.append(f"rank {o.rank}: raised after {took:.1f} s")
+        if o.value["built"]:
+            # Torn down again: its peers could meet a closed connection before the reason.
+            problems.append(f"rank {o.rank}: began to build a group before every rank passed")
     return problems
 
 
@@ -116,7 +119,7 @@ def _lost_while_connecting(
     if planted:
         # The bug: Gloo's own error, which names a store key and not the rank.
         process_groups._who_is_missing = lambda *args: "some rank is missing"
-    return _timed_init(rank, world, store, GLOO_TIMEOUT_S)
+    return timed_init(rank, world, store, GLOO_TIMEOUT_S)
 
 
 def _lost_verdicts(when: str, planted: bool) -> list[str]:

@@ -41,6 +41,7 @@ CpuAllreduce::CpuAllreduce(
     c10::intrusive_ptr<c10d::Store> store)
     : rank_(rank), engine_(engine), callbackOptions_([&] {
         callbackOptions.timelinePath = callbackTimelinePath(callbackOptions.timelinePath);
+        callbackOptions.startTimeout = {}; // it starts later, with the whole timeout
         return std::move(callbackOptions);
       }()),
       store_(std::move(store)),

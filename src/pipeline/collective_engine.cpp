@@ -39,7 +39,9 @@ CollectiveEngine::CollectiveEngine(RankLayout layout, EngineOptions options)
   }
   mesh_ = std::make_unique<PeerMesh>(
       layout_,
-      PeerMesh::Options{options_.listenAddress, options_.token, options_.timeout, options_.railCongestion},
+      PeerMesh::Options{
+          options_.listenAddress, options_.token,
+          options_.startTimeout.count() > 0 ? options_.startTimeout : options_.timeout, options_.railCongestion},
       [this](int peer, Track track, Status status, std::string header, size_t bytes) {
         onMessage(peer, track, std::move(status), std::move(header), bytes);
       });

@@ -45,6 +45,8 @@ struct EngineOptions {
   size_t slotBytes{0}; // one staging slot (fairring_pg.sizing.staging_slot_bytes)
   size_t totalMemory{0};
   std::chrono::milliseconds timeout{0};
+  // What is left of the group's start for connecting to the peers (0: the timeout).
+  std::chrono::milliseconds startTimeout{0};
   std::string listenAddress;
   std::string token;
   std::string timelinePath; // empty: no timeline

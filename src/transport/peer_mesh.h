@@ -37,7 +37,7 @@ class PeerMesh {
   struct Options {
     std::string listenAddress; // IP to bind the rail listener to
     std::string token; // secret shared through the rendezvous store
-    std::chrono::milliseconds timeout;
+    std::chrono::milliseconds startTimeout; // start() connects every peer within it
     // The TCP congestion control of the rail sockets a rank sends to several
     // machines on, in turn (empty: the system's); see connect().
     std::string railCongestion;

@@ -41,7 +41,7 @@ Status PeerMesh::start(c10d::Store& store, GiveUp giveUp) {
         "fairring: the job token must be " + std::to_string(Hello::kTokenBytes) + " characters, got " +
         std::to_string(options_.token.size()));
   }
-  const auto deadline = Clock::now() + options_.timeout;
+  const auto deadline = Clock::now() + options_.startTimeout;
   const std::vector<int> peers = layout_.peers();
   if (peers.empty()) {
     return Status();
@@ -135,7 +135,7 @@ Status PeerMesh::awaitPeers(const std::string& me, const std::vector<int>& peers
     }
     if (Clock::now() >= deadline) {
       return Status::error(
-          "fairring: " + me + " timed out after " + std::to_string(options_.timeout.count()) + " ms waiting for " +
+          "fairring: " + me + " timed out after " + std::to_string(options_.startTimeout.count()) + " ms waiting for " +
           missing() + " to connect");
     }
   }
@@ -196,7 +196,7 @@ Status PeerMesh::connectAll(c10d::Store& store, const std::vector<int>& peers, C
     if (Clock::now() >= deadline) {
       return Status::error(
           "fairring: " + layout_.describe(layout_.rank()) + " timed out after " +
-          std::to_string(options_.timeout.count()) + " ms connecting to its peers: " + named);
+          std::to_string(options_.startTimeout.count()) + " ms connecting to its peers: " + named);
     }
     if (!progressed) {
       std::this_thread::sleep_for(kStorePoll);
@@ -350,7 +350,7 @@ Status PeerMesh::hello(
         return Status::error(*why);
       }
       return failure(
-          "connecting to", peer, "no answer to its hello within " + std::to_string(options_.timeout.count()) + " ms");
+          "connecting to", peer, "no answer to its hello within " + std::to_string(options_.startTimeout.count()) + " ms");
     }
     uint8_t raw[HelloReply::kBytes];
     if (Status s = readFull(socket, raw, sizeof(raw)); !s.ok()) {
