@@ -25,6 +25,7 @@ from fairring_pg.startup import (
     PeersNamed,
     connect_watched,
     settle_until,
+    time_left,
 )
 
 # make(prefix, rank in the group, group size, global ranks, name) -> a c10d Backend
@@ -67,9 +68,13 @@ def gloo_group(
     members = list(range(size)) if members is None else members
     store.set(f"{_CAME}/{rank}", "1")
     own = _own_connection(store)
+    # Gloo's connect ends with the start (startup.one_deadline), before the watch gives
+    # up on it: a connect still running when the process exits aborts it (its thread
+    # comes back into a finalized interpreter). Its collectives then get the timeout.
+    connect_timeout = time_left(timeout)
     try:
         group = connect_watched(
-            lambda: _gloo_group(own, rank, size, timeout, config, global_ranks, name),
+            lambda: _gloo_group(own, rank, size, connect_timeout, config, global_ranks, name),
             group_store,
             timeout,
             f"connecting Gloo's group {name!r}",
@@ -93,6 +98,7 @@ def gloo_group(
             f"{exc}"
         ) from exc
     store.set(f"{_ENDED}/{rank}", "connected")
+    group._set_default_timeout(timeout)
     return group
 
 

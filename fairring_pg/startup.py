@@ -158,7 +158,7 @@ def connect_watched(make: Callable[[], T], store: Any, timeout: timedelta, what:
     """``make()`` (a blocking connect, e.g. a ProcessGroupGloo) on a thread of its own,
     waited for until it ends, another rank publishes a failure (raised at once, naming
     it) or ``timeout`` + CONNECT_GRACE_S passes (ConnectGivenUp). A connect given up on
-    ends on its own thread later and is dropped."""
+    ends on its own thread later and is dropped; the process's exit waits for it."""
     ended = threading.Event()
     result: dict[str, Any] = {}
 
@@ -170,7 +170,10 @@ def connect_watched(make: Callable[[], T], store: Any, timeout: timedelta, what:
         finally:
             ended.set()
 
-    threading.Thread(target=run, name="fairring-connect", daemon=True).start()
+    # Not a daemon: the interpreter's exit waits for a connect given up on (it ends with
+    # the start, process_groups.gloo_group) rather than finalizing under it, which aborts
+    # the process when the connect's thread comes back into Python.
+    threading.Thread(target=run, name="fairring-connect", daemon=False).start()
     deadline = deadline_after(timeout) + CONNECT_GRACE_S
     while not ended.wait(_POLL_S):
         if (why := published_failure(store)) is not None:

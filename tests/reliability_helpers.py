@@ -353,11 +353,15 @@ def second_backend(store: Any, claimed_rank: int, token: str, timeout_s: float =
     return "admitted"
 
 
-def timed_init(rank: int, world: int, store: Any, timeout_s: float) -> dict[str, Any]:
-    """init_process_group("fairring"): its error (None if it started) and its time."""
+def timed_init(
+    rank: int, world: int, store: Any, timeout_s: float, since: dict[str, float] | None = None
+) -> dict[str, Any]:
+    """init_process_group("fairring"): its error (None if it started) and its time, from
+    the call or, where the test recorded it, from ``since["at"]`` (time.monotonic())."""
     import torch.distributed as dist
 
     t0 = time.monotonic()
+    error = None
     try:
         dist.init_process_group(
             "fairring",
@@ -367,6 +371,8 @@ def timed_init(rank: int, world: int, store: Any, timeout_s: float) -> dict[str,
             timeout=timedelta(seconds=timeout_s),
         )
     except Exception as exc:  # noqa: BLE001 - the message is the result
-        return {"error": f"{type(exc).__name__}: {exc}", "took": time.monotonic() - t0}
-    dist.destroy_process_group()
-    return {"error": None, "took": time.monotonic() - t0}
+        error = f"{type(exc).__name__}: {exc}"
+    took = time.monotonic() - (since or {}).get("at", t0)
+    if error is None:
+        dist.destroy_process_group()
+    return {"error": error, "took": took}

@@ -29,9 +29,8 @@ from typing import Any
 
 import pytest
 import stream_mutants
-import torch.distributed as dist
 from multiprocess import SHAPES
-from reliability_helpers import run_bare
+from reliability_helpers import run_bare, timed_init
 
 SHAPE = SHAPES["2x2"]
 AT_FAULT = {"gloo_held": 1, "core_fails": 3, "core_fails_late": 0, "core_held": 0}
@@ -163,21 +162,7 @@ def _start(rank: int, world: int, store: Any, case: str, planted: bool) -> dict[
         _plant(case)
     if timeout_s is None:
         timeout_s = SHORT_TIMEOUT_S if case in ("gloo_held", "core_held") else LONG_TIMEOUT_S
-    began = _time_from_the_verdict()
-    t0 = time.monotonic()
-    try:
-        dist.init_process_group(
-            "fairring",
-            store=store,
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=timeout_s),
-        )
-    except Exception as exc:  # noqa: BLE001 - the message is the result
-        took = time.monotonic() - began.get("at", t0)
-        return {"error": f"{type(exc).__name__}: {exc}", "took": took}
-    dist.destroy_process_group()
-    return {"error": None, "took": time.monotonic() - began.get("at", t0)}
+    return timed_init(rank, world, store, timeout_s, since=_time_from_the_verdict())
 
 
 def _problems(case: str, planted: bool) -> list[str]:

@@ -10,8 +10,8 @@ beside a load: 4.2 s after the kill, bound 4 s).
 
 Forced here on a 2 x 1 job: rank 1 passes its checks LATE_S after rank 0, then dies as
 its Gloo group begins to connect, or as its core begins to connect. Rank 0 must raise,
-naming rank 1, within the timeout + 1 s of its init call. Planted: every stage with its
-own timeout, where rank 0 raises ~LATE_S later.
+naming rank 1, within the timeout + 1 s of its start's clock (from its core loaded).
+Planted: every stage with its own timeout, where rank 0 raises ~LATE_S later.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import contextlib
 import os
 import signal
 import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -51,7 +52,23 @@ def _start(rank: int, world: int, store: Any, stage: str, planted: bool) -> dict
     if planted:
         # The bug: each stage waits its own timeout from when this rank reached it.
         backend.one_deadline = lambda timeout: contextlib.nullcontext()
-    return timed_init(rank, world, store, TIMEOUT_S)
+    return timed_init(rank, world, store, TIMEOUT_S, since=_time_from_the_core_loaded())
+
+
+def _time_from_the_core_loaded() -> dict[str, float]:
+    """When the start's clock starts (its core loaded): loading it, a second or more on a
+    loaded host, is not part of the bound (README: within the timeout + 1 s of it)."""
+    import fairring_pg.backend as backend
+
+    began: dict[str, float] = {}
+    deadline = backend.one_deadline
+
+    def timed(timeout: timedelta) -> Any:
+        began["at"] = time.monotonic()
+        return deadline(timeout)
+
+    backend.one_deadline = timed
+    return began
 
 
 def _problems(stage: str, planted: bool) -> list[str]:
