@@ -15,11 +15,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import mpi_allreduce  # noqa: E402
-import report  # noqa: E402
+import mpi_allreduce
+import report
 
-import common  # noqa: E402
+import common
 
 DEFAULT_SIZES = "4K,64K,256K,1M,4M,16M,25M,64M,100M,256M"
 SMALL_RUN_BYTES = 4 * common.MIB  # small sizes repeat until an iteration moves this much

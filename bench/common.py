@@ -2,7 +2,7 @@
 
 A benchmark script runs twice over: as the *driver* (what the user starts), which
 launches the ranks on simulated machines (loopback, or the namespace cluster of
-scripts/netns_cluster.py), and as a *worker* (one per rank, `--role worker`), which
+fairring_pg/tools/netns_cluster.py), and as a *worker* (one per rank, `--role worker`), which
 measures fairring and Gloo side by side in the same processes and leaves its raw
 figures in a JSON file for the driver.
 """
@@ -25,6 +25,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from fairring_pg.tools import netns_cluster
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"  # the committed results, which the README quotes
 TMP = RESULTS / "tmp"  # ignored by git
@@ -34,8 +36,6 @@ DEFAULT_OUT = TMP
 RAW = TMP / "raw"  # what rank 0 of a launch leaves for the driver
 KIB = 1024
 MIB = 1024 * KIB
-sys.path.insert(0, str(REPO / "scripts"))
-import netns_cluster  # noqa: E402
 
 # --- sizes and bandwidths ----------------------------------------------------------
 

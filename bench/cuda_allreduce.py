@@ -46,8 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cuda_allreduce_report import (  # noqa: E402
+from cuda_allreduce_report import (
     IN_FLIGHT,
     IN_FLIGHT_SIZE,
     PROFILED_SIZE,
@@ -56,7 +55,7 @@ from cuda_allreduce_report import (  # noqa: E402
     verdicts,
 )
 
-import common  # noqa: E402
+import common
 
 SMALL_RUN_BYTES = 4 * common.MIB
 PATHS = ("auto", "lanes", "direct", "measured")

@@ -19,8 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+import common
 
 BENCHMARK = "delegated_calls"
 CALLS = ("broadcast", "gather", "all_to_all")

@@ -21,10 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import report  # noqa: E402
+import report
 
-import common  # noqa: E402
+import common
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

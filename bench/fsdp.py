@@ -18,10 +18,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import report  # noqa: E402
+import report
 
-import common  # noqa: E402
+import common
 
 DEFAULT_SIZES = "64K,25M,100M"
 SMALL_RUN_BYTES = 4 * common.MIB

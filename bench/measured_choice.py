@@ -21,11 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import allreduce_sizes  # noqa: E402
-import report  # noqa: E402
+import allreduce_sizes
+import report
 
-import common  # noqa: E402
+import common
 
 DEFAULT_SIZES = "64K,256K,1M,4M,25M,100M"  # one class each
 TARGET = 0.97

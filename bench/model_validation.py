@@ -4,7 +4,7 @@
     python bench/model_validation.py --rates 1gbit --shapes 2x2 --cases 1M,25M
 
 For each link rate and M x L shape, the ranks run on namespace hosts with tc-shaped
-links (scripts/netns_cluster.py) and time fairring and Gloo in the same processes
+links (fairring_pg/tools/netns_cluster.py) and time fairring and Gloo in the same processes
 (bench/common.py): one allreduce of 64 KiB, 256 KiB, 1, 25 and 100 MiB, and a burst of
 16 x 25 MiB issued at once, each only where fairring's engine runs it: with one rank per
 machine FAIRRING_CPU_ALLREDUCE=auto hands allreduces from 1 MiB to Gloo's ring, and
@@ -32,13 +32,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-
-sys.path.insert(0, str(common.REPO))
-from fairring_pg.config import Config  # noqa: E402
-from fairring_pg.model import calibration  # noqa: E402
-from fairring_pg.model.cpu import CpuCluster, predict_cpu  # noqa: E402
+import common
+from fairring_pg.config import Config
+from fairring_pg.model import calibration
+from fairring_pg.model.cpu import CpuCluster, predict_cpu
 
 TOLERANCE = 0.15
 DEFAULT_CASES = "1M,25M,100M,16x25M"
@@ -220,7 +217,7 @@ def counted(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def tbf_burst() -> int:
     """The bytes tc's token bucket lets through a namespace host's link unshaped
-    (scripts/netns_cluster.py), which the model knows nothing of."""
+    (fairring_pg/tools/netns_cluster.py), which the model knows nothing of."""
     args = common.netns_cluster._tbf_args("1gbit")
     return common.parse_size(args[args.index("burst") + 1])
 

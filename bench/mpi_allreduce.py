@@ -147,7 +147,6 @@ def main(argv: list[str]) -> int:
     if args.role == "worker":
         worker(args)
         return 0
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import common
 
     machines, ranks = common.parse_shape(args.shape)

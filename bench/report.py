@@ -21,10 +21,9 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")  # files only; no display on the benchmark machines
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+import common
 
 Series = Mapping[str, tuple[Sequence[float], Sequence[float]]]
 

@@ -23,10 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import report  # noqa: E402
+import report
 
-import common  # noqa: E402
+import common
 
 BENCH = Path(__file__).resolve().parent
 LINK_RATE = "1gbit"
@@ -74,7 +73,7 @@ STEPS: list[tuple[str, list[str], bool]] = [  # (script, arguments, needs the ne
 
 
 def run_all(skip_netns: bool, out: Path) -> tuple[dict[str, float], list[str]]:
-    from netns_cluster import unavailable_reason
+    from fairring_pg.tools.netns_cluster import unavailable_reason
 
     reason = unavailable_reason()
     durations = {}

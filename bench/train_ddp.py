@@ -14,7 +14,6 @@ import contextlib
 import gc
 import json
 import os
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -26,8 +25,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 # Run as a plain script by torchrun, so the sibling module is not on the path by default.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from transformer import (  # noqa: E402
+from transformer import (
     ModelConfig,
     SyntheticCorpus,
     bucket_kwargs,

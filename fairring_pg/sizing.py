@@ -25,7 +25,7 @@ MIN_SHARD_BYTES = 1 * MIB
 CPU_RING_FROM = 1 * MIB
 # Every piece, chunk and shard of the sub-group path starts a multiple of this many bytes
 # into the tensor: NCCL's kernels take their fast path on 16-byte aligned buffers
-# (src/subgroups/call_plan.h).
+# (src/subgroups/call_cut.h).
 PIECE_ALIGNMENT = 16
 
 

@@ -53,9 +53,7 @@ fi
 
 if [[ "$link" != loopback ]]; then
     if ! why=$(python -c "
-import sys
-sys.path.insert(0, 'scripts')
-import netns_cluster
+from fairring_pg.tools import netns_cluster
 print(netns_cluster.unavailable_reason() or '')"); then
         exit 1
     fi

@@ -15,7 +15,7 @@
 #include "cpu/ring_reaper.h"
 #include "pipeline/collective_engine.h"
 #include "subgroups/subgroup_allreduce.h"
-#include "subgroups/call_plan.h"
+#include "subgroups/call_cut.h"
 
 namespace py = pybind11;
 using fairring::BackendOptions;
@@ -224,8 +224,8 @@ void bindBackend(py::module_& m) {
                 py::arg("direct_units") = s.directUnits, py::arg("sliced_units") = s.slicedUnits,
                 py::arg("ordering_waits") = s.orderingWaits,
                 py::arg("unordered_in_capture") = s.unorderedInCapture, py::arg("events_created") = s.eventsCreated,
-                py::arg("shutdown") = s.shutdown, py::arg("aborted_groups") = s.abortedGroups,
-                py::arg("timeout_aborts") = s.timeoutAborts);
+                py::arg("shutdown") = s.closed.shutdown, py::arg("aborted_groups") = s.closed.abortedGroups,
+                py::arg("timeout_aborts") = s.closed.timeoutAborts);
           },
           py::arg("device"),
           "What the sub-group allreduce of `device` ('cpu': the test path, 'cuda') has done, or None "

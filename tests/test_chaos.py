@@ -7,10 +7,8 @@ happens. `python scripts/chaos.py --jobs 500` is the by-hand form."""
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,8 +22,6 @@ from chaos_plan import (
     draw_job,
 )
 from chaos_verdict import KILL_S, judge
-
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 # ------------------------------------------------------------ made-up outcomes
 # (tests/chaos_outcomes.py)
@@ -216,13 +212,9 @@ def test_the_ci_seeds_cover_every_fault_and_shape() -> None:
 
 
 def _chaos() -> Any:
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import chaos
+    import chaos_jobs
 
-        return chaos
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    return chaos_jobs
 
 
 # 2 x 2 freezes, where the first rank to time out may wait for a live rank, which waits

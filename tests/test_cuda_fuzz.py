@@ -11,18 +11,10 @@ About 10 s a seed on 2 cores.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import cuda_fuzz_jobs as cuda_fuzz
+import cuda_fuzz_programs as programs
 import pytest
-
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-if str(SCRIPTS) not in sys.path:
-    sys.path.insert(0, str(SCRIPTS))
-
-import cuda_fuzz  # noqa: E402 - lives in scripts/
-import cuda_fuzz_programs as programs  # noqa: E402
-import stream_vehicle  # noqa: E402
+import stream_vehicle
 
 SHAPES = ("1x2", "2x2", "3x1", "2x3")
 # (seed, shape, mode): shapes cycle, modes cycle shifted each round, so every pair occurs.

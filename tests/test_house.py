@@ -1,10 +1,12 @@
 """The house rules, checked on the checkout: no source file over 600 lines, no function
 over 80 (Python and C++), no import circle inside fairring_pg, no circle among the C++
-core's folders (each folder one concept, lower ones knowing nothing of higher ones).
+core's folders (each folder one concept, lower ones knowing nothing of higher ones), and
+scripts/ holding commands only: nothing imports them (what a command shares lives in the
+package or in tests/).
 
 Each rule is a pure function over file contents (``long_files``, ``long_python_functions``,
-``long_cpp_functions``, ``import_cycles``, ``cpp_folder_cycles``), so that the tests below
-can also show each one catching a planted violation.
+``long_cpp_functions``, ``import_cycles``, ``cpp_folder_cycles``, ``imports_of_commands``),
+so that the tests below can also show each one catching a planted violation.
 """
 
 from __future__ import annotations
@@ -218,6 +220,30 @@ def cpp_folder_cycles(texts: Mapping[str, str]) -> list[set[str]]:
     return _strongly_connected(cpp_folder_graph(texts))
 
 
+_SCRIPTS_ON_PATH = re.compile(r"sys\.path\.(insert|append)\(.*[\"']scripts[\"']")
+
+
+def imports_of_commands(texts: Mapping[str, str], commands: Iterable[str]) -> list[str]:
+    """'name: import X' for each import of a module named like one of ``commands`` (the
+    stems of scripts/*.py), and 'name:line: sys.path' for each line that puts a folder
+    named scripts on sys.path."""
+    names = set(commands)
+    found = []
+    for name, text in texts.items():
+        for node in ast.walk(ast.parse(text, name)):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules = [node.module]
+            else:
+                continue
+            found += [f"{name}: import {m}" for m in modules if m.split(".")[0] in names]
+        for number, line in enumerate(text.splitlines(), 1):
+            if _SCRIPTS_ON_PATH.search(line):
+                found.append(f"{name}:{number}: sys.path")
+    return found
+
+
 def package_modules(package: Path) -> dict[str, tuple[str, bool]]:
     return {
         _module_name(path, package): (path.read_text(), path.name == "__init__.py")
@@ -256,7 +282,28 @@ def test_the_cpp_folders_have_no_circle() -> None:
     assert cpp_folder_cycles(_texts(cpp)) == []
 
 
+def test_nothing_imports_a_command() -> None:
+    commands = [p.stem for p in (ROOT / "scripts").glob("*.py")]
+    assert {"chaos", "soak", "netns_cluster"} <= set(commands)
+    python = [p for p in source_files() if p.suffix == ".py"]
+    assert imports_of_commands(_texts(python), commands) == []
+
+
 # ------------------------------------------------------- each rule catches its case
+
+
+def test_a_planted_import_of_a_command_is_caught() -> None:
+    folder = "scripts"  # not in this file's own line, which the checkout's rule reads
+    texts = {
+        "ok.py": "from fairring_pg.tools import netns_cluster\nimport chaos_jobs\n",
+        "bad.py": f"import sys\nsys.path.insert(0, str(ROOT / {folder!r}))\nimport chaos\n",
+        "from.py": "from netns_cluster import running_cluster\n",
+    }
+    assert imports_of_commands(texts, ["chaos", "netns_cluster"]) == [
+        "bad.py: import chaos",
+        "bad.py:2: sys.path",
+        "from.py: import netns_cluster",
+    ]
 
 
 def test_a_planted_long_file_is_caught() -> None:

@@ -173,8 +173,8 @@ def test_schedule_is_never_below_the_bound() -> None:
 # --- CPU: fairring's engine and Gloo's ring -----------------------------------------
 
 
-def test_segment_size_follows_slice_plan() -> None:
-    # SlicePlan::fitSegment: L chunks, rounded down to a multiple of L*M elements
+def test_segment_size_follows_slice_cuts() -> None:
+    # SliceCuts::fitSegment: L chunks, rounded down to a multiple of L*M elements
     assert segment_size(6553600, 262144, 2, 2) == 524288
     assert segment_size(6553600, 262144, 3, 2) == 786432
     assert segment_size(6553600, 262144, 3, 5) == 786420  # 262144 * 3 // 15 * 15

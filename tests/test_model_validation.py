@@ -78,7 +78,7 @@ def test_compose_margin_is_above_the_models_measured_error() -> None:
 
 
 def test_comparable_rows_pass_the_shaper_and_run_the_engine() -> None:
-    # tc's burst, read from scripts/netns_cluster.py, is what decides: 4 x 1 sends 3/4
+    # tc's burst, read from fairring_pg/tools/netns_cluster.py, is what decides: 4 x 1 sends 3/4
     # of 256 KiB per hop, under it; 2 x 2 sends half of 1 MiB, over it.
     validation = _validation()
     assert validation.tbf_burst() == 256 << 10

@@ -1,4 +1,4 @@
-"""scripts/netns_cluster.py: two namespace hosts, their launch environment, isolation,
+"""fairring_pg/tools/netns_cluster.py: two namespace hosts, their launch environment, isolation,
 and nothing left behind. Needs root and iproute2; skips cleanly without them."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "netns_cluster.py"
-sys.path.insert(0, str(SCRIPT.parent))
-import netns_cluster  # noqa: E402
+from fairring_pg.tools import netns_cluster
+
+SCRIPT = Path(netns_cluster.__file__)  # runs as a file of its own too (stdlib only)
 
 pytestmark = pytest.mark.skipif(
     netns_cluster.unavailable_reason() is not None,

@@ -7,16 +7,8 @@ The full form (10,000 allreduces) is ``python scripts/soak.py``.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-if str(SCRIPTS) not in sys.path:
-    sys.path.insert(0, str(SCRIPTS))
-
-import soak  # noqa: E402 - lives in scripts/
+import soak_jobs as soak
 
 SHORT_OPS = 2500  # 10-25 s on 2 cores, depending on load
 

@@ -245,8 +245,8 @@ def test_a_plan_of_nccl_makes_every_allreduce_one_direct_unit(core: Any, numel: 
     # 4 machines x 1 rank, 4 KiB pieces: composed if the plan says so, from one group of
     # 16 bytes per rank (4 float32 each: 16 elements).
     nccl = [(0, "nccl", 0, "")]
-    assert core.plan_call(numel, 4, nccl, 4096, 1, 4) == (0, [(0, numel, True)])
-    row, units = core.plan_call(numel, 4, [(0, "compose", 1, "alltoall")], 4096, 1, 4)
+    assert core.cut_call(numel, 4, nccl, 4096, 1, 4) == (0, [(0, numel, True)])
+    row, units = core.cut_call(numel, 4, [(0, "compose", 1, "alltoall")], 4096, 1, 4)
     assert row == 0 and sum(size for _, size, _ in units) == numel
     assert any(not direct for _, _, direct in units) == (numel >= 16)
 
@@ -261,4 +261,4 @@ def test_a_plan_of_nccl_makes_every_allreduce_one_direct_unit(core: Any, numel: 
 )
 def test_a_bad_plan_row_is_refused_naming_it(core: Any, rows: Any, error: str) -> None:
     with pytest.raises(RuntimeError, match=error):
-        core.plan_call(100, 4, rows, 4096, 2, 2)
+        core.cut_call(100, 4, rows, 4096, 2, 2)

@@ -107,7 +107,7 @@ ELEM_SIZE.update(bfloat16=2, int8=1, uint8=1, bool=1)  # int16 travels as int32
 
 def composes(case: Case, local: int, machines: int) -> bool:
     """Whether the composition takes this case's call: a dtype and op it reduces, and for
-    a plain tensor at least one group of L·M x 16 bytes (src/subgroups/call_plan.h);
+    a plain tensor at least one group of L·M x 16 bytes (src/subgroups/call_cut.h);
     the other kinds are sized to compose (the job checks each did)."""
     refused = case.kind in ("avg_error", "unsupported", "complex_sum")
     if refused or case.dtype not in COMPOSED_DTYPES:

@@ -14,7 +14,6 @@ Measurements are timing runs: on a shared host, take them while nothing else run
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import platform
@@ -26,7 +25,6 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 CACHE_VERSION = 1
@@ -228,34 +226,12 @@ def measure_loopback(pings: int = _PINGS, nbytes: int = _STREAM_BYTES) -> tuple[
     return statistics.median(trips) / 2, (sender + receiver) / sent
 
 
-def netns_helpers() -> ModuleType | None:
-    """scripts/netns_cluster.py of a source checkout (it is not installed with the
-    package), or None."""
-    path = Path(__file__).resolve().parents[2] / "scripts" / "netns_cluster.py"
-    if not path.exists():
-        return None
-    name = "_fairring_netns_cluster"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def measure_link_efficiency(rate: str) -> float:
     """Payload bytes/s of one TCP stream between two namespace hosts whose links are
     shaped to ``rate`` (tc tbf), divided by the rate."""
     from fairring_pg.model.units import parse_rate
+    from fairring_pg.tools import netns_cluster as netns
 
-    netns = netns_helpers()
-    if netns is None:
-        raise RuntimeError(
-            f"cannot measure a {rate} link: scripts/netns_cluster.py is not here (a source "
-            "checkout has it)"
-        )
     if reason := netns.unavailable_reason():
         raise RuntimeError(f"cannot measure a {rate} link: {reason}")
     nominal = parse_rate("--link", rate)

@@ -107,7 +107,7 @@ def cut_pieces(
     numel: int, elem_size: int, pieces: int, largest_piece: int, L: int, M: int
 ) -> list[Unit]:
     """How a composed call is cut, the same on every rank (the C++ applies this rule:
-    src/subgroups/call_plan.h). The call's whole groups (group_elements) go into
+    src/subgroups/call_cut.h). The call's whole groups (group_elements) go into
     P = min(groups, max(pieces, ceil(groups / G))) pieces, G the groups that fit in
     ``largest_piece`` bytes (0: no limit), as even as can be (the first ``groups mod P`` one group
     longer); the fewer than a group's elements left over are one direct unit."""

@@ -2,7 +2,7 @@
 
 Both are modelled on M machines of L ranks, each machine with one link of a given rate
 per direction (tc-shaped in the netns cluster), or none (loopback): the model is
-validated against the namespace cluster of scripts/netns_cluster.py, where every
+validated against the namespace cluster of fairring_pg/tools/netns_cluster.py, where every
 simulated machine shares this host's cores, and that is the default here.
 
 fairring, per pipeline chunk ("segment") of a slice, on one rank (m, l):
@@ -173,7 +173,7 @@ def fairring_time(
 
 def segment_size(slice_elems: int, chunk_elems: int, L: int, M: int) -> int:
     """Elements of a pipeline chunk: L chunks of FAIRRING_PIPELINE_CHUNK rounded down to a
-    multiple of L·M, the whole slice with one machine (SlicePlan::fitSegment)."""
+    multiple of L·M, the whole slice with one machine (SliceCuts::fitSegment)."""
     if M == 1:
         return slice_elems
     unit = L * M

@@ -10,7 +10,7 @@ for a call whose reduced buffer has ``b`` bytes (numel x the element size it red
 in: int16 travels as int32), applies the last row with ``from_bytes <= b``: ``nccl``,
 one NCCL allreduce on the world group; ``compose``, at least ``pieces`` pieces (none
 larger than the plan's ``largest_piece``) through the steps of
-fairring_pg.model.composition with that rail ``exchange`` (src/subgroups/call_plan.h
+fairring_pg.model.composition with that rail ``exchange`` (src/subgroups/call_cut.h
 applies the same rule); ``measure`` (``auto`` only), a size class of the measured choice
 (src/measured/): its first calls run both ways, NCCL's allreduce and that composition,
 timed, until every rank runs the faster. Every rank uses the same table (rank 0

@@ -1,7 +1,7 @@
 """Sizes, link rates and bandwidths as users write them.
 
 Sizes take the K/M/G suffixes (powers of 1024) of the ``FAIRRING_*`` variables, through
-the same parser. Rates take ``tc``'s notation, as ``scripts/netns_cluster.py --rate``
+the same parser. Rates take ``tc``'s notation, as ``fairring-netns-cluster --rate``
 does (``1gbit``, ``300mbit``; ``bps`` is *bytes* per second there), and bandwidths may
 also be written ``370GB/s`` or ``25Gbit/s``. Everything is returned in bytes or bytes/s.
 """

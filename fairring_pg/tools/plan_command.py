@@ -6,7 +6,7 @@
     fairring-plan --size 25M --in-flight 4 --plot speedup.png
 
 CPU tensors: predicted for machines simulated on this host (the netns cluster of
-scripts/netns_cluster.py, against which the model is validated), from this machine's
+fairring_pg/tools/netns_cluster.py, against which the model is validated), from this machine's
 measured primitives (measured on first use and cached). GPU clusters: a table over 1 to
 128 machines of fairring, NCCL's ring and tree, and the predicted speedup. fairring's
 own FAIRRING_* variables are read from the environment, as the backend reads them.

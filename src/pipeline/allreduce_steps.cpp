@@ -50,7 +50,7 @@ class AllreduceSteps final : public KindSteps {
   void open(Turn& t) const override {
     for (int k = 1; k < L; ++k) {
       const int j = (l + k) % L;
-      sendRange(t, layout_.rankOf(m, j), Route::kWithinMachine, t.op.plan.chunk(t.slice.index, t.seg.index, j));
+      sendRange(t, layout_.rankOf(m, j), Route::kWithinMachine, t.op.cuts.chunk(t.slice.index, t.seg.index, j));
     }
   }
 
@@ -68,25 +68,25 @@ class AllreduceSteps final : public KindSteps {
   }
 
   std::optional<Landing> landing(const Turn& t, Route route, int from, int piece) const override {
-    const SlicePlan& plan = t.op.plan;
+    const SliceCuts& cuts = t.op.cuts;
     const int64_t s = t.slice.index;
     const int g = t.seg.index;
     const int64_t elem = static_cast<int64_t>(t.op.elemSize);
     switch (route) {
       case Route::kWithinMachine: {
-        const int64_t at = (from < l ? from : from - 1) * chunkBytes(t.op) + plan.chunkOffset(g) * elem;
-        return Landing{plan.chunk(s, g, l), t.slice.staging + at};
+        const int64_t at = (from < l ? from : from - 1) * chunkBytes(t.op) + cuts.chunkOffset(g) * elem;
+        return Landing{cuts.chunk(s, g, l), t.slice.staging + at};
       }
       case Route::kAlongRail: {
-        const int64_t at = shardsAt(t.op) + (from < m ? from : from - 1) * shardBytes(t.op) + plan.shardOffset(g) * elem;
-        return Landing{plan.shard(s, g, l, m), t.slice.staging + at};
+        const int64_t at = shardsAt(t.op) + (from < m ? from : from - 1) * shardBytes(t.op) + cuts.shardOffset(g) * elem;
+        return Landing{cuts.shard(s, g, l, m), t.slice.staging + at};
       }
       case Route::kAlongRailBack: {
-        const Range range = plan.shard(s, g, l, from);
+        const Range range = cuts.shard(s, g, l, from);
         return Landing{range, t.op.at(range)};
       }
       case Route::kWithinMachineBack: {
-        const Range range = plan.chunk(s, g, from);
+        const Range range = cuts.chunk(s, g, from);
         return Landing{range, t.op.at(range)};
       }
     }
@@ -119,10 +119,10 @@ class AllreduceSteps final : public KindSteps {
   // The staging slot: the L-1 local copies of my chunk of every segment,
   // then the M-1 copies of my shard of every segment.
   static int64_t chunkBytes(const Operation& op) {
-    return op.plan.maxChunkElems() * static_cast<int64_t>(op.elemSize);
+    return op.cuts.maxChunkElems() * static_cast<int64_t>(op.elemSize);
   }
   static int64_t shardBytes(const Operation& op) {
-    return op.plan.maxShardElems() * static_cast<int64_t>(op.elemSize);
+    return op.cuts.maxShardElems() * static_cast<int64_t>(op.elemSize);
   }
   int64_t shardsAt(const Operation& op) const {
     return (L - 1) * chunkBytes(op);
@@ -137,8 +137,8 @@ class AllreduceSteps final : public KindSteps {
     }
     const int64_t elem = static_cast<int64_t>(t.op.elemSize);
     reduceStaged(
-        t, t.op.plan.chunk(t.slice.index, t.seg.index, l),
-        t.slice.staging + t.op.plan.chunkOffset(t.seg.index) * elem, chunkBytes(t.op), L - 1, false);
+        t, t.op.cuts.chunk(t.slice.index, t.seg.index, l),
+        t.slice.staging + t.op.cuts.chunkOffset(t.seg.index) * elem, chunkBytes(t.op), L - 1, false);
     return Next::kReducing;
   }
 
@@ -146,7 +146,7 @@ class AllreduceSteps final : public KindSteps {
     for (int k = 1; k < M; ++k) {
       const int to = (m + k) % M;
       sendRange(
-          t, layout_.rankOf(to, l), Route::kAlongRail, t.op.plan.shard(t.slice.index, t.seg.index, l, to));
+          t, layout_.rankOf(to, l), Route::kAlongRail, t.op.cuts.shard(t.slice.index, t.seg.index, l, to));
     }
     return Next::kDone;
   }
@@ -157,8 +157,8 @@ class AllreduceSteps final : public KindSteps {
     }
     const int64_t elem = static_cast<int64_t>(t.op.elemSize);
     reduceStaged(
-        t, t.op.plan.shard(t.slice.index, t.seg.index, l, m),
-        t.slice.staging + shardsAt(t.op) + t.op.plan.shardOffset(t.seg.index) * elem, shardBytes(t.op), M - 1,
+        t, t.op.cuts.shard(t.slice.index, t.seg.index, l, m),
+        t.slice.staging + shardsAt(t.op) + t.op.cuts.shardOffset(t.seg.index) * elem, shardBytes(t.op), M - 1,
         true);
     return Next::kReducing;
   }
@@ -169,7 +169,7 @@ class AllreduceSteps final : public KindSteps {
     for (int k = 1; k < M; ++k) {
       const int to = (m + k) % M;
       sendRange(
-          t, layout_.rankOf(to, l), Route::kAlongRailBack, t.op.plan.shard(t.slice.index, t.seg.index, l, m));
+          t, layout_.rankOf(to, l), Route::kAlongRailBack, t.op.cuts.shard(t.slice.index, t.seg.index, l, m));
     }
     return Next::kDone;
   }
@@ -181,7 +181,7 @@ class AllreduceSteps final : public KindSteps {
   Next allGather(Turn& t) const {
     for (int k = 1; k < L; ++k) {
       const int j = (l + k) % L;
-      sendRange(t, layout_.rankOf(m, j), Route::kWithinMachineBack, t.op.plan.chunk(t.slice.index, t.seg.index, l));
+      sendRange(t, layout_.rankOf(m, j), Route::kWithinMachineBack, t.op.cuts.chunk(t.slice.index, t.seg.index, l));
     }
     return Next::kDone;
   }

@@ -28,13 +28,13 @@ CollectiveEngine::CollectiveEngine(RankLayout layout, EngineOptions options)
       "fairring: the engine needs a slice size, a pipeline chunk and a timeout (fairring_pg.backend sets them)");
   // The slot's size is fairring_pg.sizing's rule; its layout is the steps'.
   for (const int64_t elem : {1, 2, 4, 8}) {
-    const SlicePlan plan(
+    const SliceCuts cuts(
         0, static_cast<int64_t>(options_.sliceBytes) / elem, static_cast<int64_t>(options_.chunkBytes) / elem,
         layout_.localSize(), layout_.numMachines());
     TORCH_CHECK(
-        plan.stagedBytes(elem) <= static_cast<int64_t>(options_.slotBytes), "fairring: a staging slot of ",
+        cuts.stagedBytes(elem) <= static_cast<int64_t>(options_.slotBytes), "fairring: a staging slot of ",
         options_.slotBytes, " bytes cannot hold a slice of ", options_.sliceBytes, " bytes of ", elem,
-        "-byte elements (", plan.stagedBytes(elem), " bytes): fairring_pg.sizing.staging_slot_bytes and the "
+        "-byte elements (", cuts.stagedBytes(elem), " bytes): fairring_pg.sizing.staging_slot_bytes and the "
         "engine's layout disagree");
   }
   mesh_ = std::make_unique<PeerMesh>(

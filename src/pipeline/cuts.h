@@ -15,7 +15,7 @@ struct Range {
 // How `total` elements are cut into slices of at most `sliceElems` (a slice
 // holds one staging slot) and each slice into segments of at most
 // `segmentElems` (the units the pipeline moves). Both plans cut this way:
-// SlicePlan the allreduce's tensor, ShardedPlan one rank's part.
+// SliceCuts the allreduce's tensor, ShardedCuts one rank's part.
 class Cuts {
  public:
   Cuts(int64_t total, int64_t sliceElems, int64_t segmentElems)

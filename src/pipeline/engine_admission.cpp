@@ -74,7 +74,7 @@ c10::intrusive_ptr<CollectiveEngine::Future> CollectiveEngine::enqueueSharded(
   auto future = c10::make_intrusive<Future>(c10::ListType::create(c10::TensorType::get()));
   auto o = newOp(kind, output.view({-1}), op, std::move(outputs), std::move(finish), future);
   o->input = input.view({-1});
-  o->sharded = ShardedPlan(part.numel(), sliceElems, segmentElems);
+  o->sharded = ShardedCuts(part.numel(), sliceElems, segmentElems);
   admit(std::move(o));
   return future;
 }
@@ -119,7 +119,7 @@ std::unique_ptr<Operation> CollectiveEngine::newOp(
   o->outputs = std::move(outputs);
   o->finish = std::move(finish);
   if (o->sliced()) {
-    o->plan = SlicePlan(
+    o->cuts = SliceCuts(
         o->work.numel(), static_cast<int64_t>(options_.sliceBytes / o->elemSize),
         static_cast<int64_t>(options_.chunkBytes / o->elemSize), layout_.localSize(), layout_.numMachines());
   }
@@ -239,12 +239,12 @@ void CollectiveEngine::layOut(Operation& op) {
   const int M = layout_.numMachines();
   // An empty tensor still takes one (empty) slice: its headers must travel so
   // that a rank calling with 0 elements where others have more is caught.
-  op.slicesLeft = std::max<int64_t>(1, op.sliced() ? op.plan.numSlices() : op.sharded.numSlices());
+  op.slicesLeft = std::max<int64_t>(1, op.sliced() ? op.cuts.numSlices() : op.sharded.numSlices());
   op.slices.resize(op.slicesLeft);
   for (int64_t s = 0; s < op.slicesLeft; ++s) {
     Slice& slice = op.slices[s];
     slice.index = s;
-    slice.segments.resize(op.sliced() ? op.plan.numSegments(s) : op.sharded.numSegments(s));
+    slice.segments.resize(op.sliced() ? op.cuts.numSegments(s) : op.sharded.numSegments(s));
     slice.segmentsLeft = slice.segmentsStaged = static_cast<int>(slice.segments.size());
     for (size_t g = 0; g < slice.segments.size(); ++g) {
       Segment& seg = slice.segments[g];

@@ -12,7 +12,7 @@ void CollectiveEngine::recordSegment(const Operation& op, const Slice& slice, co
   }
   const int64_t tDone = Timeline::now();
   const std::string elements = op.sliced()
-      ? "\"elements\":" + std::to_string(op.plan.segment(slice.index, seg.index).size())
+      ? "\"elements\":" + std::to_string(op.cuts.segment(slice.index, seg.index).size())
       : "\"elements_per_rank\":" + std::to_string(op.sharded.segment(slice.index, seg.index).size());
   const std::string args = "{\"op\":" + std::to_string(op.seq) + ",\"slice\":" + std::to_string(slice.index) +
       ",\"segment\":" + std::to_string(seg.index) + "," + elements + "}";

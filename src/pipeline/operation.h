@@ -16,8 +16,8 @@
 #include "common/state.h"
 #include "pipeline/announced.h"
 #include "pipeline/op_kind.h"
-#include "pipeline/sharded_plan.h"
-#include "pipeline/slice_plan.h"
+#include "pipeline/sharded_cuts.h"
+#include "pipeline/slice_cuts.h"
 #include "transport/wire.h"
 
 namespace fairring {
@@ -74,8 +74,8 @@ bool allowedMove(SliceState from, SliceState to);
 const char* stateName(SliceState s);
 
 // A slice holds one staging slot for all of its segments: each segment's
-// pieces have their own place in it (SlicePlan::chunkOffset, shardOffset;
-// ShardedPlan::offsetInSlice). An all-gather slice holds none.
+// pieces have their own place in it (SliceCuts::chunkOffset, shardOffset;
+// ShardedCuts::offsetInSlice). An all-gather slice holds none.
 struct Slice {
   int64_t index{0};
   StateValue<SliceState> state{SliceState::kWaitingForSlot};
@@ -116,8 +116,8 @@ struct Operation {
   at::Tensor work;
   at::Tensor input; // reduce-scatter, all-gather; flat and contiguous
   c10d::ReduceOp::RedOpType op{c10d::ReduceOp::SUM};
-  SlicePlan plan{0, 1, 1, 1, 1}; // allreduce, barrier
-  ShardedPlan sharded{0, 1, 1}; // reduce-scatter, all-gather
+  SliceCuts cuts{0, 1, 1, 1, 1}; // allreduce, barrier
+  ShardedCuts sharded{0, 1, 1}; // reduce-scatter, all-gather
   size_t elemSize{1};
   int64_t slicesLeft{0};
   std::chrono::steady_clock::time_point deadline;
@@ -132,7 +132,7 @@ struct Operation {
     return kind == OpKind::kAllreduce || kind == OpKind::kBarrier || kind == OpKind::kAnnounce;
   }
   int64_t numel() const {
-    return sliced() ? plan.numel() : sharded.partElems();
+    return sliced() ? cuts.numel() : sharded.partElems();
   }
 
   DataHeader header(int64_t s, int g, Route route, int piece = 0) const {

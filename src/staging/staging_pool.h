@@ -9,7 +9,7 @@ namespace fairring {
 
 // A fixed pool of staging memory cut into equal slots (of the size
 // fairring_pg.sizing.staging_slot_bytes gives: the engine checks that a slice
-// of every dtype fits, SlicePlan::stagedBytes). It is allocated once
+// of every dtype fits, SliceCuts::stagedBytes). It is allocated once
 // and never grows: when every slot is taken, work waits for one (the caller
 // keeps the queue; this class is not thread-safe and lives under its lock).
 class StagingPool {

@@ -1,5 +1,5 @@
 // The data path of one CUDA allreduce, top to bottom: the units of its plan
-// (call_plan.h) issued on their streams. Every step is a sub-group collective
+// (call_cut.h) issued on their streams. Every step is a sub-group collective
 // (or a kernel) issued from the calling thread, in the same order on every
 // rank; each stream waits only for the step before on another stream, so the
 // steps of consecutive pieces run at once. docs/design.md, "The pieces,
@@ -50,30 +50,30 @@ void SubgroupAllreduce::reduceDirect(const at::Tensor& piece, RedOp op) {
   opts.reduceOp = groupOp(op, piece.scalar_type());
   await(groups_.world->allreduce(tensors, opts), *groups_.world);
   divideAfter(piece, op);
-  ++stats_.directUnits;
 }
 
-int SubgroupAllreduce::issueDirect(const at::Tensor& work, RedOp op) {
-  const int lane = static_cast<int>(nextUnit_++ % numLanes_);
+int SubgroupAllreduce::issueDirect(const Held& held, const at::Tensor& work, RedOp op) {
+  const int lane = ledger_.takeLane(held);
   auto onLane = streams_->enter(lane);
   streams_->keepAlive(work, lane);
   reduceDirect(work, op);
   return lane;
 }
 
-int SubgroupAllreduce::issueComposed(const at::Tensor& work, const CallPlan& plan, RedOp op) {
+int SubgroupAllreduce::issueComposed(const Held& held, const at::Tensor& work, const CallCut& cut, RedOp op) {
   const bool local = options_.localSize > 1;
   std::vector<Unit> pieces;
   const Unit* tail = nullptr;
   std::vector<int> laneOf;
-  for (const Unit& unit : plan.units) {
+  for (const Unit& unit : cut.units) {
     if (unit.direct) {
       tail = &unit;
     } else {
       pieces.push_back(unit);
-      laneOf.push_back(static_cast<int>(nextUnit_++ % numLanes_));
+      laneOf.push_back(ledger_.takeLane(held));
     }
   }
+  ledger_.countUnits(held, tail != nullptr ? 1 : 0, pieces.size());
   const int ag = streams_->allGatherStream();
   if (tail != nullptr && local) {
     // First, on the all-gather stream, whose own work starts only after the
@@ -92,7 +92,7 @@ int SubgroupAllreduce::issueComposed(const at::Tensor& work, const CallPlan& pla
       scattered[t] = reduceScatterStep(work, pieces[t], op);
     }
     if (t >= 1 && t - 1 < count) {
-      exchanged[t - 1] = railStep(work, pieces[t - 1], laneOf[t - 1], scattered[t - 1], plan.exchange, op);
+      exchanged[t - 1] = railStep(work, pieces[t - 1], laneOf[t - 1], scattered[t - 1], cut.exchange, op);
     }
     if (local && t >= 2) {
       allGatherStep(work, pieces[t - 2], exchanged[t - 2]);
@@ -105,7 +105,7 @@ int SubgroupAllreduce::issueComposed(const at::Tensor& work, const CallPlan& pla
   }
   int last = laneOf.back();
   if (tail != nullptr) {
-    last = issueDirect(work.narrow(0, tail->begin, tail->size), op);
+    last = issueDirect(held, work.narrow(0, tail->begin, tail->size), op);
   }
   streams_->join(last);
   return last;
@@ -172,7 +172,6 @@ SubgroupAllreduce::Event SubgroupAllreduce::railStep(
     divideAfter(shard, op); // by the world, not the rail
     await(rail->_allgather_base(mine, shard, c10d::AllgatherOptions()), *rail);
   }
-  ++stats_.slicedUnits;
   return streams_->mark(lane);
 }
 

@@ -46,12 +46,12 @@ ComposedPath::Route ComposedPath::routeOf(const std::vector<at::Tensor>& tensors
     }
     numel += t.numel();
   }
-  const CallPlan plan = composition_->planFor(numel, first.scalar_type());
-  route.row = plan.row;
+  const CallCut cut = composition_->cutFor(numel, first.scalar_type());
+  route.row = cut.row;
   if (!checkReducible(op, first.scalar_type()).ok()) {
     return route;
   }
-  route.byPlan = plan.units.empty() || plan.units.front().direct;
+  route.byPlan = cut.units.empty() || cut.units.front().direct;
   // A captured call is replayed later, on every rank that captured it (as the
   // program does on every rank): the delegate's own allreduce, which a CUDA
   // graph can hold, and fairring's streams cannot.
@@ -61,12 +61,12 @@ ComposedPath::Route ComposedPath::routeOf(const std::vector<at::Tensor>& tensors
   // fails its class. It composes, untimed, on every rank alike (the call's
   // layout and dtype are the program's).
   const bool bothWays = plants::planted(plants::Plant::kTrialsOnOneWayCalls) || delegateTakes(tensors);
-  if (route.compose && bothWays && measured_ && measured_->measures(plan.row)) {
+  if (route.compose && bothWays && measured_ && measured_->measures(cut.row)) {
     // Every rank counts the same calls here: the program's own (on CUDA every
     // collective is issued from the calling thread in program order), of a
     // dtype and op both ways reduce, not captured (every rank of a program
     // captures the same calls).
-    route.turn = measured_->next(plan.row, plan.bytes);
+    route.turn = measured_->next(cut.row, cut.bytes);
     route.compose = route.turn->way == 1;
   }
   return route;

@@ -19,28 +19,15 @@ using plants::Plant;
 using plants::planted;
 
 SubgroupAllreduce::SubgroupAllreduce(Subgroups groups, SubgroupOptions options, c10::DeviceType deviceType)
-    : groups_(std::move(groups)),
+    : set_(std::move(groups)),
+      groups_(set_.groups()),
       options_(std::move(options)),
       deviceType_(deviceType),
-      numLanes_(std::max<int>(1, static_cast<int>(groups_.lanes.size()))) {
+      numLanes_(std::max<int>(1, static_cast<int>(groups_.lanes.size()))),
+      ledger_(options_.plan.size(), numLanes_) {
   const BlockingWait blocking = blockingWaitFromEnv();
   TORCH_CHECK(blocking.status.ok(), blocking.status.message());
   blockingWait_ = blocking.on;
-  // What a wait's timeout aborts: the communicators of the composition (the
-  // world group is the backend's, and its own Works abort it). Not `this`:
-  // a Work may outlive the group.
-  abortOnTimeout_ = [groups = subgroups(/*withWorld=*/false), aborted = timeoutAborts_]() {
-    if (aborted->exchange(static_cast<int>(groups.size())) != 0) {
-      return; // once
-    }
-    for (const auto& group : groups) {
-      try {
-        group->abort();
-      } catch (const std::exception& e) {
-        TORCH_WARN("fairring: aborting a sub-group after a wait's timeout failed: ", e.what());
-      }
-    }
-  };
   const int L = options_.localSize;
   const int M = options_.numMachines;
   TORCH_CHECK(L >= 1 && M >= 1 && L * M == options_.worldSize, "fairring: ", M, " machines x ", L,
@@ -71,8 +58,8 @@ SubgroupAllreduce::SubgroupAllreduce(Subgroups groups, SubgroupOptions options, 
               options_.totalMemory);
 }
 
-CallPlan SubgroupAllreduce::planFor(int64_t numel, at::ScalarType dtype) const {
-  return planCall(
+CallCut SubgroupAllreduce::cutFor(int64_t numel, at::ScalarType dtype) const {
+  return cutCall(
       numel, c10::elementSize(reductionDtype(dtype)), options_.plan, options_.largestPieceBytes,
       options_.localSize, options_.numMachines);
 }
@@ -98,7 +85,7 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::allreduce(at::Tensor& tensor, 
     auto finish = [tensor, work]() mutable { tensor.copy_(work.view(tensor.sizes())); };
     return Prepared{work.view({-1}), std::move(finish), {}};
   };
-  return run({tensor}, planFor(tensor.numel(), tensor.scalar_type()), dtype, op, c10d::OpType::ALLREDUCE, prepare);
+  return run({tensor}, cutFor(tensor.numel(), tensor.scalar_type()), dtype, op, c10d::OpType::ALLREDUCE, prepare);
 }
 
 c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::allreduceCoalesced(std::vector<at::Tensor>& tensors, RedOp op) {
@@ -123,13 +110,13 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::allreduceCoalesced(std::vector
     return Prepared{work, std::move(finish), {fusion.fused}};
   };
   return run(
-      tensors, planFor(numel, tensors[0].scalar_type()), dtype, op, c10d::OpType::ALLREDUCE_COALESCED, prepare);
+      tensors, cutFor(numel, tensors[0].scalar_type()), dtype, op, c10d::OpType::ALLREDUCE_COALESCED, prepare);
 }
 
 c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::allreduceOnOurStreams(at::Tensor& tensor, RedOp op) {
   checkTensor(tensor, "the allreduce tensor");
-  CallPlan plan;
-  plan.units.push_back(Unit{0, tensor.numel(), true});
+  CallCut cut;
+  cut.units.push_back(Unit{0, tensor.numel(), true});
   auto prepare = [tensor]() -> Prepared {
     at::Tensor work = tensor.is_contiguous() ? tensor.view({-1}) : tensor.contiguous().view({-1});
     std::function<void()> finish;
@@ -138,18 +125,15 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::allreduceOnOurStreams(at::Tens
     }
     return Prepared{work, std::move(finish), {}};
   };
-  return run({tensor}, plan, tensor.scalar_type(), op, c10d::OpType::ALLREDUCE, prepare);
+  return run({tensor}, cut, tensor.scalar_type(), op, c10d::OpType::ALLREDUCE, prepare);
 }
 
 void SubgroupAllreduce::countDelegated(size_t row) {
   if (failure_->failed()) {
     throw c10::DistBackendError(failure_->refusal());
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  ++stats_.operations;
-  ++stats_.ncclCalls;
-  stats_.rows.resize(std::max<size_t>({stats_.rows.size(), options_.plan.size(), row + 1}), 0);
-  ++stats_.rows[row];
+  std::unique_lock<std::mutex> lock(mu_);
+  ledger_.countDelegated(Held(lock), row);
 }
 
 c10::Device SubgroupAllreduce::deviceOf(const std::vector<at::Tensor>& tensors) const {
@@ -165,9 +149,11 @@ void SubgroupAllreduce::orderBefore(const std::vector<at::Tensor>& tensors) {
   if (planted(Plant::kDelegatedNotAfterAllreduce) || deviceType_ == c10::kCPU) {
     return;
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
+  const Held held(lock);
+  InFlightOps<Done>& inFlight = ledger_.inFlight(held);
   const std::vector<ByteRange> ranges = byteRangesOf(tensors);
-  if (ranges.empty() || inFlight_.size() == 0) {
+  if (ranges.empty() || inFlight.size() == 0) {
     return;
   }
   const c10::Device device = deviceOf(tensors);
@@ -176,17 +162,17 @@ void SubgroupAllreduce::orderBefore(const std::vector<at::Tensor>& tensors) {
     // recorded outside the capture cannot be waited for inside it): the
     // collective is only recorded now, and torch.cuda.graph synchronises the
     // device before it starts capturing.
-    if (!inFlight_.overlapping(ranges).empty()) {
-      ++stats_.unorderedInCapture;
+    if (!inFlight.overlapping(ranges).empty()) {
+      ledger_.countUnorderedInCapture(held);
     }
     return;
   }
-  inFlight_.forget([](const Done& done) { return done->reached(); });
-  for (const auto& done : inFlight_.overlapping(ranges)) {
+  inFlight.forget([](const Done& done) { return done->reached(); });
+  for (const auto& done : inFlight.overlapping(ranges)) {
     // The delegate orders its own collectives (one stream): only ours are waited for.
     if (std::dynamic_pointer_cast<WorkDone>(done) == nullptr) {
       blockCurrentStream(*done, device);
-      ++stats_.orderingWaits;
+      ledger_.countOrderingWait(held);
     }
   }
 }
@@ -199,11 +185,11 @@ void SubgroupAllreduce::orderAfter(const std::vector<at::Tensor>& tensors, const
   if (ranges.empty() || isCapturing(currentStreamCapture(deviceOf(tensors)))) {
     return;
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   if (planted(Plant::kDelegatedHoldReleasedAtIssue) && streams_ && streams_->onDevice()) {
     plants::releaseDelegateHoldAtIssue(*work, *streams_->stream(0));
   }
-  inFlight_.add(std::move(ranges), std::make_shared<WorkDone>(work, tensors));
+  ledger_.inFlight(Held(lock)).add(std::move(ranges), std::make_shared<WorkDone>(work, tensors));
 }
 
 void SubgroupAllreduce::useDevice(c10::Device device, std::unique_lock<std::mutex>& lock) {
@@ -252,15 +238,17 @@ void SubgroupAllreduce::failAt(uint64_t turn, const std::string& message) {
 }
 
 std::vector<Done> SubgroupAllreduce::earlierOverlapping(
+    const Held& held,
     const std::vector<ByteRange>& ranges,
-    std::vector<at::Tensor>& held) {
+    std::vector<at::Tensor>& kept) {
   std::vector<Done> after;
   if (!streams_->onDevice()) {
     return after;
   }
-  inFlight_.forget([](const Done& done) { return done->reached(); });
+  InFlightOps<Done>& inFlight = ledger_.inFlight(held);
+  inFlight.forget([](const Done& done) { return done->reached(); });
   if (!planted(Plant::kByteRangesOff)) {
-    after = inFlight_.overlapping(ranges);
+    after = inFlight.overlapping(ranges);
   }
   for (const Done& point : after) {
     // The caller's stream is current: a delegated call whose future orders
@@ -268,7 +256,7 @@ std::vector<Done> SubgroupAllreduce::earlierOverlapping(
     const auto delegated = std::dynamic_pointer_cast<WorkDone>(point);
     if (delegated && !planted(Plant::kEventlessWorkUnordered) && !delegated->carriesEvents()) {
       for (at::Tensor& t : delegated->blockCallerStream()) {
-        held.push_back(std::move(t));
+        kept.push_back(std::move(t));
       }
     }
   }
@@ -277,26 +265,27 @@ std::vector<Done> SubgroupAllreduce::earlierOverlapping(
 
 c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::run(
     std::vector<at::Tensor> outputs,
-    const CallPlan& plan,
+    const CallCut& cut,
     at::ScalarType dtype,
     RedOp op,
     c10d::OpType type,
     const std::function<Prepared()>& prepare) {
-  TORCH_CHECK(!plan.units.empty(), "fairring: an allreduce of nothing reached the composition");
+  TORCH_CHECK(!cut.units.empty(), "fairring: an allreduce of nothing reached the composition");
   const c10::Device device = outputs[0].device();
   std::unique_lock<std::mutex> lock(mu_);
+  const Held held(lock); // also after useDevice, which lets go of the lock while it connects
   TORCH_CHECK(!stopped(), "fairring: allreduce on rank ", options_.rank, " after the process group was shut down");
-  if (failure_->fails(nextTurn_)) {
+  if (failure_->fails(ledger_.nextTurn(held))) {
     throw c10::DistBackendError(failure_->refusal());
   }
   useDevice(device, lock);
-  const uint64_t turn = nextTurn_++;
+  const uint64_t turn = ledger_.takeTurn(held);
   const std::vector<ByteRange> ranges = byteRangesOf(outputs);
   // Asked before anything is issued, so that an error of the device's here
   // fails this call only, not the group.
-  std::vector<at::Tensor> held; // eventless delegated calls' tensors, waited for through their Work
-  std::vector<Done> after = earlierOverlapping(ranges, held);
-  countCall(plan, after.size());
+  std::vector<at::Tensor> kept; // eventless delegated calls' tensors, waited for through their Work
+  std::vector<Done> after = earlierOverlapping(held, ranges, kept);
+  ledger_.countCall(held, cut, after.size());
   const std::vector<c10::Device> devices =
       streams_->onDevice() ? std::vector<c10::Device>{device} : std::vector<c10::Device>{};
   auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()), devices);
@@ -310,21 +299,21 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::run(
     c10::OptionalStreamGuard onDone;
     streams_->beginOp(std::move(after));
     Prepared prepared;
-    const int last = issue(plan, op, prepare, prepared, turn);
+    const int last = issue(held, cut, op, prepare, prepared, turn);
     if (const auto doneStream = streams_->stream(last)) {
       onDone.reset_stream(*doneStream);
     }
     if (prepared.finish) {
       prepared.finish();
     }
-    for (const std::vector<at::Tensor>* tensors : {&outputs, &prepared.buffers, &held}) {
+    for (const std::vector<at::Tensor>* tensors : {&outputs, &prepared.buffers, &kept}) {
       for (const at::Tensor& t : *tensors) {
         streams_->keepAlive(t, last);
       }
     }
     done = streams_->mark(last);
     if (done) {
-      inFlight_.add(ranges, done);
+      ledger_.inFlight(held).add(ranges, done);
     }
     if (planted(Plant::kFutureOnCallerStream)) {
       onDone.reset(); // the caller's stream current again
@@ -335,21 +324,22 @@ c10::intrusive_ptr<c10d::Work> SubgroupAllreduce::run(
     // longer agree on what comes next, so nothing more may be issued.
     failAt(turn, std::string("fairring: allreduce failed on rank ") + std::to_string(options_.rank) + ": " + e.what());
   }
-  const std::string description = "allreduce of " + std::to_string(plan.units.back().begin + plan.units.back().size) +
+  const std::string description = "allreduce of " + std::to_string(cut.units.back().begin + cut.units.back().size) +
       " elements of " + dtypeName(dtype) + " on rank " + std::to_string(options_.rank);
   return c10::make_intrusive<SubgroupWork>(
       options_.rank, type, std::move(outputs), future, done, device, std::move(parts_), description,
-      options_.timeout, blockingWait_, failure_, abortOnTimeout_);
+      options_.timeout, blockingWait_, failure_, set_.abortOnTimeout());
 }
 
 int SubgroupAllreduce::issue(
-    const CallPlan& plan,
+    const Held& held,
+    const CallCut& cut,
     RedOp op,
     const std::function<Prepared()>& prepare,
     Prepared& prepared,
     uint64_t turn) {
   faults::hit(faults::kSubgroupsIssue, static_cast<int64_t>(turn)); // a test's failing call
-  const int first = firstStream(plan);
+  const int first = firstStream(held, cut);
   {
     // The copy of a view, of an int16 tensor or of coalesced tensors reads
     // the caller's bytes: it waits, on the first step's stream, for what they
@@ -360,41 +350,30 @@ int SubgroupAllreduce::issue(
   if (prepared.finish) {
     streams_->restartFrom(first);
   }
-  const bool composed = !plan.units.front().direct;
-  return composed ? issueComposed(prepared.work, plan, op) : issueDirect(prepared.work, op);
-}
-
-void SubgroupAllreduce::countCall(const CallPlan& plan, size_t orderingWaits) {
-  ++stats_.operations;
-  stats_.orderingWaits += orderingWaits;
-  stats_.rows.resize(std::max<size_t>({stats_.rows.size(), options_.plan.size(), plan.row + 1}), 0);
-  ++stats_.rows[plan.row];
-  if (plan.units.front().direct) {
-    ++stats_.ncclCalls; // the plant kDirectThroughOurStreams
-  } else {
-    ++stats_.composedCalls;
+  const bool composed = !cut.units.front().direct;
+  if (composed) {
+    return issueComposed(held, prepared.work, cut, op);
   }
+  ledger_.countUnits(held, /*direct=*/1, /*sliced=*/0);
+  return issueDirect(held, prepared.work, op);
 }
 
-int SubgroupAllreduce::firstStream(const CallPlan& plan) const {
-  const bool composed = !plan.units.front().direct;
+int SubgroupAllreduce::firstStream(const Held& held, const CallCut& cut) const {
+  const bool composed = !cut.units.front().direct;
   if (composed && options_.localSize > 1) {
     return streams_->reduceScatterStream();
   }
-  return static_cast<int>(nextUnit_ % numLanes_);
+  return ledger_.nextLane(held);
 }
 
 SubgroupStats SubgroupAllreduce::stats() const {
   SubgroupStats stats;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    stats = stats_;
+    std::unique_lock<std::mutex> lock(mu_);
+    static_cast<CallCounts&>(stats) = ledger_.counts(Held(lock));
     stats.eventsCreated = streams_ ? streams_->eventsCreated() : 0;
   }
-  std::lock_guard<std::mutex> lock(closeMu_);
-  stats.shutdown = shutdown_;
-  stats.abortedGroups = abortedGroups_;
-  stats.timeoutAborts = timeoutAborts_->load();
+  stats.closed = set_.closed();
   return stats;
 }
 

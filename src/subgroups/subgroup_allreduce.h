@@ -17,31 +17,15 @@
 #include <vector>
 
 #include "failure/group_failure.h"
-#include "subgroups/call_plan.h"
+#include "subgroups/call_ledger.h"
+#include "subgroups/call_cut.h"
 #include "device/done_point.h"
 #include "subgroups/drain.h"
 #include "subgroups/in_flight_ops.h"
 #include "subgroups/lane_streams.h"
+#include "subgroups/subgroup_set.h"
 
 namespace fairring {
-
-// The process groups the allreduce is composed of, made in Python from the
-// store (fairring_pg/cuda/subgroups.py): ProcessGroupNCCL for CUDA tensors, and
-// ProcessGroupGloo for the CPU test path that runs this same code in CI.
-struct Subgroups {
-  // Every rank of the job: the tails of pieces (and the delegate's own
-  // allreduce, which the backend calls itself).
-  c10::intrusive_ptr<c10d::Backend> world;
-  // This machine's ranks (several local ranks only). Two groups, so that the
-  // reduce-scatter of one piece and the all-gather of another run at once:
-  // one communicator runs its operations one after the other.
-  c10::intrusive_ptr<c10d::Backend> localReduce;
-  c10::intrusive_ptr<c10d::Backend> localGather;
-  // This rank's rail (same local rank on every machine), one per lane:
-  // K communicators put K pieces on the wire at once. Made only where the
-  // plan composes some call, and then the local groups too.
-  std::vector<c10::intrusive_ptr<c10d::Backend>> lanes;
-};
 
 struct SubgroupOptions {
   int rank{0};
@@ -59,33 +43,16 @@ struct SubgroupOptions {
   size_t totalMemory{0};
 };
 
-// What the path has done, for tests and benchmarks to read (which path each
-// allreduce took, whether ordering made it wait) and for a destroy to say how
-// it ended.
-struct SubgroupStats {
-  uint64_t operations{0}; // allreduces and coalesced allreduces, whichever way they went
-  uint64_t ncclCalls{0}; // those handed to the delegate's own allreduce, returned as it made them
-  uint64_t composedCalls{0}; // those cut into pieces
-  uint64_t directUnits{0}; // tails of composed calls: one allreduce on the world group each
-  uint64_t slicedUnits{0}; // pieces that went through the composition
-  std::vector<uint64_t> rows; // operations per row of the plan
-  // Earlier operations, still in flight on bytes a later one touches, that it
-  // was made to wait for (an allreduce's streams, or the caller's stream
-  // before a collective handed to the delegate).
-  uint64_t orderingWaits{0};
-  // Collectives handed to the delegate under CUDA graph capture on bytes of
-  // an allreduce that may still be in flight: not ordered after it (events
-  // from outside a capture cannot be waited for inside it).
-  uint64_t unorderedInCapture{0};
+// What the path has done, for tests and benchmarks to read, and how destroy
+// or abort ended.
+struct SubgroupStats : CallCounts {
   uint64_t eventsCreated{0}; // by the event pool, ever
-  std::string shutdown{"running"}; // how destroy or abort ended
-  int abortedGroups{0};
-  int timeoutAborts{0}; // sub-groups aborted because a wait of a composed call timed out
+  SubgroupsClosed closed;
 };
 
 // The reduction-server allreduce as a composition of sub-group collectives,
 // issued from the calling thread in call order (so in the same order on every
-// rank). A call is cut into pieces (call_plan.h); each piece goes through
+// rank). A call is cut into pieces (call_cut.h); each piece goes through
 //   1. reduce-scatter on the local group, in place: my chunk, reduced over the machine;
 //   2. the rail exchange on a lane's rail group: my shard reduced over the
 //      machines, and every machine's reduced shard back into my chunk;
@@ -106,9 +73,9 @@ class SubgroupAllreduce {
 
   // How a call of `numel` elements of `dtype` (the caller's) is cut, from the
   // plan and the job's shape only: the same on every rank for the same call.
-  CallPlan planFor(int64_t numel, at::ScalarType dtype) const;
+  CallCut cutFor(int64_t numel, at::ScalarType dtype) const;
 
-  // The composition of a call planFor() cuts into pieces, of a dtype and op
+  // The composition of a call cutFor() cuts into pieces, of a dtype and op
   // it reduces (checkReducible), not under capture: ComposedPath decided so.
   c10::intrusive_ptr<c10d::Work> allreduce(at::Tensor& tensor, RedOp op);
   c10::intrusive_ptr<c10d::Work> allreduceCoalesced(std::vector<at::Tensor>& tensors, RedOp op);
@@ -176,25 +143,25 @@ class SubgroupAllreduce {
 
   c10::intrusive_ptr<c10d::Work> run(
       std::vector<at::Tensor> outputs,
-      const CallPlan& plan,
+      const CallCut& cut,
       at::ScalarType dtype,
       RedOp op,
       c10d::OpType type,
       const std::function<Prepared()>& prepare);
   // Issues the call's units on their streams; returns the stream it is done on.
   int issue(
-      const CallPlan& plan,
+      const Held& held,
+      const CallCut& cut,
       RedOp op,
       const std::function<Prepared()>& prepare,
       Prepared& prepared,
       uint64_t turn);
   // The stream an operation's first step runs on (where prepare() copies).
-  int firstStream(const CallPlan& plan) const;
-  void countCall(const CallPlan& plan, size_t orderingWaits);
+  int firstStream(const Held& held, const CallCut& cut) const;
   // The call's units issued on their streams (composed_call.cpp); returns
   // the stream the operation is done on.
-  int issueDirect(const at::Tensor& work, RedOp op);
-  int issueComposed(const at::Tensor& work, const CallPlan& plan, RedOp op);
+  int issueDirect(const Held& held, const at::Tensor& work, RedOp op);
+  int issueComposed(const Held& held, const at::Tensor& work, const CallCut& cut, RedOp op);
   Event reduceScatterStep(const at::Tensor& work, const Unit& piece, RedOp op);
   Event railStep(const at::Tensor& work, const Unit& piece, int lane, const Event& after, RailExchange how, RedOp op);
   void allGatherStep(const at::Tensor& work, const Unit& piece, const Event& after);
@@ -227,17 +194,14 @@ class SubgroupAllreduce {
   bool closed() const {
     return life_.load() == Life::kClosed;
   }
-  // `withWorld`: the world group too (the backend's delegate, which the
-  // backend shuts down itself after a graceful end).
-  std::vector<c10::intrusive_ptr<c10d::Backend>> subgroups(bool withWorld) const;
-  bool anySubgroupFailed() const;
   // Waits on the host for `pending` (no lock held): a sub-group's error and an
   // abort end it early.
   DrainEnd drain(const std::vector<Done>& pending);
   // Why a drain that did not end kDrained ended: `subgroupError` if a
   // sub-group's error (or an abort) stopped it, else the timeout.
   std::string whyNotDrained(DrainEnd end, const std::string& subgroupError) const;
-  // Shuts the sub-groups down (`graceful`) or aborts them, once, outside the lock.
+  // Moves to kClosed and closes the sub-groups (`graceful`: shut down, else
+  // aborted), once, outside the lock.
   void close(bool graceful, bool withWorld, const std::string& outcome);
   void checkTensor(const at::Tensor& t, const std::string& name) const;
   // The device of the first of `tensors` on this path's kind of device.
@@ -245,10 +209,14 @@ class SubgroupAllreduce {
   [[noreturn]] void failAt(uint64_t turn, const std::string& message);
   // The in-flight operations whose bytes overlap `ranges` (on the device
   // only); the tensors of those among them that are eventless delegated calls
-  // go to `held`, their Works waited for on the caller's current stream.
-  std::vector<Done> earlierOverlapping(const std::vector<ByteRange>& ranges, std::vector<at::Tensor>& held);
+  // go to `kept`, their Works waited for on the caller's current stream.
+  std::vector<Done> earlierOverlapping(
+      const Held& held,
+      const std::vector<ByteRange>& ranges,
+      std::vector<at::Tensor>& kept);
 
-  const Subgroups groups_;
+  SubgroupSet set_;
+  const Subgroups& groups_; // set_'s
   const SubgroupOptions options_;
   const c10::DeviceType deviceType_;
   const int numLanes_;
@@ -259,21 +227,11 @@ class SubgroupAllreduce {
   // One operation's units are issued together, and operations in call order.
   mutable std::mutex mu_;
   std::condition_variable connected_; // life_ left kConnecting
-  uint64_t nextTurn_{0}; // composed calls so far: GroupFailure's turns
   std::unique_ptr<LaneStreams> streams_; // made and connected at the first composed call
   std::vector<at::Tensor> staging_; // one slot per lane, bytes (the all-to-all exchange's)
-  uint64_t nextUnit_{0};
-  InFlightOps<Done> inFlight_;
+  CallLedger ledger_;
   std::vector<c10::intrusive_ptr<c10d::Work>> parts_; // of the operation being issued
-  SubgroupStats stats_;
-  // How the sub-groups were closed; apart from mu_, which an allreduce holds
-  // while it issues, so that abort() never waits for one.
-  mutable std::mutex closeMu_;
-  std::string shutdown_{"running"};
-  int abortedGroups_{0};
   bool blockingWait_{false}; // TORCH_NCCL_BLOCKING_WAIT (blocking_wait.h), read once
-  const std::shared_ptr<std::atomic<int>> timeoutAborts_{std::make_shared<std::atomic<int>>(0)};
-  std::function<void()> abortOnTimeout_; // given to every Work: a timed-out wait aborts the sub-groups
 };
 
 } // namespace fairring

@@ -10,41 +10,13 @@
 
 namespace fairring {
 
-std::vector<c10::intrusive_ptr<c10d::Backend>> SubgroupAllreduce::subgroups(bool withWorld) const {
-  std::vector<c10::intrusive_ptr<c10d::Backend>> groups(groups_.lanes.begin(), groups_.lanes.end());
-  for (const auto& group : {groups_.localReduce, groups_.localGather}) {
-    if (group) {
-      groups.push_back(group);
-    }
-  }
-  if (withWorld) {
-    groups.push_back(groups_.world);
-  }
-  return groups;
-}
-
-bool SubgroupAllreduce::anySubgroupFailed() const {
-  for (const auto& group : subgroups(/*withWorld=*/true)) {
-    try {
-      if (group->getError() != c10d::ErrorType::SUCCESS) {
-        return true;
-      }
-    } catch (const std::exception&) {
-      // A backend that cannot report errors (torch 2.13's Gloo throws "does
-      // not support getError") is not known to have failed: the drain still
-      // ends at the timeout if its work never finishes.
-    }
-  }
-  return false;
-}
-
 DrainEnd SubgroupAllreduce::drain(const std::vector<Done>& pending) {
   std::vector<std::function<bool()>> checks;
   for (const auto& done : pending) {
     checks.emplace_back([done] { return done->reached(); });
   }
   return drainUntil(
-      checks, [this] { return closed() || anySubgroupFailed(); }, std::chrono::steady_clock::now() + options_.timeout);
+      checks, [this] { return closed() || set_.anyFailed(); }, std::chrono::steady_clock::now() + options_.timeout);
 }
 
 std::string SubgroupAllreduce::whyNotDrained(DrainEnd end, const std::string& subgroupError) const {
@@ -59,8 +31,8 @@ void SubgroupAllreduce::awaitIssued() {
   }
   std::vector<Done> pending;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    pending = inFlight_.all();
+    std::unique_lock<std::mutex> lock(mu_);
+    pending = ledger_.inFlight(Held(lock)).all();
   }
   if (failure_->failed()) {
     throw c10::DistBackendError(failure_->refusal());
@@ -78,7 +50,7 @@ void SubgroupAllreduce::awaitIssued() {
 void SubgroupAllreduce::shutdown() {
   std::vector<Done> pending;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     // Compared and set: an abort() (which takes no lock) may close meanwhile,
     // and kClosed is never left.
     Life now = life_.load();
@@ -87,7 +59,7 @@ void SubgroupAllreduce::shutdown() {
         return;
       }
     } while (!life_.compare_exchange_weak(now, Life::kStopped));
-    pending = inFlight_.all();
+    pending = ledger_.inFlight(Held(lock)).all();
   }
   connected_.notify_all();
   // Waited for with no lock held: an abort() from another thread is not kept
@@ -125,28 +97,7 @@ void SubgroupAllreduce::close(bool graceful, bool withWorld, const std::string& 
   if (life_.exchange(Life::kClosed) == Life::kClosed) {
     return;
   }
-  {
-    std::lock_guard<std::mutex> lock(closeMu_);
-    shutdown_ = outcome;
-  }
-  // NCCL's graceful shutdown waits for its collectives, and its abort may
-  // take a while too: outside every lock, like the wait before it.
-  int aborted = 0;
-  for (const auto& group : subgroups(withWorld)) {
-    try {
-      if (graceful) {
-        group->shutdown();
-      } else {
-        group->abort();
-        ++aborted;
-      }
-    } catch (const std::exception& e) {
-      TORCH_WARN("fairring: ", graceful ? "shutting down" : "aborting", " a sub-group on rank ", options_.rank,
-                 " failed: ", e.what());
-    }
-  }
-  std::lock_guard<std::mutex> lock(closeMu_);
-  abortedGroups_ = aborted;
+  set_.close(graceful, withWorld, outcome, options_.rank);
 }
 
 } // namespace fairring

@@ -39,7 +39,7 @@ inline Track trackOf(Route r) {
 struct DataHeader {
   uint64_t opSeq{0};
   int64_t slice{0};
-  int32_t segment{0}; // of the slice (see SlicePlan)
+  int32_t segment{0}; // of the slice (see SliceCuts)
   Route route{Route::kWithinMachine};
   int64_t numel{0}; // allreduce: the tensor; reduce-scatter, all-gather: one rank's part
   int8_t dtype{0};

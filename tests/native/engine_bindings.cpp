@@ -1,5 +1,5 @@
 // The CPU engine's internals for tests: its slice plan laid out
-// (tests/test_plans.py) and the fault points' controls (tests/fault_points.py).
+// (tests/test_cuts.py) and the fault points' controls (tests/fault_points.py).
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "faults/fault_points.h"
-#include "pipeline/slice_plan.h"
+#include "pipeline/slice_cuts.h"
 #include "pipeline/wait_chain.h"
 #include "test_module.h"
 
@@ -18,30 +18,30 @@ namespace py = pybind11;
 
 namespace {
 
-py::dict layOut(const fairring::SlicePlan& plan, int localSize, int numMachines) {
+py::dict layOut(const fairring::SliceCuts& cuts, int localSize, int numMachines) {
   py::list slices;
-  for (int64_t s = 0; s < plan.numSlices(); ++s) {
+  for (int64_t s = 0; s < cuts.numSlices(); ++s) {
     py::list segments;
-    for (int g = 0; g < plan.numSegments(s); ++g) {
+    for (int g = 0; g < cuts.numSegments(s); ++g) {
       py::list chunks;
       for (int l = 0; l < localSize; ++l) {
         py::list shards;
         for (int m = 0; m < numMachines; ++m) {
-          const fairring::Range r = plan.shard(s, g, l, m);
+          const fairring::Range r = cuts.shard(s, g, l, m);
           shards.append(py::make_tuple(r.begin, r.end));
         }
-        const fairring::Range c = plan.chunk(s, g, l);
+        const fairring::Range c = cuts.chunk(s, g, l);
         chunks.append(py::make_tuple(c.begin, c.end, shards));
       }
-      const fairring::Range seg = plan.segment(s, g);
-      segments.append(py::make_tuple(seg.begin, seg.end, plan.chunkOffset(g), plan.shardOffset(g), chunks));
+      const fairring::Range seg = cuts.segment(s, g);
+      segments.append(py::make_tuple(seg.begin, seg.end, cuts.chunkOffset(g), cuts.shardOffset(g), chunks));
     }
-    const fairring::Range sl = plan.slice(s);
+    const fairring::Range sl = cuts.slice(s);
     slices.append(py::make_tuple(sl.begin, sl.end, segments));
   }
   return py::dict(
-      py::arg("slices") = slices, py::arg("segment_elems") = plan.segmentElems(),
-      py::arg("max_chunk_elems") = plan.maxChunkElems(), py::arg("max_shard_elems") = plan.maxShardElems());
+      py::arg("slices") = slices, py::arg("segment_elems") = cuts.segmentElems(),
+      py::arg("max_chunk_elems") = cuts.maxChunkElems(), py::arg("max_shard_elems") = cuts.maxShardElems());
 }
 
 fairring::faults::Action actionNamed(const std::string& action) {
@@ -59,14 +59,14 @@ fairring::faults::Action actionNamed(const std::string& action) {
 
 void bindEngine(py::module_& m) {
   m.def(
-      "slice_plan",
+      "slice_cuts",
       [](int64_t numel, int64_t sliceElems, int64_t chunkElems, int localSize, int numMachines) {
-        return layOut(fairring::SlicePlan(numel, sliceElems, chunkElems, localSize, numMachines), localSize,
+        return layOut(fairring::SliceCuts(numel, sliceElems, chunkElems, localSize, numMachines), localSize,
                       numMachines);
       },
       py::arg("numel"), py::arg("slice_elems"), py::arg("chunk_elems"), py::arg("local_size"),
       py::arg("num_machines"),
-      "SlicePlan laid out: slices of (begin, end, segments); segments of (begin, end, chunk "
+      "SliceCuts laid out: slices of (begin, end, segments); segments of (begin, end, chunk "
       "offset, shard offset, chunks); chunks of (begin, end, shards); shards of (begin, end).");
 
   m.def(

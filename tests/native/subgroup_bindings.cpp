@@ -1,5 +1,5 @@
 // The sub-group path's logic laid out for tests that need no GPU
-// (tests/test_subgroup_logic.py, tests/test_plans.py): its call plan, byte
+// (tests/test_subgroup_logic.py, tests/test_cuts.py): its call cut, byte
 // ranges and in-flight ordering, the capture states and the drain.
 #include <pybind11/chrono.h>
 #include <pybind11/functional.h>
@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "subgroups/blocking_wait.h"
-#include "subgroups/call_plan.h"
+#include "subgroups/call_cut.h"
 #include "subgroups/capture_probe.h"
 #include "subgroups/drain.h"
 #include "subgroups/in_flight_ops.h"
@@ -36,19 +36,19 @@ void bindSubgroupLogic(py::module_& m) {
       py::arg("env"), "(on, error) of TORCH_NCCL_BLOCKING_WAIT and NCCL_BLOCKING_WAIT as `env` sets them.");
 
   m.def(
-      "plan_call",
+      "cut_call",
       [](int64_t numel, size_t elemSize, const std::vector<std::tuple<size_t, std::string, int, std::string>>& rows,
          size_t largestPiece, int localSize, int numMachines) {
-        const fairring::CallPlan plan =
-            fairring::planCall(numel, elemSize, fairring::planRows(rows), largestPiece, localSize, numMachines);
+        const fairring::CallCut cut =
+            fairring::cutCall(numel, elemSize, fairring::planRows(rows), largestPiece, localSize, numMachines);
         py::list units;
-        for (const auto& u : plan.units) {
+        for (const auto& u : cut.units) {
           units.append(py::make_tuple(u.begin, u.size, u.direct));
         }
-        return py::make_tuple(plan.row, units);
+        return py::make_tuple(cut.row, units);
       },
       py::arg("numel"), py::arg("elem_size"), py::arg("rows"), py::arg("largest_piece"), py::arg("local_size"),
-      py::arg("num_machines"), "planCall: (the row taken, units as (begin, size, direct)).");
+      py::arg("num_machines"), "cutCall: (the row taken, units as (begin, size, direct)).");
 
   // The sub-group path's pure logic, for tests that need no GPU (tests/test_subgroup_logic.py).
   m.def(

@@ -18,9 +18,9 @@ namespace fairring {
 // and M-1 pieces of k (the other machines' partial sums of this rank's part):
 // for k = sliceElems / W that is what an allreduce slice of sliceElems stages,
 // so one staging slot fits either.
-class ShardedPlan {
+class ShardedCuts {
  public:
-  ShardedPlan(int64_t partElems, int64_t sliceElems, int64_t segmentElems)
+  ShardedCuts(int64_t partElems, int64_t sliceElems, int64_t segmentElems)
       : cuts_(partElems, sliceElems, segmentElems) {}
 
   int64_t partElems() const { return cuts_.total(); }

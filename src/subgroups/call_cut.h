@@ -54,7 +54,7 @@ struct Unit {
   bool direct{false};
 };
 
-struct CallPlan {
+struct CallCut {
   size_t row{0}; // which row of the plan the call took
   size_t bytes{0}; // the call's, in the dtype it is reduced in
   std::vector<Unit> units; // pieces in order, then the direct tail; or one direct unit
@@ -73,29 +73,29 @@ struct CallPlan {
 //   first groups % P one group longer), and the fewer than a group's elements
 //   left over as one direct unit.
 // fairring_pg.model.composition.cut_pieces is the same rule (a test compares).
-inline CallPlan planCall(
+inline CallCut cutCall(
     int64_t numel,
     size_t elemSize,
     const std::vector<PlanRow>& rows,
     size_t largestPieceBytes,
     int localSize,
     int numMachines) {
-  CallPlan plan;
+  CallCut cut;
   const size_t bytes = static_cast<size_t>(numel) * elemSize;
-  plan.bytes = bytes;
+  cut.bytes = bytes;
   for (size_t i = 1; i < rows.size() && rows[i].fromBytes <= bytes; ++i) {
-    plan.row = i;
+    cut.row = i;
   }
   if (numel == 0 || localSize * numMachines == 1) {
-    return plan;
+    return cut;
   }
   const int64_t unit = groupElements(elemSize, localSize, numMachines);
-  const PlanRow* row = rows.empty() ? nullptr : &rows[plan.row];
+  const PlanRow* row = rows.empty() ? nullptr : &rows[cut.row];
   if (row == nullptr || row->path == PlanPath::kNccl || numMachines == 1 || numel < unit) {
-    plan.units.push_back(Unit{0, numel, true});
-    return plan;
+    cut.units.push_back(Unit{0, numel, true});
+    return cut;
   }
-  plan.exchange = row->exchange;
+  cut.exchange = row->exchange;
   const int64_t groups = numel / unit;
   const int64_t tail = numel % unit;
   const int64_t fit = largestPieceBytes > 0
@@ -107,13 +107,13 @@ inline CallPlan planCall(
   int64_t begin = 0;
   for (int64_t i = 0; i < count; ++i) {
     const int64_t size = (base + (i < longer ? 1 : 0)) * unit;
-    plan.units.push_back(Unit{begin, size, false});
+    cut.units.push_back(Unit{begin, size, false});
     begin += size;
   }
   if (tail > 0) {
-    plan.units.push_back(Unit{groups * unit, tail, true});
+    cut.units.push_back(Unit{groups * unit, tail, true});
   }
-  return plan;
+  return cut;
 }
 
 // The plan's rows from Python's (from_bytes, "nccl" | "compose" | "measure",

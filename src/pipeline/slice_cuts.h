@@ -19,9 +19,9 @@ namespace fairring {
 // multiple of L·M, so its chunks and shards are equal and a segment's pieces
 // sit at fixed offsets of a staging slot sized for the whole slice (see
 // chunkOffset and shardOffset): segments cost no staging memory of their own.
-class SlicePlan {
+class SliceCuts {
  public:
-  SlicePlan(int64_t numel, int64_t sliceElems, int64_t chunkElems, int localSize, int numMachines)
+  SliceCuts(int64_t numel, int64_t sliceElems, int64_t chunkElems, int localSize, int numMachines)
       : cuts_(numel,
               std::max<int64_t>(1, sliceElems),
               fitSegment(std::max<int64_t>(1, sliceElems), chunkElems, localSize, numMachines)),

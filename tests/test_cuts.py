@@ -1,10 +1,10 @@
-"""The two plans that cut an allreduce, checked directly over many shapes (L local ranks,
-M machines): SlicePlan (src/pipeline/slice_plan.h, the CPU pipeline) and planCall
-(src/subgroups/call_plan.h, the sub-group path). Every element must be covered exactly
+"""The two rules that cut an allreduce, checked directly over many shapes (L local ranks,
+M machines): SliceCuts (src/pipeline/slice_cuts.h, the CPU pipeline) and cutCall
+(src/subgroups/call_cut.h, the sub-group path). Every element must be covered exactly
 once, each piece must go to the local rank (chunk l) and the machine (shard m) its index
 names, and the staging offsets must put each segment's pieces where the segments before
-it end. The bindings (the test module's slice_plan, its plan_call) only lay the
-plans out."""
+it end. The bindings (the test module's slice_cuts, its cut_call) only lay the
+cuts out."""
 
 from __future__ import annotations
 
@@ -32,16 +32,16 @@ def _testing() -> ModuleType:
     return native_module.load()
 
 
-def _check_slice_plan(numel: int, slice_elems: int, chunk_elems: int, L: int, M: int) -> None:
-    plan: dict[str, Any] = _testing().slice_plan(numel, slice_elems, chunk_elems, L, M)
+def _check_slice_cuts(numel: int, slice_elems: int, chunk_elems: int, L: int, M: int) -> None:
+    cuts: dict[str, Any] = _testing().slice_cuts(numel, slice_elems, chunk_elems, L, M)
     what = f"numel={numel} slice={slice_elems} chunk={chunk_elems} L={L} M={M}"
-    seg_elems = plan["segment_elems"]
+    seg_elems = cuts["segment_elems"]
     if M > 1 and seg_elems < slice_elems:
         assert seg_elems % (L * M) == 0, what
     covered = [0] * numel
     expected_slices = max(1, -(-numel // slice_elems)) if numel else 0
-    assert len(plan["slices"]) == expected_slices, what
-    for s, (begin, end, segments) in enumerate(plan["slices"]):
+    assert len(cuts["slices"]) == expected_slices, what
+    for s, (begin, end, segments) in enumerate(cuts["slices"]):
         assert (begin, end) == (s * slice_elems, min(numel, (s + 1) * slice_elems)), what
         at = begin
         chunk_at, shard_at = 0, 0  # where this segment's pieces start in the staging
@@ -54,12 +54,12 @@ def _check_slice_plan(numel: int, slice_elems: int, chunk_elems: int, L: int, M:
             for local, (cb, ce, shards) in enumerate(chunks):
                 # Chunk l goes to local rank l: the l-th of L balanced pieces.
                 assert (cb, ce) == _balanced(sb, se, L)[local], (what, s, g, local)
-                assert chunk_offset + (ce - cb) <= plan["max_chunk_elems"], (what, s, g, local)
+                assert chunk_offset + (ce - cb) <= cuts["max_chunk_elems"], (what, s, g, local)
                 assert len(shards) == M, what
                 for m, (hb, he) in enumerate(shards):
                     # Shard m goes to machine m: the m-th of M balanced pieces.
                     assert (hb, he) == _balanced(cb, ce, M)[m], (what, s, g, local, m)
-                    assert shard_offset + (he - hb) <= plan["max_shard_elems"], what
+                    assert shard_offset + (he - hb) <= cuts["max_shard_elems"], what
                     for i in range(hb, he):
                         covered[i] += 1
             # Every chunk (shard) of a segment but the last is the same size.
@@ -70,11 +70,11 @@ def _check_slice_plan(numel: int, slice_elems: int, chunk_elems: int, L: int, M:
 
 
 @pytest.mark.parametrize(("L", "M"), SHAPES, ids=[f"{L}x{M}" for L, M in SHAPES])
-def test_slice_plan_covers_every_element_once(L: int, M: int) -> None:
+def test_slice_cuts_covers_every_element_once(L: int, M: int) -> None:
     unit = L * M
     for numel, slice_units, chunk in itertools.product(SIZES, (1, 3, 16), (1, 4, 7, 64)):
         # Slices are whole multiples of 16*L*M bytes (fairring_pg.config): here of L*M.
-        _check_slice_plan(numel, slice_units * unit, chunk, L, M)
+        _check_slice_cuts(numel, slice_units * unit, chunk, L, M)
 
 
 # A plan of three rows: NCCL's below 64 bytes, then composed with at least 1 piece by
@@ -88,14 +88,14 @@ ALIGN = 16
 
 
 def _check_call(numel: int, elem: int, largest: int, L: int, M: int) -> None:
-    """planCall against fairring_pg.model.composition.cut_pieces (the model's rule) and
-    against what every plan must be: the row of the call's bytes, every element in
+    """cutCall against fairring_pg.model.composition.cut_pieces (the model's rule) and
+    against what every cut must be: the row of the call's bytes, every element in
     exactly one unit, pieces whole groups no larger than the largest piece whose
     chunks and shards all start ALIGN bytes apart, only the tail (fewer elements than a
     group) direct."""
     from fairring_pg.model.composition import cut_pieces
 
-    row, units = _testing().plan_call(numel, elem, ROWS, largest, L, M)
+    row, units = _testing().cut_call(numel, elem, ROWS, largest, L, M)
     what = f"numel={numel} elem={elem} largest={largest} L={L} M={M}"
     group = max(1, ALIGN // elem) * L * M
     nbytes = numel * elem
@@ -126,6 +126,6 @@ def _check_call(numel: int, elem: int, largest: int, L: int, M: int) -> None:
 
 
 @pytest.mark.parametrize(("L", "M"), SHAPES, ids=[f"{L}x{M}" for L, M in SHAPES])
-def test_plan_call_follows_the_model_and_covers_every_element_once(L: int, M: int) -> None:
+def test_cut_call_follows_the_model_and_covers_every_element_once(L: int, M: int) -> None:
     for numel, elem, pieces in itertools.product(SIZES + (20_003,), (1, 2, 4, 8), (1, 4)):
         _check_call(numel, elem, pieces * ALIGN * L * M, L, M)

@@ -1,4 +1,4 @@
-#include "subgroups/call_plan.h"
+#include "subgroups/call_cut.h"
 
 #include <c10/util/Exception.h>
 
