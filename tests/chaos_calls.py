@@ -273,6 +273,7 @@ class Runner:
             elif bad == "op":
                 op = "MAX" if op != "MAX" else "MIN"
             inputs = _allreduce_inputs(job, call, rank, dtype, numel)
+            record["posted_at"] = time.time()  # the call's time, not the inputs' making
             tensor, work = _allreduce(inputs, "" if gloo else call.form, op, group)
 
             def check() -> str | None:

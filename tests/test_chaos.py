@@ -189,8 +189,10 @@ def test_every_fault_falls_before_calls_that_meet_it() -> None:
 # on 2 cores with one busy process beside; chosen from a 200-job draw by what they
 # cover and how short they are. Seed 74 (an op that differs on the ring), kept until
 # 2026-12-02, destroys in 2 s on one rank beside a busy process (bench/results/
-# HISTORY.md, fourth session): out until that is mended, replayed by hand.
-CI_SEEDS = (1, 2, 5, 8, 15, 17, 18, 22, 24, 29, 42, 45, 88, 99, 111, 172)
+# HISTORY.md, fourth session): out until that is mended, replayed by hand. Seed 344
+# (an int64 PRODUCT after a bad call, whose inputs took the harness over a second to
+# make inside the call's timed span; tests/test_values.py) is kept.
+CI_SEEDS = (1, 2, 5, 8, 15, 17, 18, 22, 24, 29, 42, 45, 88, 99, 111, 172, 344)
 CI_LOAD = 1  # busy processes beside the CI seeds (scripts/chaos.py --load)
 
 
