@@ -4,7 +4,27 @@
 
 namespace fairring {
 
-SubgroupSet::SubgroupSet(Subgroups groups) : groups_(std::move(groups)) {}
+namespace {
+
+std::function<void()> abortingOnce(std::vector<SubgroupSet::Group> groups, std::shared_ptr<std::atomic<int>> aborted) {
+  return [groups = std::move(groups), aborted = std::move(aborted)]() {
+    if (aborted->exchange(static_cast<int>(groups.size())) != 0) {
+      return; // once
+    }
+    for (const auto& group : groups) {
+      try {
+        group->abort();
+      } catch (const std::exception& e) {
+        TORCH_WARN("fairring: aborting a sub-group after a wait's timeout failed: ", e.what());
+      }
+    }
+  };
+}
+
+} // namespace
+
+SubgroupSet::SubgroupSet(Subgroups groups)
+    : groups_(std::move(groups)), abortOnTimeout_(abortingOnce(list(/*withWorld=*/false), timeoutAborts_)) {}
 
 std::vector<SubgroupSet::Group> SubgroupSet::list(bool withWorld) const {
   std::vector<Group> groups(groups_.lanes.begin(), groups_.lanes.end());
@@ -55,21 +75,6 @@ void SubgroupSet::close(bool graceful, bool withWorld, const std::string& outcom
   }
   std::lock_guard<std::mutex> lock(mu_);
   abortedGroups_ = aborted;
-}
-
-std::function<void()> SubgroupSet::abortOnTimeout() const {
-  return [groups = list(/*withWorld=*/false), aborted = timeoutAborts_]() {
-    if (aborted->exchange(static_cast<int>(groups.size())) != 0) {
-      return; // once
-    }
-    for (const auto& group : groups) {
-      try {
-        group->abort();
-      } catch (const std::exception& e) {
-        TORCH_WARN("fairring: aborting a sub-group after a wait's timeout failed: ", e.what());
-      }
-    }
-  };
 }
 
 SubgroupsClosed SubgroupSet::closed() const {

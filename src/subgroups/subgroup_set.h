@@ -62,12 +62,15 @@ class SubgroupSet {
   // What a Work's timed-out wait calls: aborts the composition's sub-groups
   // (not the world group: its own Works abort it), once. Holds no `this`: a
   // Work may outlive the path.
-  std::function<void()> abortOnTimeout() const;
+  const std::function<void()>& abortOnTimeout() const {
+    return abortOnTimeout_;
+  }
   SubgroupsClosed closed() const;
 
  private:
   const Subgroups groups_;
   const std::shared_ptr<std::atomic<int>> timeoutAborts_{std::make_shared<std::atomic<int>>(0)};
+  const std::function<void()> abortOnTimeout_; // made once: every Work holds a copy
   mutable std::mutex mu_;
   std::string outcome_{"running"};
   int abortedGroups_{0};
