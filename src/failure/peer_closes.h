@@ -17,6 +17,9 @@ namespace fairring {
 // reduce-track abort (GroupFailure: a rail writer held at another peer's
 // parked reduce track does not hold the close): a reduce-track close read first
 // does not mean that the peer died. The engine's lock guards it.
+// A gather reader that is still reading (GroupFailure::kAbortGrace at most)
+// is waited for as a failed send waits for it (PeerMesh::awaitDrained): on a
+// busy host the abort may sit in its socket for longer than `wait`.
 class PeerCloses {
  public:
   using Clock = std::chrono::steady_clock;
@@ -41,11 +44,28 @@ class PeerCloses {
     return message;
   }
 
-  // Held closes older than `wait`, to act on now (peer, message).
-  std::vector<std::pair<int, std::string>> expired(Clock::time_point now, std::chrono::milliseconds wait) {
+  // The peers whose close is held for longer than `wait`.
+  std::vector<int> heldLongerThan(Clock::time_point now, std::chrono::milliseconds wait) const {
+    std::vector<int> out;
+    for (const auto& [peer, held] : held_) {
+      if (now - held.at >= wait) {
+        out.push_back(peer);
+      }
+    }
+    return out;
+  }
+
+  // Held closes to act on now (peer, message): those older than `wait`, but
+  // for a peer in `behind` (its gather reader has yet to reach what it was
+  // sent, as one waiting for the CPU has) those older than `grace`.
+  std::vector<std::pair<int, std::string>> expired(
+      Clock::time_point now,
+      std::chrono::milliseconds wait,
+      std::chrono::milliseconds grace,
+      const std::set<int>& behind) {
     std::vector<std::pair<int, std::string>> out;
     for (auto it = held_.begin(); it != held_.end();) {
-      if (now - it->second.at < wait) {
+      if (now - it->second.at < (behind.count(it->first) != 0 ? grace : wait)) {
         ++it;
         continue;
       }

@@ -5,7 +5,7 @@
 namespace fairring::plants {
 
 namespace detail {
-std::atomic<uint32_t> gPlanted{0};
+std::atomic<uint64_t> gPlanted{0};
 } // namespace detail
 
 const std::vector<std::string>& names() {
@@ -42,9 +42,10 @@ const std::vector<std::string>& names() {
       "timer_on_pool_stream",
       "mesh_connects_in_order",
       "send_failure_waits_briefly",
+      "held_close_ignores_late_gather",
   };
-  static_assert(static_cast<int>(Plant::kCount) == 32, "a name for every plant");
-  static_assert(static_cast<int>(Plant::kCount) <= 32, "gPlanted has one bit per plant: widen it first");
+  static_assert(static_cast<int>(Plant::kCount) == 33, "a name for every plant");
+  static_assert(static_cast<int>(Plant::kCount) <= 64, "gPlanted has one bit per plant: widen it first");
   return all;
 }
 
@@ -52,7 +53,7 @@ void arm(const std::string& name) {
   const auto& all = names();
   for (size_t i = 0; i < all.size(); ++i) {
     if (all[i] == name) {
-      detail::gPlanted.fetch_or(1U << i, std::memory_order_relaxed);
+      detail::gPlanted.fetch_or(1ULL << i, std::memory_order_relaxed);
       return;
     }
   }

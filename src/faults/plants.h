@@ -45,15 +45,16 @@ enum class Plant : uint8_t {
   kTimerOnPoolStream, // a device's trial timers record on the device's "new stream" (CUDA: torch's shared pool)
   kMeshConnectsInOrder, // start-up connects to its peers one by one, each waiting for the one before
   kSendFailureWaitsBriefly, // a failed send waits 500 ms for any track's reader to reach the close, then is the reason
+  kHeldCloseIgnoresLateGather, // a held reduce-track close is the peer's loss after 500 ms, while its gather reader still reads
   kCount,
 };
 
 namespace detail {
-extern std::atomic<uint32_t> gPlanted; // a bit per Plant: 0 in production
+extern std::atomic<uint64_t> gPlanted; // a bit per Plant: 0 in production
 } // namespace detail
 
 inline bool planted(Plant plant) {
-  return (detail::gPlanted.load(std::memory_order_relaxed) >> static_cast<int>(plant)) & 1U;
+  return (detail::gPlanted.load(std::memory_order_relaxed) >> static_cast<int>(plant)) & 1ULL;
 }
 
 // Every plant's name (the test module's and the script's), in Plant's order.

@@ -241,7 +241,8 @@ class CollectiveEngine : private StepContext {
   // the aborts are out (closing earlier would drop them).
   bool readyToClose(const Locked& locked) const;
   void checkDeadlines(Locked& locked);
-  // A reduce-track close held past GroupFailure::kSendFailureWait is acted on.
+  // A reduce-track close held past GroupFailure::kSendFailureWait is acted on,
+  // or past kAbortGrace while the gather track's reader is still behind.
   void actOnHeldCloses(Locked& locked);
   // What the operation waits for, and the ranks it waits for (none where it
   // waits for a slot, or for its own sends).

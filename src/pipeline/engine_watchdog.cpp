@@ -5,7 +5,9 @@
 #include <pthread.h>
 
 #include <algorithm>
+#include <set>
 
+#include "faults/plants.h"
 #include "ops/reduce_kind.h"
 #include "pipeline/collective_engine.h"
 
@@ -42,7 +44,25 @@ void CollectiveEngine::actOnHeldCloses(Locked& locked) {
   if (!life_.is(EngineLife::kOpen)) {
     return;
   }
-  for (auto& [peer, message] : closes_.expired(Clock::now(), GroupFailure::kSendFailureWait)) {
+  const std::vector<int> due = closes_.heldLongerThan(Clock::now(), GroupFailure::kSendFailureWait);
+  if (due.empty()) {
+    return;
+  }
+  std::set<int> behind;
+  if (!plants::planted(plants::Plant::kHeldCloseIgnoresLateGather)) {
+    locked.unlocked([&] { // the mesh is not asked under the engine's lock
+      for (int peer : due) {
+        if (mesh_->readerBehind(peer, Track::kGather)) {
+          behind.insert(peer);
+        }
+      }
+    });
+    if (!life_.is(EngineLife::kOpen)) {
+      return;
+    }
+  }
+  const auto now = Clock::now();
+  for (auto& [peer, message] : closes_.expired(now, GroupFailure::kSendFailureWait, GroupFailure::kAbortGrace, behind)) {
     lostPeerLocked(needsFrom(peer, Track::kReduce, locked), message, locked);
   }
   locked.flush();

@@ -31,6 +31,15 @@ struct OutgoingMessage {
 
 // One connection a peer writes to: its thread reads a message's header, hands
 // it on, and reads the body where it is told.
+// Where an inbound connection's thread is: what a late reader still has to
+// do before it reaches a close (PeerMesh::readerBehind).
+enum class ReaderAt : uint8_t {
+  kReading, // in the kernel, for the next header (or a body)
+  kHandling, // handing a header on (OnMessage)
+  kAwaitingPost, // for receive() to say where the announced body goes
+  kExited, // at the connection's end (a close, an error, or ours)
+};
+
 struct InboundConnection {
   int peer;
   Track track;
@@ -42,7 +51,7 @@ struct InboundConnection {
   std::mutex mu;
   std::condition_variable cv;
   bool stop{false};
-  std::atomic<bool> exited{false};
+  std::atomic<ReaderAt> at{ReaderAt::kReading};
   // The body destination that receive() posted for the announced message.
   bool posted{false};
   void* data{nullptr};

@@ -81,17 +81,19 @@ void PeerMesh::readLoop(Inbound& in) {
                  : failure("the connection from", peer, s.message()));
       break;
     }
+    in.at = ReaderAt::kHandling;
     onMessage_(peer, in.track, Status(), std::move(header), frame.bodyBytes);
-
     void* data = nullptr;
     size_t bytes = 0;
     Done done;
     {
       std::unique_lock<std::mutex> lock(in.mu);
+      in.at = ReaderAt::kAwaitingPost;
       in.cv.wait(lock, [&] { return in.posted || in.stop; });
       if (!in.posted) {
         break;
       }
+      in.at = ReaderAt::kReading;
       in.posted = false;
       data = in.data;
       bytes = in.bytes;
@@ -129,7 +131,7 @@ void PeerMesh::readLoop(Inbound& in) {
   }
   {
     std::lock_guard<std::mutex> lock(in.mu);
-    in.exited = true;
+    in.at = ReaderAt::kExited;
   }
   std::lock_guard<std::mutex> lock(mu_);
   cv_.notify_all();
@@ -157,12 +159,32 @@ void PeerMesh::awaitDrained(int peer) {
         continue;
       }
       auto it = inbound_.find({peer, track});
-      if (it == inbound_.end() || it->second->exited.load()) {
+      if (it == inbound_.end() || it->second->at.load() == ReaderAt::kExited) {
         return true;
       }
     }
     return false;
   });
+}
+
+bool PeerMesh::readerBehind(int peer, Track track) {
+  // Under the lock throughout: close() frees the connection only after it took it.
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = inbound_.find({peer, track});
+  if (closed_ || it == inbound_.end()) {
+    return false;
+  }
+  const Inbound* in = it->second.get();
+  switch (in->at.load()) {
+    case ReaderAt::kHandling:
+      return true;
+    case ReaderAt::kReading:
+      return hasInput(in->socket); // a header, or the close, waits for the thread
+    case ReaderAt::kAwaitingPost:
+    case ReaderAt::kExited:
+      return false;
+  }
+  return false;
 }
 
 Status PeerMesh::skip(const Socket& socket, size_t bytes) {
@@ -308,7 +330,7 @@ void PeerMesh::receive(int peer, Track track, void* data, size_t bytes, Done don
   }
   {
     std::lock_guard<std::mutex> lock(in->mu);
-    if (!in->stop && !in->exited && !in->posted) {
+    if (!in->stop && in->at.load() != ReaderAt::kExited && !in->posted) {
       in->posted = true;
       in->data = data;
       in->bytes = bytes;

@@ -81,6 +81,12 @@ class PeerMesh {
   // connection.
   void receive(int peer, Track track, void* data, size_t bytes, Done done);
 
+  // Whether the reader of (peer, track) has yet to reach what its peer last
+  // sent (a header in hand, or bytes or a close waiting in its socket), as a
+  // reader waiting for the CPU has; false while it waits for a receive() (it
+  // reads nothing more until then) and once it has exited.
+  bool readerBehind(int peer, Track track);
+
   // Makes a start() in progress give up at once (a shutdown during start-up);
   // connections already made stay until close(). Idempotent.
   void interrupt();

@@ -265,6 +265,11 @@ bool waitReadable(const Socket& s, Clock::time_point deadline, const std::functi
   }
 }
 
+bool hasInput(const Socket& s) {
+  struct pollfd pfd {s.fd(), POLLIN, 0};
+  return ::poll(&pfd, 1, 0) != 0; // an error too: let the read report it
+}
+
 void setBlocking(const Socket& s, bool blocking) {
   const int flags = ::fcntl(s.fd(), F_GETFL, 0);
   ::fcntl(s.fd(), F_SETFL, blocking ? (flags & ~O_NONBLOCK) : (flags | O_NONBLOCK));

@@ -67,6 +67,9 @@ Status writeFull(const Socket& s, const void* data, size_t bytes);
 // `stop` (if given) is asked every 50 ms: true ends the wait early (false).
 bool waitReadable(const Socket& s, Clock::time_point deadline, const std::function<bool()>& stop = {});
 
+// Whether `s` is readable now (data, or the peer's close), without waiting.
+bool hasInput(const Socket& s);
+
 void setBlocking(const Socket& s, bool blocking);
 void setNoDelay(const Socket& s);
 // A blocking send returns once at most `bytes` of what it wrote wait unsent in
