@@ -13,6 +13,7 @@ tests/chaos_verdict.py's rules.
     python scripts/chaos.py --seed 17 --jobs 1       # replay one seed
     python scripts/chaos.py --seeds 3,8,15           # given seeds (tests/test_chaos.py)
     python scripts/chaos.py --jobs 40 --load 2       # beside 2 busy processes
+    python scripts/chaos.py --jobs 500 --shards 2    # two runs side by side, one report
 
 Prints one line per failing job with the command that replays it, then a summary:
 jobs, faults by kind, outcomes, the worst time to raise by fault, and Gloo's in the
@@ -192,6 +193,38 @@ def run(seeds: list[int], quiet: bool = False) -> list[JobResult]:
     return results
 
 
+def _from_record(record: dict[str, Any]) -> JobResult:
+    verdict = Verdict(
+        record["problems"],
+        record["outcome"],
+        record["raise_s"],
+        record["gloo_raise_s"],
+        record["destroy_s"],
+    )
+    return JobResult(draw_job(record["seed"]), verdict, record["wall_s"])
+
+
+def run_sharded(seeds: list[int], shards: int, quiet: bool) -> list[JobResult]:
+    """The jobs in ``shards`` runs side by side (every ``shards``-th seed each), for a
+    host whose jobs mostly wait (a freeze waits out the timeout): each shard is this
+    command in a process of its own, and its jobs are load to the others'."""
+    with tempfile.TemporaryDirectory(prefix="chaos_shards_") as tmp:
+        outs = [Path(tmp) / f"shard{i}.json" for i in range(shards)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, __file__, "--seeds", ",".join(map(str, seeds[i::shards]))]
+                + ["--json", str(out)]
+                + (["--quiet"] if quiet else [])
+            )
+            for i, out in enumerate(outs)
+            if seeds[i::shards]
+        ]
+        for proc in procs:
+            proc.wait()
+        records = [rec for out in outs if out.exists() for rec in json.loads(out.read_text())]
+    return sorted((_from_record(rec) for rec in records), key=lambda r: seeds.index(r.job.seed))
+
+
 # A busy loop that dies with the run, however the run ends (a kill skips `finally`):
 # prctl(PR_SET_PDEATHSIG, SIGKILL).
 _BUSY = "import ctypes, signal; ctypes.CDLL(None).prctl(1, signal.SIGKILL)\nwhile True: pass"
@@ -255,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--load", type=int, default=0, help="busy processes beside the jobs (default: none)"
     )
+    parser.add_argument(
+        "--shards", type=int, default=1, help="runs side by side, each a share of the seeds"
+    )
     args = parser.parse_args(argv)
     seeds = (
         [int(s) for s in args.seeds.split(",")]
@@ -263,7 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     t0 = time.monotonic()
     with load_beside(args.load):
-        results = run(seeds, args.quiet)
+        if args.shards > 1:
+            results = run_sharded(seeds, args.shards, args.quiet)
+        else:
+            results = run(seeds, args.quiet)
     wall = time.monotonic() - t0
     lines = summary(results, wall)
     print("\n".join(lines))
@@ -273,3 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         command = "python scripts/chaos.py " + " ".join(argv if argv is not None else sys.argv[1:])
         args.markdown.write_text(markdown(results, lines, command))
     return 1 if any(r.verdict.problems for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

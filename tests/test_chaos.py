@@ -7,10 +7,12 @@ happens. `python scripts/chaos.py --jobs 500` is the by-hand form."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
 
+import chaos_jobs
 import pytest
 from chaos_outcomes import BREAKS, SCENARIOS, T0, clean_job, errors_at, killed_job, record_of
 from chaos_plan import (
@@ -21,7 +23,7 @@ from chaos_plan import (
     Job,
     draw_job,
 )
-from chaos_verdict import KILL_S, judge
+from chaos_verdict import KILL_S, Verdict, judge
 
 # ------------------------------------------------------------ made-up outcomes
 # (tests/chaos_outcomes.py)
@@ -266,3 +268,24 @@ def test_the_ci_seeds_keep_every_rule(capsys: pytest.CaptureFixture[str]) -> Non
         if r.verdict.problems
     ]
     assert not failed, "\n".join(failed)
+
+
+def test_a_sharded_run_reports_what_one_run_would() -> None:
+    """``--shards`` merges its runs from their JSON records: the summary made from the
+    records is the one made from the results (every figure, failing or not)."""
+    results = [
+        chaos_jobs.JobResult(
+            draw_job(seed),
+            Verdict(problems, outcome, raise_s, gloo_s, destroy_s),
+            wall_s,
+        )
+        for seed, problems, outcome, raise_s, gloo_s, destroy_s, wall_s in [
+            (3, [], "timed out naming the frozen rank", 3.4041, 3.027, 0.0061, 12.25),
+            (8, ["rank 2: raised 1.61 s after the kill"], "FAILED", 1.61, 30.03, 0.51, 40.5),
+            (15, [], "completed", None, None, 0.004, 2.5),
+        ]
+    ]
+    records = json.loads(json.dumps([chaos_jobs._record(r) for r in results]))
+    merged = [chaos_jobs._from_record(rec) for rec in records]
+    assert chaos_jobs.summary(merged, 100.0) == chaos_jobs.summary(results, 100.0)
+    assert [r.job.describe() for r in merged] == [r.job.describe() for r in results]
