@@ -213,7 +213,7 @@ def run_sharded(seeds: list[int], shards: int, quiet: bool) -> list[JobResult]:
         procs = [
             subprocess.Popen(
                 [sys.executable, __file__, "--seeds", ",".join(map(str, seeds[i::shards]))]
-                + ["--json", str(out)]
+                + ["--json", str(out), "--shard"]
                 + (["--quiet"] if quiet else [])
             )
             for i, out in enumerate(outs)
@@ -291,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--shards", type=int, default=1, help="runs side by side, each a share of the seeds"
     )
+    parser.add_argument("--shard", action="store_true", help=argparse.SUPPRESS)  # no summary
     args = parser.parse_args(argv)
     seeds = (
         [int(s) for s in args.seeds.split(",")]
@@ -305,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
             results = run(seeds, args.quiet)
     wall = time.monotonic() - t0
     lines = summary(results, wall)
-    print("\n".join(lines))
+    if not args.shard:
+        print("\n".join(lines))
     if args.json:
         args.json.write_text(json.dumps([_record(r) for r in results], indent=1) + "\n")
     if args.markdown:
