@@ -1,6 +1,8 @@
 """A/B of two commits on the same benchmarks, in the same hour, alternating.
 
     python bench/ab.py --base 791b652 -- fsdp.py --shape 2x2 -- e2e.py --shape 2x2
+    python bench/ab.py --base 791b652 --work /tmp/ab --rounds 0   # build both sides now
+    python bench/ab.py --base 791b652 --work /tmp/ab -- ...       # later, reusing them
 
 Each benchmark (a script of bench/ with its arguments; groups separated by ``--``) runs
 ``--rounds`` times for each side, base and this checkout alternating (A B A B ...), each
@@ -75,10 +77,22 @@ def _rounds(values: list[float]) -> str:
     return " ".join(f"{v:.2f}" for v in values)
 
 
+def _commit(tree: Path, rev: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(tree), "rev-parse", rev], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", required=True, help="the commit to compare with")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--work",
+        type=Path,
+        help="keep the base's worktree and both builds here (0 rounds: only build them), "
+        "for a later run on an idle host",
+    )
     parser.add_argument("benchmarks", nargs=argparse.REMAINDER, help="-- script args [-- ...]")
     opts = parser.parse_args()
     groups: list[list[str]] = []
@@ -88,14 +102,17 @@ def main() -> int:
         elif groups:
             groups[-1].append(word)
     groups = [g for g in groups if g]
-    if not groups:
+    if not groups and opts.rounds > 0:
         parser.error("name at least one benchmark after --")
-    work = Path(tempfile.mkdtemp(prefix="fairring_ab_"))
+    work = opts.work or Path(tempfile.mkdtemp(prefix="fairring_ab_"))
     base_tree = work / "base"
-    subprocess.run(
-        ["git", "-C", str(REPO), "worktree", "add", "--detach", str(base_tree), opts.base],
-        check=True,
-    )
+    if not base_tree.exists():
+        subprocess.run(
+            ["git", "-C", str(REPO), "worktree", "add", "--detach", str(base_tree), opts.base],
+            check=True,
+        )
+    elif _commit(base_tree, "HEAD") != _commit(REPO, opts.base):
+        parser.error(f"{base_tree} holds another commit than {opts.base}")
     sides = {"base": base_tree, "new": REPO}
     results: dict[str, dict[str, list[float]]] = {"base": {}, "new": {}}
     try:
@@ -123,10 +140,14 @@ def main() -> int:
                     ).items():
                         results[side].setdefault(label, []).append(value)
     finally:
-        subprocess.run(
-            ["git", "-C", str(REPO), "worktree", "remove", "--force", str(base_tree)], check=False
-        )
-        shutil.rmtree(work, ignore_errors=True)
+        if opts.work is None:
+            subprocess.run(
+                ["git", "-C", str(REPO), "worktree", "remove", "--force", str(base_tree)],
+                check=False,
+            )
+            shutil.rmtree(work, ignore_errors=True)
+    if opts.rounds == 0:
+        return 0
     print(f"\nfairring / Gloo ratio (higher is faster), {opts.rounds} rounds; base {opts.base}")
     print(f"{'row':<56} {'base (rounds)':>22} {'new (rounds)':>22} {'new/base':>9}")
     for label in results["new"]:

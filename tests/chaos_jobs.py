@@ -193,6 +193,21 @@ def run(seeds: list[int], quiet: bool = False) -> list[JobResult]:
     return results
 
 
+def build_first() -> None:
+    """Both extensions built before the first job: a job with a fault point loads the
+    test module, and one compiled inside a job (minutes at load) is a hang to the
+    verdict (the first sharded run lost five cuts and delays to it)."""
+    from multiprocess import ensure_fairring_built
+    from native_module import NATIVE
+
+    ensure_fairring_built()
+    code = (
+        f"from fairring_pg._build import load_test_extension; load_test_extension({str(NATIVE)!r})"
+    )
+    print("chaos: building the test module (once)", flush=True)
+    subprocess.run([sys.executable, "-c", code], check=True, stdin=subprocess.DEVNULL)
+
+
 def _from_record(record: dict[str, Any]) -> JobResult:
     verdict = Verdict(
         record["problems"],
@@ -298,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.seeds
         else list(range(args.seed, args.seed + args.jobs))
     )
+    if not args.shard:
+        build_first()
     t0 = time.monotonic()
     with load_beside(args.load):
         if args.shards > 1:
