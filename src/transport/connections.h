@@ -29,8 +29,6 @@ struct OutgoingMessage {
   bool first{false}; // sent ahead of the queue (PeerMesh::Priority::kFirst)
 };
 
-// One connection a peer writes to: its thread reads a message's header, hands
-// it on, and reads the body where it is told.
 // Where an inbound connection's thread is: what a late reader still has to
 // do before it reaches a close (PeerMesh::readerBehind).
 enum class ReaderAt : uint8_t {
@@ -40,6 +38,8 @@ enum class ReaderAt : uint8_t {
   kExited, // at the connection's end (a close, an error, or ours)
 };
 
+// One connection a peer writes to: its thread reads a message's header, hands
+// it on, and reads the body where it is told.
 struct InboundConnection {
   int peer;
   Track track;
